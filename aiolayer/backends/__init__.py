@@ -1,0 +1,17 @@
+"""Transfer backends: the data plane behind one small interface (``base.TransferBackend``)."""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .base import TransferBackend
+
+
+def make_backend(name: str, **options) -> TransferBackend:
+    """Build a backend by name; constructing does no I/O (``open`` does)."""
+    if name == "mooncake":
+        from .mooncake import MooncakeBackend
+        return MooncakeBackend(**options)
+    if name == "memory":
+        from .memory import MemoryBackend
+        return MemoryBackend(**options)
+    raise ConfigError(f"unknown backend {name!r}")

@@ -1,0 +1,40 @@
+"""The TransferBackend protocol: register memory, write batches asynchronously, close.
+
+``write`` returns only when every run it submitted has settled (landed, failed or timed out), so a
+caller that awaited it knows no write from that call still reads its source memory, except runs
+that timed out: those are counted in ``quarantined`` and their regions must be treated as unknown.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class TransferBackend(Protocol):
+    name: str
+
+    @property
+    def session(self) -> str:
+        """How peers name this process as a transfer target (valid after ``open``)."""
+
+    @property
+    def registered_regions(self) -> int:
+        """Regions currently registered (for leak checks)."""
+
+    @property
+    def quarantined(self) -> int:
+        """Writes that timed out and may still land."""
+
+    async def open(self, spawn) -> None: ...
+
+    def register(self, addr: int, length: int) -> None: ...
+
+    def unregister(self, addr: int) -> None: ...
+
+    async def write(self, target: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
+                    timeout: float) -> None: ...
+
+    async def close(self) -> None: ...

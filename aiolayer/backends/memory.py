@@ -1,0 +1,92 @@
+"""In-process backend: ``memmove`` between regions of one process, with fault injection.
+
+For fast deterministic tests of the runtime (P and D in one process). Targets are session names in
+a process-wide registry; a write outside a registered destination region is refused, as Mooncake
+does. ``faults`` lets a test delay, fail or freeze writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import compat
+from ..errors import BackendError, TransferTimeout
+
+_registry: dict[str, "MemoryBackend"] = {}
+_names = itertools.count(1)
+
+
+@dataclass
+class Faults:
+    delay_s: float = 0.0        # added before each write lands
+    fail: bool = False          # every write fails (like Mooncake's -1)
+    freeze: bool = False        # writes never complete (like a SIGSTOPped peer)
+
+
+class MemoryBackend:
+    name = "memory"
+
+    def __init__(self, session: str = "") -> None:
+        self._session = session or f"memory-{next(_names)}"
+        self._regions: dict[int, int] = {}
+        self.faults = Faults()
+        self.bytes_written = 0
+
+    @property
+    def session(self) -> str:
+        return self._session
+
+    @property
+    def registered_regions(self) -> int:
+        return len(self._regions)
+
+    @property
+    def quarantined(self) -> int:
+        return 0
+
+    async def open(self, spawn) -> None:
+        if self._session in _registry:
+            raise BackendError(f"memory session {self._session!r} already open")
+        _registry[self._session] = self
+
+    def register(self, addr: int, length: int) -> None:
+        self._regions[addr] = length
+
+    def unregister(self, addr: int) -> None:
+        self._regions.pop(addr, None)
+
+    def _check_destination(self, dst: int, length: int) -> None:
+        for base, size in self._regions.items():
+            if base <= dst and dst + length <= base + size:
+                return
+        raise BackendError(f"destination {dst:#x}+{length} is not inside a registered region")
+
+    async def write(self, target: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
+                    timeout: float) -> None:
+        peer = _registry.get(target)
+        if peer is None:
+            raise BackendError(f"no memory backend named {target!r}")
+        faults = peer.faults
+        try:
+            async with compat.timeout(timeout):
+                if faults.freeze:
+                    await asyncio.Event().wait()
+                if faults.delay_s:
+                    await asyncio.sleep(faults.delay_s)
+        except TimeoutError:
+            raise TransferTimeout("layer_write", timeout, f"memory peer {target} frozen") from None
+        if faults.fail:
+            raise BackendError(f"injected failure writing to {target}")
+        for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist()):
+            peer._check_destination(d, n)
+            ctypes.memmove(d, s, n)
+            peer.bytes_written += n
+
+    async def close(self) -> None:
+        _registry.pop(self._session, None)
+        self._regions.clear()

@@ -1,0 +1,215 @@
+"""Mooncake transfer engine backend: TCP on one host (P2PHANDSHAKE, no metadata server), RDMA across hosts.
+
+Every run is submitted as its own single-request batch (``transfer_submit_write``) because
+``transfer_check_status`` only looks at a batch's first request and frees the batch when that one
+is done. One poller task checks all in-flight ids without blocking and resolves their futures;
+Mooncake's own blocking waiters (which spin a core) are never called. The first write to a new
+target opens its segment, a network handshake, so it is submitted from a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import numpy as np
+
+from ..errors import BackendError, ConfigError, TransferTimeout
+
+log = logging.getLogger(__name__)
+
+# Set in every process before an engine exists (notes/mooncake.md: "queue-full" beyond ~2,048).
+ENGINE_ENV = {
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
+    "MC_LOG_LEVEL": "WARNING",
+}
+_INVALID_IDS = (0, -1, (1 << 64) - 1)
+# uvloop timers tick in whole milliseconds: a shorter sleep returns at once and would spin a core.
+_POLL_IDLE_S = 0.001
+
+
+def validate_metadata_server(value: str) -> str:
+    """An unknown scheme (e.g. redis://) aborts the process inside Mooncake: refuse it here."""
+    if value == "P2PHANDSHAKE" or value.startswith(("http://", "https://", "etcd://")):
+        return value
+    raise ConfigError(f"metadata server must be P2PHANDSHAKE, http(s):// or etcd://, got {value!r}")
+
+
+def _import_engine():
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise BackendError(
+            "Mooncake is not importable: pip install 'aiolayer[mooncake]' (CPU hosts), "
+            "mooncake-transfer-engine (CUDA) or mooncake-transfer-engine-npu (Ascend); "
+            f"it needs libibverbs1 (apt-get install -y libibverbs1). Import error: {exc}"
+        ) from exc
+    return TransferEngine
+
+
+class _Inflight:
+    __slots__ = ("future", "deadline", "timeout")
+
+    def __init__(self, future: asyncio.Future, deadline: float, timeout: float) -> None:
+        self.future = future
+        self.deadline = deadline
+        self.timeout = timeout
+
+
+class MooncakeBackend:
+    name = "mooncake"
+
+    def __init__(self, host: str = "127.0.0.1", metadata_server: str = "P2PHANDSHAKE",
+                 protocol: str = "tcp", device_name: str = "") -> None:
+        self.host = host
+        self.metadata_server = validate_metadata_server(metadata_server)
+        self.protocol = protocol
+        self.device_name = device_name
+        self._engine = None
+        self._session = ""
+        self._regions: dict[int, int] = {}
+        self._opened_targets: set[str] = set()
+        self._inflight: dict[int, _Inflight] = {}
+        self._quarantine: set[int] = set()
+        self._wake: asyncio.Event | None = None
+        self._poller: asyncio.Task | None = None
+        self.runs_submitted = 0
+        self.bytes_submitted = 0
+
+    @property
+    def session(self) -> str:
+        return self._session
+
+    @property
+    def registered_regions(self) -> int:
+        return len(self._regions)
+
+    @property
+    def quarantined(self) -> int:
+        return len(self._quarantine)
+
+    async def open(self, spawn) -> None:
+        for key, value in ENGINE_ENV.items():
+            os.environ.setdefault(key, value)
+        engine_cls = _import_engine()
+        engine = engine_cls()
+        rc = await asyncio.to_thread(engine.initialize, self.host, self.metadata_server, self.protocol,
+                                     self.device_name)
+        if rc != 0:
+            raise BackendError(f"Mooncake initialize({self.host}, {self.metadata_server}, {self.protocol}) returned {rc}")
+        self._engine = engine
+        self._session = f"{self.host}:{engine.get_rpc_port()}"
+        self._wake = asyncio.Event()
+        self._poller = spawn(self._poll(), name="mooncake-poller")
+
+    def register(self, addr: int, length: int) -> None:
+        rc = self._engine.register_memory(addr, length)
+        if rc != 0:
+            raise BackendError(f"Mooncake register_memory({addr:#x}, {length}) returned {rc}")
+        self._regions[addr] = length
+
+    def unregister(self, addr: int) -> None:
+        if self._regions.pop(addr, None) is not None:
+            rc = self._engine.unregister_memory(addr)
+            if rc != 0:
+                raise BackendError(f"Mooncake unregister_memory({addr:#x}) returned {rc}")
+
+    async def write(self, target: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
+                    timeout: float) -> None:
+        if self._engine is None:
+            raise BackendError("Mooncake backend is not open")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        runs = list(zip(src.tolist(), dst.tolist(), lengths.tolist()))
+        futures: list[asyncio.Future] = []
+        if target not in self._opened_targets and runs:
+            first = runs.pop(0)
+            try:
+                bid = await asyncio.wait_for(asyncio.to_thread(self._submit, target, *first), timeout)
+            except asyncio.TimeoutError:
+                raise TransferTimeout("layer_write", timeout, f"opening the segment of {target}") from None
+            self._opened_targets.add(target)
+            futures.append(self._track(bid, deadline, timeout, loop))
+        refused: BackendError | None = None
+        for run in runs:
+            try:
+                futures.append(self._track(self._submit(target, *run), deadline, timeout, loop))
+            except BackendError as exc:
+                refused = exc
+                break
+        self._wake.set()
+        # Settle everything already submitted before reporting, so the caller may trust its fence.
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        if refused is not None:
+            raise refused
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    def _submit(self, target: str, src: int, dst: int, length: int) -> int:
+        bid = self._engine.transfer_submit_write(target, src, dst, length)
+        if bid in _INVALID_IDS:
+            self._opened_targets.discard(target)
+            raise BackendError(f"Mooncake refused a write of {length} bytes to {target} (submit returned {bid})")
+        self.runs_submitted += 1
+        self.bytes_submitted += length
+        return bid
+
+    def _track(self, bid: int, deadline: float, timeout: float, loop) -> asyncio.Future:
+        future = loop.create_future()
+        self._inflight[bid] = _Inflight(future, deadline, timeout)
+        return future
+
+    async def _poll(self) -> None:
+        """Check every in-flight id; yield once after progress, else sleep one timer tick."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._inflight and not self._quarantine:
+                self._wake.clear()
+                await self._wake.wait()
+            progressed = self._check_all(loop.time())
+            await asyncio.sleep(0 if progressed else _POLL_IDLE_S)
+
+    def _check_all(self, now: float) -> bool:
+        check = self._engine.transfer_check_status
+        progressed = False
+        for bid, item in list(self._inflight.items()):
+            status = check(bid)
+            if status == 0 and now < item.deadline:
+                continue
+            progressed = True
+            del self._inflight[bid]
+            if item.future.done():
+                continue
+            if status == 1:
+                item.future.set_result(None)
+            elif status == -1:
+                item.future.set_exception(BackendError("Mooncake reported the write failed"))
+            else:  # -2 (engine timeout) or our deadline: the data may still land later
+                self._quarantine.add(bid)
+                item.future.set_exception(
+                    TransferTimeout("layer_write", item.timeout, "write still pending; remote region unknown"))
+        for bid in list(self._quarantine):
+            if check(bid) in (1, -1):
+                self._quarantine.discard(bid)
+        return progressed
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+            self._poller = None
+        for item in self._inflight.values():
+            if not item.future.done():
+                item.future.set_exception(BackendError("backend closed with the write in flight"))
+        self._inflight.clear()
+        if self._engine is not None:
+            for addr in list(self._regions):
+                try:
+                    self.unregister(addr)
+                except BackendError as exc:
+                    log.warning("%s", exc)
+            self._engine = None

@@ -1,0 +1,93 @@
+"""Command line: ``aiolayer node`` (a standalone D node) and ``aiolayer bench`` (the benchmark)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+from .config import KVShape, NodeConfig, Timeouts
+from .errors import AiolayerError
+
+
+def add_shape_args(p: argparse.ArgumentParser, num_blocks: int = 512) -> None:
+    d = KVShape()
+    g = p.add_argument_group("KV shape")
+    g.add_argument("--num-layers", type=int, default=d.num_layers)
+    g.add_argument("--num-blocks", type=int, default=num_blocks)
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per block")
+    g.add_argument("--kv-heads", type=int, default=d.kv_heads)
+    g.add_argument("--head-dim", type=int, default=d.head_dim)
+    g.add_argument("--dtype", default=d.dtype, choices=["float16", "bfloat16", "float32", "int8", "uint8"])
+
+
+def shape_from_args(args: argparse.Namespace) -> KVShape:
+    return KVShape(num_layers=args.num_layers, num_blocks=args.num_blocks, block_size=args.block_size,
+                   kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype)
+
+
+def add_node_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="control socket interface (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="control port (0 = pick a free one)")
+    p.add_argument("--engine-id", default="")
+    p.add_argument("--backend", default="mooncake", choices=["mooncake", "memory"])
+    p.add_argument("--receive-timeout", type=float, default=Timeouts().receive,
+                   help="seconds D waits for a registered transfer's DONE/FAILED")
+
+
+def run_node(args: argparse.Namespace) -> int:
+    from .node import DecodeNode
+
+    if args.role != "decode":
+        print("only --role decode is a standalone node; P runs inside its engine (see README)", file=sys.stderr)
+        return 2
+    node_cfg = NodeConfig(engine_id=args.engine_id or f"decode-{args.port or 'auto'}",
+                          control_host=args.host, control_port=args.port, backend=args.backend)
+    node = DecodeNode(shape_from_args(args), node_cfg, Timeouts(receive=args.receive_timeout))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    node.start()
+    try:
+        print(json.dumps(node.info()), flush=True)
+        while not stop.wait(0.5):
+            if not node.runtime.loop_thread.alive:
+                print("aiolayer node: loop thread died", file=sys.stderr)
+                return 1
+    finally:
+        node.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="aiolayer", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    node = sub.add_parser("node", help="run a standalone decode node (prints one JSON line, stops on SIGTERM)")
+    node.add_argument("--role", choices=["decode", "prefill"], default="decode")
+    add_shape_args(node)
+    add_node_args(node)
+
+    bench = sub.add_parser("bench", help="the layer-wise transfer benchmark")
+    from aiolayer_bench.main import add_bench_args
+    add_bench_args(bench)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        if args.command == "node":
+            return run_node(args)
+        from aiolayer_bench.main import run_bench
+        return run_bench(args)
+    except AiolayerError as exc:
+        print(f"aiolayer: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Frozen configuration: the named deadlines (``Timeouts``), the KV shape and the node settings.
+
+Every wait in aiolayer takes its deadline from one ``Timeouts`` instance; nothing hard-codes one.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+import msgspec
+
+from .errors import ConfigError
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1, "uint8": 1}
+
+
+class Timeouts(msgspec.Struct, frozen=True, kw_only=True):
+    """Deadlines in seconds, one per named phase."""
+
+    control_call: float = 2.0        # one control request -> reply
+    control_retries: int = 3         # attempts for DONE/FAILED delivery
+    layout_fetch: float = 5.0        # remote layout prefetch, all attempts together
+    layer_event: float = 30.0        # device event of a layer to complete
+    layer_gap: float = 60.0          # next layer of a started request to arrive from the forward
+    layer_write: float = 10.0        # one layer's writes to complete once submitted
+    done_delivery: float = 10.0      # DONE/FAILED accepted by D, all attempts together
+    receive: float = 120.0           # D: registration -> DONE/FAILED from P
+    fence_grace: float = 2.0         # D: wait past a deadline before reusing blocks P may write
+    shutdown: float = 5.0            # whole runtime stop
+    cleanup: float = 1.0             # each awaited clean-up step
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if name == "control_retries":
+                if value < 1:
+                    raise ConfigError("control_retries must be >= 1")
+            elif not value > 0:
+                raise ConfigError(f"timeout {name} must be > 0, got {value!r}")
+
+
+class KVShape(msgspec.Struct, frozen=True, kw_only=True):
+    """A paged KV cache: per layer one K and one V tensor [num_blocks, block_size, kv_heads, head_dim]."""
+
+    num_layers: int = 32
+    num_blocks: int = 512
+    block_size: int = 16
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ConfigError(f"unsupported dtype {self.dtype!r}; one of {sorted(DTYPE_BYTES)}")
+        for name in ("num_layers", "num_blocks", "block_size", "kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's K (or V) tensor."""
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return 2 * self.num_layers * self.layer_bytes
+
+
+class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Where this process listens and how it names itself to peers."""
+
+    engine_id: str = "aiolayer"
+    control_host: str = "127.0.0.1"
+    control_port: int = 0            # 0 = pick a free port
+    backend: str = "mooncake"        # "mooncake" | "memory"
+    max_frame_bytes: int = 1 << 20   # control frames larger than this are refused
+    bridge_capacity: int = 65536     # items the forward thread may queue before BridgeFull
+
+    def __post_init__(self) -> None:
+        try:
+            ipaddress.ip_address(self.control_host)
+        except ValueError as exc:
+            raise ConfigError(f"control_host must be an IP address, got {self.control_host!r}") from exc
+        if not 0 <= self.control_port <= 65535:
+            raise ConfigError(f"control_port out of range: {self.control_port}")
+        if self.backend not in ("mooncake", "memory"):
+            raise ConfigError(f"unknown backend {self.backend!r}; 'mooncake' or 'memory'")

@@ -1,0 +1,99 @@
+"""The one exception tree of aiolayer, grouped by the phase that failed.
+
+Backend, socket and decoding errors are mapped onto these classes at the boundary where they occur,
+so callers only ever catch ``AiolayerError`` subclasses.
+"""
+
+from __future__ import annotations
+
+
+class AiolayerError(Exception):
+    """Base of every error aiolayer raises on purpose."""
+
+
+class ConfigError(AiolayerError, ValueError):
+    """A configuration value is invalid; raised before any I/O happens."""
+
+
+class DeadlineExceeded(AiolayerError, TimeoutError):
+    """A named phase ran past its deadline from ``Timeouts``."""
+
+    def __init__(self, phase: str, seconds: float, detail: str = "") -> None:
+        self.phase = phase
+        self.seconds = seconds
+        text = f"{phase} exceeded its {seconds:g}s deadline"
+        super().__init__(f"{text}: {detail}" if detail else text)
+
+
+# --- runtime ---------------------------------------------------------------------------------
+
+class RuntimeStateError(AiolayerError, RuntimeError):
+    """The runtime is not in a state that allows the call (not started, stopped, dead)."""
+
+
+class BridgeClosed(RuntimeStateError):
+    """The loop side of the layer bridge is gone; the producer must stop handing layers over."""
+
+
+class BridgeFull(RuntimeStateError):
+    """The layer bridge reached its bound; the loop side is not keeping up."""
+
+
+# --- control plane ---------------------------------------------------------------------------
+
+class ControlError(AiolayerError):
+    """A control-plane exchange failed."""
+
+
+class ControlTimeout(ControlError, DeadlineExceeded):
+    """A control request got no reply within its deadline."""
+
+
+class ControlRejected(ControlError):
+    """The peer answered with a NACK."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        self.code = code
+        self.reason = reason
+        super().__init__(f"peer rejected the request ({code}): {reason}")
+
+
+class ProtocolError(ControlError):
+    """A frame or message could not be decoded or is not valid in this exchange."""
+
+
+# --- metadata --------------------------------------------------------------------------------
+
+class MetadataError(AiolayerError):
+    """The remote layout could not be obtained or does not fit this side."""
+
+
+class LayoutMismatch(MetadataError):
+    """The peer's KV layout is incompatible with ours (layers, block size)."""
+
+
+class StaleLayout(MetadataError):
+    """A cached layout belongs to an older incarnation of the peer."""
+
+
+# --- transfer --------------------------------------------------------------------------------
+
+class TransferError(AiolayerError):
+    """Moving KV bytes failed."""
+
+
+class BackendError(TransferError):
+    """The transfer backend reported a failure (its codes mapped here)."""
+
+
+class TransferTimeout(TransferError, DeadlineExceeded):
+    """A write did not complete within its deadline; the remote region is now unknown."""
+
+
+class TransferFailed(TransferError):
+    """A transfer reached the failed state; ``reason`` says why."""
+
+    def __init__(self, transfer_id: str, reason: str) -> None:
+        self.transfer_id = transfer_id
+        self.reason = reason
+        super().__init__(f"transfer {transfer_id} failed: {reason}")

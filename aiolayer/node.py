@@ -1,0 +1,82 @@
+"""DecodeNode: a standalone D process with a paged KV cache, driven over its control socket.
+
+It serves what a proxy and a P engine need from D: ``AllocRequest`` (allocate blocks and register
+the transfer before the ids are published), the layout, DONE/FAILED, ``StatusRequest``,
+``VerifyRequest`` (per-layer checksums of what arrived) and ``ReleaseRequest``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from .config import KVShape, NodeConfig, Timeouts
+from .errors import ControlRejected
+from .kvcache import BlockAllocator, PagedKVCache
+from .protocol import messages as m
+from .runtime.runtime import Runtime
+
+
+class DecodeNode:
+    def __init__(self, shape: KVShape, node: NodeConfig | None = None, timeouts: Timeouts | None = None,
+                 backend=None) -> None:
+        self.shape = shape
+        self.runtime = Runtime(node, timeouts, backend=backend, extra_handler=self._handle)
+        self.cache: PagedKVCache | None = None
+        self.allocator = BlockAllocator(shape.num_blocks)
+        self._blocks: dict[str, list[int]] = {}
+
+    @property
+    def control_endpoint(self) -> str:
+        return self.runtime.control_endpoint
+
+    def start(self) -> "DecodeNode":
+        self.cache = PagedKVCache(self.shape)
+        self.runtime.start()
+        try:
+            self.runtime.publish_layout(self.cache.k_base, self.cache.v_base, self.shape.block_bytes,
+                                        self.shape.num_blocks)
+        except BaseException:
+            self.runtime.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        self.runtime.stop()
+
+    def info(self) -> dict:
+        return {"control": self.control_endpoint, "session": self.runtime.backend.session,
+                "engine_id": self.runtime.node.engine_id, "incarnation": self.runtime.incarnation,
+                "backend": self.runtime.backend.name, "num_blocks": self.shape.num_blocks}
+
+    async def _handle(self, msg: m.Message) -> m.Message:
+        receiver = self.runtime.receiver
+        if isinstance(msg, m.AllocRequest):
+            ids = self.allocator.allocate(msg.num_blocks, msg.contiguous)
+            if ids is None:
+                raise ControlRejected("no_space", f"{msg.num_blocks} blocks asked, {self.allocator.free} free")
+            try:
+                receiver.register(msg.transfer_id, ids, on_release=self.allocator.release)
+            except ControlRejected:
+                self.allocator.release(ids)
+                raise
+            self._blocks[msg.transfer_id] = ids
+            return m.AllocReply(transfer_id=msg.transfer_id, block_ids=ids, incarnation=self.runtime.incarnation)
+        if isinstance(msg, m.StatusRequest):
+            state, reason = receiver.state_of(msg.transfer_id)
+            return m.StatusReply(transfer_id=msg.transfer_id, state=state, reason=reason)
+        if isinstance(msg, m.VerifyRequest):
+            return await self._verify(msg.transfer_id)
+        if isinstance(msg, m.ReleaseRequest):
+            if not receiver.release(msg.transfer_id):
+                raise ControlRejected("unknown_transfer", f"no transfer {msg.transfer_id}")
+            self._blocks.pop(msg.transfer_id, None)
+            return m.Ack(detail="released")
+        raise ControlRejected("unknown", f"{type(msg).__name__} is not served by a decode node")
+
+    async def _verify(self, transfer_id: str) -> m.Message:
+        ids = self._blocks.get(transfer_id)
+        if ids is None:
+            raise ControlRejected("unknown_transfer", f"no transfer {transfer_id}")
+        state, reason = self.runtime.receiver.state_of(transfer_id)
+        crc_k, crc_v = await asyncio.to_thread(self.cache.checksums, ids)
+        return m.VerifyReply(transfer_id=transfer_id, state=state, reason=reason, crc_k=crc_k, crc_v=crc_v)

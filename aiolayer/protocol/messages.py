@@ -1,0 +1,152 @@
+"""Versioned msgspec wire messages of the control plane, as one tagged union.
+
+A control frame is ``[request_id (8 bytes), payload]`` where the payload is one of ``Message``
+encoded with msgpack. Every request gets exactly one reply; ``Nack`` carries a code and a reason.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+REQUEST_ID = struct.Struct("!Q")
+
+
+class _Msg(msgspec.Struct, tag_field="type", kw_only=True, frozen=True):
+    v: int = PROTOCOL_VERSION
+
+
+# --- layout (P asks D where its KV lives) -------------------------------------------------------
+
+class LayerRegion(msgspec.Struct, frozen=True, array_like=True):
+    k_base: int
+    v_base: int
+
+
+class LayoutRequest(_Msg, tag="layout_req"):
+    requester: str = ""
+
+
+class LayoutReply(_Msg, tag="layout"):
+    engine_id: str
+    incarnation: str           # new on every process start: stale cached layouts are refused
+    session: str               # transfer-engine target name, e.g. "127.0.0.1:15123"
+    block_bytes: int
+    num_blocks: int
+    layers: list[LayerRegion]
+
+
+# --- transfer outcome (P tells D) ----------------------------------------------------------------
+
+class Done(_Msg, tag="done"):
+    transfer_id: str
+    sender: str
+    incarnation: str = ""      # D's incarnation the data was written to
+    layers: int = 0
+    bytes: int = 0
+
+
+class Failed(_Msg, tag="failed"):
+    transfer_id: str
+    sender: str
+    reason: str
+
+
+# --- node management (used by a proxy or the benchmark to drive a standalone D node) -----------
+
+class AllocRequest(_Msg, tag="alloc"):
+    transfer_id: str
+    num_blocks: int
+    contiguous: bool = True
+
+
+class AllocReply(_Msg, tag="alloc_ok"):
+    transfer_id: str
+    block_ids: list[int]
+    incarnation: str
+
+
+class VerifyRequest(_Msg, tag="verify"):
+    transfer_id: str
+
+
+class VerifyReply(_Msg, tag="verify_ok"):
+    transfer_id: str
+    state: str
+    reason: str
+    crc_k: list[int]           # per layer, over the transfer's blocks in order
+    crc_v: list[int]
+
+
+class ReleaseRequest(_Msg, tag="release"):
+    transfer_id: str
+
+
+class StatusRequest(_Msg, tag="status"):
+    transfer_id: str
+
+
+class StatusReply(_Msg, tag="status_ok"):
+    transfer_id: str
+    state: str
+    reason: str = ""
+
+
+# --- generic replies ----------------------------------------------------------------------------
+
+class Ack(_Msg, tag="ack"):
+    detail: str = ""
+
+
+class Nack(_Msg, tag="nack"):
+    code: str                  # machine-readable: "decode", "version", "unknown", "refused", ...
+    reason: str
+
+
+Message = Union[
+    LayoutRequest, LayoutReply, Done, Failed, AllocRequest, AllocReply, VerifyRequest,
+    VerifyReply, ReleaseRequest, StatusRequest, StatusReply, Ack, Nack,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+class DecodeFailure(Exception):
+    """Raised by ``decode``; the control plane turns it into a ``Nack``."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        self.code = code
+        self.reason = reason
+        super().__init__(f"{code}: {reason}")
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(payload: bytes) -> Message:
+    """Decode one payload, refusing other protocol versions."""
+    try:
+        msg = _decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise DecodeFailure("decode", str(exc)[:200]) from None
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise DecodeFailure("decode", f"{type(exc).__name__}: {exc}"[:200]) from None
+    if msg.v != PROTOCOL_VERSION:
+        raise DecodeFailure("version", f"protocol version {msg.v} unsupported; this side speaks {PROTOCOL_VERSION}")
+    return msg
+
+
+def pack_request_id(rid: int) -> bytes:
+    return REQUEST_ID.pack(rid)
+
+
+def unpack_request_id(frame: bytes) -> int | None:
+    """The request id of a frame, or None when the frame is not a valid id."""
+    if len(frame) != REQUEST_ID.size:
+        return None
+    return REQUEST_ID.unpack(frame)[0]

@@ -1,0 +1,89 @@
+"""LayerBridge: the forward thread hands items to the loop without ever blocking.
+
+The producer appends to a deque (atomic under the GIL) and wakes the loop only when the consumer
+side has gone idle, so a busy loop costs the producer one append. If the consumer is dead the
+producer gets ``BridgeClosed`` at once; if it falls behind by ``capacity`` items, ``BridgeFull``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Any
+
+from ..errors import BridgeClosed, BridgeFull
+
+
+class LayerBridge:
+    def __init__(self, capacity: int = 65536, drain_batch: int = 256) -> None:
+        self.capacity = capacity
+        self.drain_batch = drain_batch
+        self._items: collections.deque = collections.deque()
+        self._idle = False
+        self._closed: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wakeup: asyncio.Event | None = None
+        self.wakeups = 0          # how often the producer had to wake the loop (a syscall each)
+
+    # --- producer side (any thread) ---------------------------------------------------------
+
+    def put(self, item: Any) -> None:
+        if self._closed is not None:
+            raise BridgeClosed(f"layer bridge is closed: {self._closed}")
+        items = self._items
+        if len(items) >= self.capacity:
+            raise BridgeFull(f"layer bridge holds {len(items)} items; the loop is not draining")
+        items.append(item)
+        if self._idle:
+            self._idle = False
+            self.wakeups += 1
+            try:
+                self._loop.call_soon_threadsafe(self._wakeup.set)
+            except RuntimeError as exc:  # loop closed under us
+                self.close(exc)
+                raise BridgeClosed("layer bridge consumer loop is closed") from exc
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    def close(self, reason: BaseException | str = "closed") -> None:
+        """Refuse further items; thread-safe and idempotent (first reason wins)."""
+        if self._closed is None:
+            self._closed = reason if isinstance(reason, BaseException) else BridgeClosed(reason)
+        if self._loop is not None and self._wakeup is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._wakeup.set)
+            except RuntimeError:
+                pass
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    # --- consumer side (the loop) ------------------------------------------------------------
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._wakeup = asyncio.Event()
+
+    async def drain(self) -> list[Any]:
+        """Wait until items are there, then return at most ``drain_batch`` of them in order.
+
+        Returns an empty list once the bridge is closed and empty.
+        """
+        items = self._items
+        while not items:
+            if self._closed is not None:
+                return []
+            self._wakeup.clear()
+            self._idle = True
+            if items or self._closed is not None:  # re-check: a put may have raced the flag
+                self._idle = False
+                continue
+            await self._wakeup.wait()
+        self._idle = False
+        batch = []
+        popleft = items.popleft
+        for _ in range(min(len(items), self.drain_batch)):
+            batch.append(popleft())
+        return batch

@@ -1,0 +1,257 @@
+"""Control plane over zmq.asyncio: a ROUTER server that answers every frame, DEALER clients with deadlines.
+
+A frame is ``[request_id, payload]`` (the ROUTER adds the peer identity). The server replies to
+every frame, valid or not: a handler's reply, or a ``Nack`` with a code and a reason. A client
+matches replies by request id, so a late reply to an abandoned call is dropped, never mistaken for
+the next one. One ZMQ context per process; every socket is closed with linger 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+from typing import Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from .. import compat
+from ..config import Timeouts
+from ..errors import ControlError, ControlRejected, ControlTimeout, ProtocolError, RuntimeStateError
+from ..protocol import messages as m
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[m.Message], Awaitable[m.Message]]
+Spawn = Callable[..., asyncio.Task]
+
+_context: zmq.asyncio.Context | None = None
+_BAD_RID = m.pack_request_id(0)
+
+
+def shared_context() -> zmq.asyncio.Context:
+    """The process's one ZMQ context (created on first use)."""
+    global _context
+    if _context is None or _context.closed:
+        _context = zmq.asyncio.Context()
+    return _context
+
+
+def open_sockets() -> int:
+    """Sockets of this process's context still open (for leak checks)."""
+    if _context is None or _context.closed:
+        return 0
+    return sum(1 for s in list(_context._sockets) if not s.closed)  # noqa: SLF001 - read-only
+
+
+class ControlServer:
+    def __init__(self, host: str, port: int, handler: Handler, *, max_frame_bytes: int = 1 << 20,
+                 max_concurrent: int = 1024) -> None:
+        self.host = host
+        self.port = port
+        self.handler = handler
+        self.max_frame_bytes = max_frame_bytes
+        self.endpoint = ""
+        self.frames_received = 0
+        self.nacks_sent = 0
+        self.send_errors = 0
+        self._sock: zmq.asyncio.Socket | None = None
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self._task: asyncio.Task | None = None
+
+    async def start(self, spawn: Spawn) -> str:
+        sock = shared_context().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_frame_bytes)  # beyond: drop the peer, not our memory
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            if self.port:
+                sock.bind(f"tcp://{self.host}:{self.port}")
+            else:
+                self.port = sock.bind_to_random_port(f"tcp://{self.host}")
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise ControlError(f"cannot bind control socket on {self.host}:{self.port}: {exc}") from exc
+        self._sock = sock
+        self.endpoint = f"tcp://{self.host}:{self.port}"
+        self._task = spawn(self._serve(), name=f"control-server {self.endpoint}")
+        return self.endpoint
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    async def _serve(self) -> None:
+        sock = self._sock
+        loop_spawn = asyncio.get_running_loop().create_task
+        pending: set[asyncio.Task] = set()
+        try:
+            while True:
+                frames = await sock.recv_multipart(copy=True)
+                self.frames_received += 1
+                await self._slots.acquire()
+                task = loop_spawn(self._answer(frames))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+        finally:
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
+
+    async def _answer(self, frames: list[bytes]) -> None:
+        try:
+            identity, rid, reply = frames[0], _BAD_RID, None
+            if len(frames) != 3:
+                reply = m.Nack(code="frame", reason=f"expected [request_id, payload], got {len(frames) - 1} frames")
+            elif m.unpack_request_id(frames[1]) is None:
+                reply = m.Nack(code="frame", reason="request id must be 8 bytes")
+            else:
+                rid = frames[1]
+                reply = await self._dispatch(frames[2])
+            if isinstance(reply, m.Nack):
+                self.nacks_sent += 1
+            try:
+                await self._sock.send_multipart([identity, rid, m.encode(reply)])
+            except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): nobody to tell
+                self.send_errors += 1
+                log.debug("control reply to a departed peer dropped: %s", exc)
+        finally:
+            self._slots.release()
+
+    async def _dispatch(self, payload: bytes) -> m.Message:
+        if len(payload) > self.max_frame_bytes:
+            return m.Nack(code="size", reason=f"payload of {len(payload)} bytes exceeds {self.max_frame_bytes}")
+        try:
+            msg = m.decode(payload)
+        except m.DecodeFailure as exc:
+            return m.Nack(code=exc.code, reason=exc.reason)
+        try:
+            return await self.handler(msg)
+        except asyncio.CancelledError:
+            raise
+        except ControlRejected as exc:
+            return m.Nack(code=exc.code, reason=exc.reason)
+        except Exception as exc:  # noqa: BLE001 - the peer is told, and so is the log
+            log.exception("control handler failed on %s", type(msg).__name__)
+            return m.Nack(code="internal", reason=f"{type(exc).__name__}: {exc}"[:300])
+
+
+class ControlClient:
+    """One DEALER to one peer; concurrent calls are matched to replies by request id."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, endpoint: str, timeouts: Timeouts) -> None:
+        self.endpoint = endpoint
+        self.timeouts = timeouts
+        self._sock: zmq.asyncio.Socket | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+        self.late_replies = 0
+
+    async def start(self, spawn: Spawn) -> None:
+        sock = shared_context().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)      # queue nothing for a peer that is not connected
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        try:
+            sock.connect(self.endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise ControlError(f"cannot connect to {self.endpoint}: {exc}") from exc
+        self._sock = sock
+        self._reader = spawn(self._read(), name=f"control-client {self.endpoint}")
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(ControlError(f"client to {self.endpoint} closed"))
+        self._pending.clear()
+
+    async def call(self, msg: m.Message, timeout: float | None = None) -> m.Message:
+        """Send ``msg`` and return the reply; a Nack raises ControlRejected."""
+        if self._sock is None:
+            raise RuntimeStateError(f"control client to {self.endpoint} is not started")
+        timeout = self.timeouts.control_call if timeout is None else timeout
+        rid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            async with compat.timeout(timeout):
+                await self._sock.send_multipart([m.pack_request_id(rid), m.encode(msg)])
+                reply = await fut
+        except TimeoutError:
+            raise ControlTimeout("control_call", timeout, f"{type(msg).__name__} to {self.endpoint}") from None
+        finally:
+            self._pending.pop(rid, None)
+        if isinstance(reply, m.Nack):
+            raise ControlRejected(reply.code, reply.reason)
+        return reply
+
+    async def call_with_retries(self, msg: m.Message, deadline_s: float) -> m.Message:
+        """For idempotent requests: retry on timeout with jittered back-off, all within ``deadline_s``."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline_s
+        attempts = self.timeouts.control_retries
+        for attempt in range(1, attempts + 1):
+            left = end - loop.time()
+            if left <= 0:
+                break
+            try:
+                return await self.call(msg, timeout=min(self.timeouts.control_call, left))
+            except ControlTimeout:
+                if attempt == attempts:
+                    raise
+            await asyncio.sleep(min(max(0.0, end - loop.time()), random.uniform(0.01, 0.05) * attempt))
+        raise ControlTimeout("control_call", deadline_s, f"{type(msg).__name__} to {self.endpoint}, {attempts} attempts")
+
+    async def _read(self) -> None:
+        sock = self._sock
+        while True:
+            frames = await sock.recv_multipart(copy=True)
+            rid = m.unpack_request_id(frames[0]) if len(frames) == 2 else None
+            fut = self._pending.get(rid) if rid is not None else None
+            if fut is None or fut.done():
+                self.late_replies += 1  # a reply to a call that already timed out
+                continue
+            try:
+                fut.set_result(m.decode(frames[1]))
+            except m.DecodeFailure as exc:
+                fut.set_exception(ProtocolError(f"undecodable reply from {self.endpoint}: {exc}"))
+
+
+class ControlPeers:
+    """Started clients keyed by endpoint, created on first use, all closed together."""
+
+    def __init__(self, timeouts: Timeouts, spawn: Spawn) -> None:
+        self.timeouts = timeouts
+        self._spawn = spawn
+        self._clients: dict[str, ControlClient] = {}
+
+    async def get(self, endpoint: str) -> ControlClient:
+        client = self._clients.get(endpoint)
+        if client is None:
+            client = ControlClient(endpoint, self.timeouts)
+            await client.start(self._spawn)
+            self._clients[endpoint] = client
+        return client
+
+    async def close(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            await client.close()

@@ -1,0 +1,58 @@
+"""Device events: "layer L is written" as something the loop can poll without a device sync.
+
+With an accelerator (CUDA, NPU, XPU through ``torch.accelerator``) an event is recorded on the
+current stream; on CPU the write is complete when the call returns, so the event is ready at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from ..errors import DeadlineExceeded
+
+
+class ReadyEvent:
+    """The CPU case: nothing to wait for."""
+
+    __slots__ = ()
+
+    def query(self) -> bool:
+        return True
+
+
+READY = ReadyEvent()
+
+
+def _make_recorder():
+    try:
+        import torch
+    except ImportError:  # torch is optional for the core; without it everything is host memory
+        return lambda: READY
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is None or not accelerator.is_available():
+        return lambda: READY
+    device = accelerator.current_accelerator()
+
+    def record():
+        event = torch.Event(device=device)
+        event.record()
+        return event
+
+    return record
+
+
+record_event = _make_recorder()
+
+
+async def wait_event(event, timeout: float) -> None:
+    """Poll ``event.query()`` with back-off until it is ready; never a device-wide synchronize."""
+    if event.query():
+        return
+    deadline = time.monotonic() + timeout
+    delay = 0.0
+    while not event.query():
+        if time.monotonic() >= deadline:
+            raise DeadlineExceeded("layer_event", timeout, "device event not completed")
+        await asyncio.sleep(delay)
+        delay = min(0.001, delay * 2 + 0.00005)

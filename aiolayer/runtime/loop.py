@@ -1,0 +1,177 @@
+"""LoopThread: one uvloop event loop in a dedicated thread that owns a TaskGroup.
+
+Other threads hand coroutines to it with ``submit`` (a concurrent Future comes back) or ``call``
+(wait for the result with a deadline). Tasks started on the loop with ``spawn`` belong to the
+TaskGroup; ``stop`` cancels them and returns within its deadline, whatever they do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from typing import Any, Awaitable, Callable, Coroutine
+
+import uvloop
+
+from ..compat import TaskGroup
+from ..errors import DeadlineExceeded, RuntimeStateError
+
+log = logging.getLogger(__name__)
+
+
+class LoopThread:
+    def __init__(self, name: str = "aiolayer-loop") -> None:
+        self.name = name
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._group: TaskGroup | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self._on_exit: list[Callable[[BaseException | None], None]] = []
+
+    # --- lifecycle (called from any thread but the loop's) -----------------------------------
+
+    def start(self, timeout: float = 5.0) -> None:
+        if self._thread is not None:
+            raise RuntimeStateError("LoopThread already started")
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise DeadlineExceeded("loop start", timeout)
+        if self._failure is not None:
+            raise RuntimeStateError(f"loop thread failed to start: {self._failure!r}")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel every task and join the thread; raises DeadlineExceeded if it would not end."""
+        if self._thread is None:
+            return
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._request_stop)
+            except RuntimeError:  # loop already closed between the check and the call
+                pass
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise DeadlineExceeded("loop stop", timeout, "tasks did not finish after cancellation")
+
+    def on_exit(self, callback: Callable[[BaseException | None], None]) -> None:
+        """Run ``callback(error)`` on the loop thread as it exits (normally or not)."""
+        self._on_exit.append(callback)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._ready.is_set()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeStateError("LoopThread not started")
+        return self._loop
+
+    # --- handing work to the loop ------------------------------------------------------------
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
+        """Run ``coro`` as a task of the loop's TaskGroup; returns a concurrent Future."""
+        if not self.alive:
+            coro.close()
+            raise RuntimeStateError("loop thread is not running")
+        result: concurrent.futures.Future = concurrent.futures.Future()
+
+        async def runner() -> None:
+            try:
+                value = await coro
+            except asyncio.CancelledError:
+                result.cancel()
+                raise
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
+                result.set_exception(exc)
+            else:
+                result.set_result(value)
+
+        def start_task() -> None:
+            if self._group is None or self._stop_event is None or self._stop_event.is_set():
+                coro.close()
+                result.set_exception(RuntimeStateError("loop is stopping"))
+                return
+            self._group.create_task(runner(), name=getattr(coro, "__name__", "submitted"))
+
+        self.loop.call_soon_threadsafe(start_task)
+        return result
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
+        """Run ``coro`` on the loop and wait for its result, at most ``timeout`` seconds."""
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise DeadlineExceeded("loop call", timeout) from None
+
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task:
+        """Start a task owned by the TaskGroup; only from the loop thread."""
+        if self._group is None:
+            raise RuntimeStateError("loop has no task group (not running)")
+        return self._group.create_task(coro, name=name)
+
+    # --- the thread ---------------------------------------------------------------------------
+
+    def _request_stop(self) -> None:
+        if self._stop_event is not None:
+            self._stop_event.set()
+
+    def _run(self) -> None:
+        error: BaseException | None = None
+        try:
+            uvloop.run(self._main())
+        except BaseException as exc:  # noqa: BLE001 - recorded and handed to on_exit callbacks
+            error = exc
+            self._failure = exc
+            log.error("aiolayer loop thread ended with an error: %r", exc)
+        finally:
+            self._ready.set()
+            for callback in self._on_exit:
+                try:
+                    callback(error)
+                except Exception:  # noqa: BLE001 - one bad callback must not hide the others
+                    log.exception("on_exit callback failed")
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        async with TaskGroup() as group:
+            self._group = group
+            self._ready.set()
+            await self._stop_event.wait()
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+        self._group = None
+
+
+def spawn_future(spawn: Callable[..., asyncio.Task], coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Future:
+    """Run ``coro`` as an owned task whose outcome lands in the returned future.
+
+    The task itself never raises (only the future carries the error), so one failed operation
+    cannot cancel its TaskGroup siblings.
+    """
+    fut = asyncio.get_running_loop().create_future()
+
+    async def fill() -> None:
+        try:
+            value = await coro
+        except asyncio.CancelledError:
+            fut.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to whoever awaits the future
+            if not fut.done():
+                fut.set_exception(exc)
+        else:
+            if not fut.done():
+                fut.set_result(value)
+
+    spawn(fill(), name=name)
+    return fut

@@ -1,0 +1,157 @@
+"""Runtime: the embedding API. One per process: loop thread, backend, control server, sender, receiver.
+
+Construct it (no I/O), ``start()`` it, use ``sender`` on P and ``receiver`` on D, ``stop()`` it.
+``stop`` is bounded by ``Timeouts.shutdown`` and leaves no task, socket or registered region.
+Extra control messages (a node's allocation and verification) go to ``extra_handler``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Awaitable, Callable
+
+from ..backends import make_backend
+from ..config import NodeConfig, Timeouts
+from ..errors import BridgeClosed, ControlRejected, RuntimeStateError
+from ..protocol import messages as m
+from .bridge import LayerBridge
+from .control import ControlPeers, ControlServer
+from .loop import LoopThread
+from .metadata import LayoutCache
+from .receiver import Receiver
+from .sender import Sender
+
+log = logging.getLogger(__name__)
+
+ExtraHandler = Callable[[m.Message], Awaitable[m.Message]]
+
+
+class Runtime:
+    def __init__(self, node: NodeConfig | None = None, timeouts: Timeouts | None = None,
+                 backend=None, extra_handler: ExtraHandler | None = None) -> None:
+        self.node = node or NodeConfig()
+        self.timeouts = timeouts or Timeouts()
+        self.incarnation = uuid.uuid4().hex
+        self.backend = backend if backend is not None else make_backend(self.node.backend)
+        self.extra_handler = extra_handler
+        self.loop_thread = LoopThread(name=f"aiolayer-{self.node.engine_id}")
+        self.bridge = LayerBridge(capacity=self.node.bridge_capacity)
+        self.receiver = Receiver(self.timeouts)
+        self.server: ControlServer | None = None
+        self.peers: ControlPeers | None = None
+        self.layouts: LayoutCache | None = None
+        self.sender: Sender | None = None
+        self.layout_reply: m.LayoutReply | None = None
+        self.control_endpoint = ""
+        self._started = False
+        self.loop_thread.on_exit(self._on_loop_exit)
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> "Runtime":
+        if self._started:
+            raise RuntimeStateError("runtime already started")
+        self._started = True
+        self.loop_thread.start()
+        try:
+            self.loop_thread.call(self._open(), timeout=self.timeouts.shutdown + self.timeouts.layout_fetch)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    async def _open(self) -> None:
+        spawn = self.loop_thread.spawn
+        self.bridge.attach(asyncio.get_running_loop())
+        await self.backend.open(spawn)
+        self.peers = ControlPeers(self.timeouts, spawn)
+        self.layouts = LayoutCache(self.peers, self.timeouts, self.node.engine_id, spawn)
+        self.sender = Sender(engine_id=self.node.engine_id, bridge=self.bridge, backend=self.backend,
+                             peers=self.peers, layouts=self.layouts, timeouts=self.timeouts)
+        spawn(self.sender.run(spawn), name="sender")
+        self.server = ControlServer(self.node.control_host, self.node.control_port, self._handle,
+                                    max_frame_bytes=self.node.max_frame_bytes)
+        self.control_endpoint = await self.server.start(spawn)
+
+    def stop(self) -> None:
+        """Bounded: closes sockets, unregisters memory and ends the loop thread."""
+        self.bridge.close("runtime stopped")
+        if self.loop_thread.alive:
+            try:
+                self.loop_thread.call(self._close(), timeout=self.timeouts.shutdown)
+            except Exception as exc:  # noqa: BLE001 - stop must go on to end the thread
+                log.warning("runtime clean-up incomplete: %r", exc)
+        self.loop_thread.stop(self.timeouts.shutdown)
+
+    async def _close(self) -> None:
+        cleanup = self.timeouts.cleanup
+        steps = []
+        if self.server is not None:
+            steps.append(self.server.close())
+        if self.peers is not None:
+            steps.append(self.peers.close())
+        for step in steps:
+            try:
+                await asyncio.wait_for(step, cleanup)
+            except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - log and continue closing
+                log.warning("clean-up step failed: %r", exc)
+        if self.layouts is not None:
+            self.layouts.close()
+        self.receiver.close()
+        try:
+            await asyncio.wait_for(self.backend.close(), cleanup)
+        except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001
+            log.warning("backend close failed: %r", exc)
+
+    def _on_loop_exit(self, error: BaseException | None) -> None:
+        self.bridge.close(error or BridgeClosed("loop thread exited"))
+
+    def __enter__(self) -> "Runtime":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # --- D side: publish the local KV layout -------------------------------------------------
+
+    def publish_layout(self, k_base: list[int], v_base: list[int], block_bytes: int, num_blocks: int) -> None:
+        """Make this process's KV caches the target of peers' writes (D), or their source (P)."""
+        self.loop_thread.call(self._register_layout(k_base, v_base, block_bytes, num_blocks),
+                              timeout=self.timeouts.shutdown)
+
+    async def _register_layout(self, k_base, v_base, block_bytes: int, num_blocks: int) -> None:
+        span = num_blocks * block_bytes
+        for base in list(k_base) + list(v_base):
+            self.backend.register(int(base), span)
+        self.sender.set_local_layout(k_base, v_base, block_bytes, num_blocks)
+        self.layout_reply = m.LayoutReply(
+            engine_id=self.node.engine_id, incarnation=self.incarnation, session=self.backend.session,
+            block_bytes=block_bytes, num_blocks=num_blocks,
+            layers=[m.LayerRegion(int(k), int(v)) for k, v in zip(k_base, v_base)])
+
+    # --- control-plane routing -----------------------------------------------------------------
+
+    async def _handle(self, msg: m.Message) -> m.Message:
+        if isinstance(msg, (m.Done, m.Failed)):
+            return self.receiver.handle(msg)
+        if isinstance(msg, m.LayoutRequest):
+            if self.layout_reply is None:
+                raise ControlRejected("not_ready", "no KV layout registered yet")
+            return self.layout_reply
+        if self.extra_handler is not None:
+            return await self.extra_handler(msg)
+        raise ControlRejected("unknown", f"{type(msg).__name__} is not served here")
+
+    # --- synchronous helpers for non-loop threads (tools, tests, the benchmark) ---------------
+
+    def request(self, endpoint: str, msg: m.Message, timeout: float | None = None) -> m.Message:
+        """Send one control request from a non-loop thread and wait for the reply (bounded)."""
+        limit = self.timeouts.control_call if timeout is None else timeout
+
+        async def call() -> m.Message:
+            client = await self.peers.get(endpoint)
+            return await client.call(msg, timeout=limit)
+
+        return self.loop_thread.call(call(), timeout=limit + self.timeouts.cleanup)
