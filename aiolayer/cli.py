@@ -73,8 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     add_node_args(node)
 
     bench = sub.add_parser("bench", help="the layer-wise transfer benchmark")
-    from aiolayer_bench.main import add_bench_args
-    add_bench_args(bench)
+    try:  # the benchmark is optional: `aiolayer node` must not depend on it being importable
+        from aiolayer_bench.main import add_bench_args
+    except ImportError as exc:
+        bench_error: ImportError | None = exc
+    else:
+        bench_error = None
+        add_bench_args(bench)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
@@ -82,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "node":
             return run_node(args)
+        if bench_error is not None:
+            print(f"aiolayer bench is not available: {bench_error}", file=sys.stderr)
+            return 2
         from aiolayer_bench.main import run_bench
         return run_bench(args)
     except AiolayerError as exc:

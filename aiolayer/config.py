@@ -28,6 +28,7 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True):
     fence_grace: float = 2.0         # D: wait past a deadline before reusing blocks P may write
     shutdown: float = 5.0            # whole runtime stop
     cleanup: float = 1.0             # each awaited clean-up step
+    backend_close: float = 5.0       # unregister memory and destroy the transfer engine
 
     def __post_init__(self) -> None:
         for name in self.__struct_fields__:

@@ -212,4 +212,7 @@ class MooncakeBackend:
                     self.unregister(addr)
                 except BackendError as exc:
                     log.warning("%s", exc)
+            # Destroying an engine blocks for about a second (it joins its threads): not on the loop.
+            holder = [self._engine]
             self._engine = None
+            await asyncio.to_thread(holder.clear)

@@ -109,12 +109,13 @@ class ControlServer:
     async def _answer(self, frames: list[bytes]) -> None:
         try:
             identity, rid, reply = frames[0], _BAD_RID, None
+            if len(frames) >= 2 and m.unpack_request_id(frames[1]) is not None:
+                rid = frames[1]  # echo a valid id even on a malformed frame, so the caller can match it
             if len(frames) != 3:
                 reply = m.Nack(code="frame", reason=f"expected [request_id, payload], got {len(frames) - 1} frames")
             elif m.unpack_request_id(frames[1]) is None:
                 reply = m.Nack(code="frame", reason="request id must be 8 bytes")
             else:
-                rid = frames[1]
                 reply = await self._dispatch(frames[2])
             if isinstance(reply, m.Nack):
                 self.nacks_sent += 1

@@ -31,6 +31,7 @@ class LoopThread:
         self._ready = threading.Event()
         self._failure: BaseException | None = None
         self._on_exit: list[Callable[[BaseException | None], None]] = []
+        self._on_stop: list[Callable[[], Awaitable[None]]] = []
 
     # --- lifecycle (called from any thread but the loop's) -----------------------------------
 
@@ -62,6 +63,10 @@ class LoopThread:
         """Run ``callback(error)`` on the loop thread as it exits (normally or not)."""
         self._on_exit.append(callback)
 
+    def on_stop(self, closer: Callable[[], Awaitable[None]]) -> None:
+        """Await ``closer()`` on the loop after its tasks ended, however the loop ends (stop or crash)."""
+        self._on_stop.append(closer)
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._ready.is_set()
@@ -88,16 +93,30 @@ class LoopThread:
                 result.cancel()
                 raise
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
-                result.set_exception(exc)
+                _settle(result.set_exception, exc)
             else:
-                result.set_result(value)
+                _settle(result.set_result, value)
 
         def start_task() -> None:
+            if result.cancelled():  # the caller gave up before the task started
+                coro.close()
+                return
             if self._group is None or self._stop_event is None or self._stop_event.is_set():
                 coro.close()
-                result.set_exception(RuntimeStateError("loop is stopping"))
+                _settle(result.set_exception, RuntimeStateError("loop is stopping"))
                 return
-            self._group.create_task(runner(), name=getattr(coro, "__name__", "submitted"))
+            task = self._group.create_task(runner(), name=getattr(coro, "__name__", "submitted"))
+            loop = self._loop
+
+            def cancel_task(fut: concurrent.futures.Future) -> None:
+                # the caller cancelled its future (e.g. ``call`` timed out): stop the work too
+                if fut.cancelled() and not loop.is_closed():
+                    try:
+                        loop.call_soon_threadsafe(task.cancel)
+                    except RuntimeError:
+                        pass
+
+            result.add_done_callback(cancel_task)
 
         self.loop.call_soon_threadsafe(start_task)
         return result
@@ -114,6 +133,8 @@ class LoopThread:
     def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task:
         """Start a task owned by the TaskGroup; only from the loop thread."""
         if self._group is None:
+            if asyncio.iscoroutine(coro):
+                coro.close()
             raise RuntimeStateError("loop has no task group (not running)")
         return self._group.create_task(coro, name=name)
 
@@ -142,14 +163,29 @@ class LoopThread:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
-        async with TaskGroup() as group:
-            self._group = group
-            self._ready.set()
-            await self._stop_event.wait()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
-        self._group = None
+        try:
+            async with TaskGroup() as group:
+                self._group = group
+                self._ready.set()
+                await self._stop_event.wait()
+                for task in asyncio.all_tasks():
+                    if task is not asyncio.current_task():
+                        task.cancel()
+        finally:
+            self._group = None
+            for closer in self._on_stop:  # also after a crash: close what the tasks owned
+                try:
+                    await closer()
+                except Exception:  # noqa: BLE001 - one bad closer must not skip the others
+                    log.exception("on_stop closer failed")
+
+
+def _settle(setter: Callable[[Any], None], value: Any) -> None:
+    """Set a concurrent future unless the caller already cancelled it (a late result is dropped)."""
+    try:
+        setter(value)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 def spawn_future(spawn: Callable[..., asyncio.Task], coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Future:

@@ -46,7 +46,9 @@ class Runtime:
         self.layout_reply: m.LayoutReply | None = None
         self.control_endpoint = ""
         self._started = False
+        self._closed = False
         self.loop_thread.on_exit(self._on_loop_exit)
+        self.loop_thread.on_stop(self._close)  # runs even if the loop dies without stop()
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -80,12 +82,15 @@ class Runtime:
         self.bridge.close("runtime stopped")
         if self.loop_thread.alive:
             try:
-                self.loop_thread.call(self._close(), timeout=self.timeouts.shutdown)
+                self.loop_thread.call(self._close(), timeout=self.timeouts.shutdown + self.timeouts.backend_close)
             except Exception as exc:  # noqa: BLE001 - stop must go on to end the thread
                 log.warning("runtime clean-up incomplete: %r", exc)
         self.loop_thread.stop(self.timeouts.shutdown)
 
     async def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         cleanup = self.timeouts.cleanup
         steps = []
         if self.server is not None:
@@ -101,7 +106,7 @@ class Runtime:
             self.layouts.close()
         self.receiver.close()
         try:
-            await asyncio.wait_for(self.backend.close(), cleanup)
+            await asyncio.wait_for(self.backend.close(), self.timeouts.backend_close)
         except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001
             log.warning("backend close failed: %r", exc)
 

@@ -107,9 +107,15 @@ class Sender:
     def begin_step(self, step: int, specs: list[TransferSpec]) -> None:
         if self.local is None:
             raise RuntimeStateError("register the KV caches before the first step")
-        for spec in specs:
-            self._waiters.setdefault(spec.transfer_id, concurrent.futures.Future())
-        self.bridge.put(("step", step, specs, time.perf_counter()))
+        added = [spec.transfer_id for spec in specs if spec.transfer_id not in self._waiters]
+        for tid in added:  # before the put: the loop may publish the outcome at once
+            self._waiters[tid] = concurrent.futures.Future()
+        try:
+            self.bridge.put(("step", step, specs, time.perf_counter()))
+        except RuntimeStateError:
+            for tid in added:
+                self._waiters.pop(tid, None)
+            raise
 
     def layer_ready(self, step: int, layer: int) -> None:
         self.bridge.put(("layer", step, layer, record_event(), time.perf_counter()))

@@ -1,0 +1,44 @@
+"""Shared fixtures: memory-backend runtimes and decode nodes that are always stopped."""
+
+from __future__ import annotations
+
+import pytest
+
+from aiolayer import DecodeNode, KVShape, NodeConfig, Runtime, Timeouts
+
+SMALL_SHAPE = KVShape(num_layers=4, num_blocks=64, block_size=16, kv_heads=2, head_dim=64)
+
+
+@pytest.fixture
+def small_shape() -> KVShape:
+    return SMALL_SHAPE
+
+
+@pytest.fixture
+def memory_runtime():
+    """Factory: ``memory_runtime(engine_id="p", timeouts=None)`` -> a started Runtime, stopped at teardown."""
+    made: list[Runtime] = []
+
+    def make(engine_id: str = "p", timeouts: Timeouts | None = None) -> Runtime:
+        rt = Runtime(NodeConfig(engine_id=engine_id, backend="memory"), timeouts)
+        made.append(rt)
+        return rt.start()
+
+    yield make
+    for rt in reversed(made):
+        rt.stop()
+
+
+@pytest.fixture
+def memory_decode_node():
+    """Factory: ``memory_decode_node(shape, engine_id="d", timeouts=None)`` -> a started DecodeNode."""
+    made: list[DecodeNode] = []
+
+    def make(shape: KVShape = SMALL_SHAPE, engine_id: str = "d", timeouts: Timeouts | None = None) -> DecodeNode:
+        node = DecodeNode(shape, NodeConfig(engine_id=engine_id, backend="memory"), timeouts)
+        made.append(node)
+        return node.start()
+
+    yield make
+    for node in reversed(made):
+        node.stop()
