@@ -47,6 +47,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="memory runs D in-process (no real data plane)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default="bench/results", help="directory for latest.json")
+    p.add_argument("--scenario", default="transfer", choices=["transfer", "faults"],
+                   help="transfer: the modes side by side; faults: peer faults against real processes")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -55,6 +57,9 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)  # the forward thread gets one core; the data plane and D the other
+    if args.scenario == "faults":
+        from .faults import run_faults
+        return run_faults(args)
     modes = [x.strip() for x in args.modes.split(",") if x.strip()]
     unknown = [x for x in modes if x not in MODES]
     if unknown:

@@ -54,3 +54,12 @@ def check_block_bounds(block_ids, num_blocks: int, side: str) -> None:
     ids = np.asarray(block_ids, dtype=np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
         raise ValueError(f"{side} block id out of range [0, {num_blocks})")
+
+
+def use_layerwise(num_tokens: int, min_tokens: int) -> bool:
+    """The auto policy: layer-wise pays only from ``min_tokens`` up; shorter prompts go in bulk.
+
+    Per-layer submission has a fixed cost per layer; for short prompts the whole transfer is
+    shorter than that overhead is worth (an engine measured +18% TTFT at 256 tokens).
+    """
+    return num_tokens >= min_tokens

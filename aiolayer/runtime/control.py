@@ -1,6 +1,7 @@
 """Control plane over zmq.asyncio: a ROUTER server that answers every frame, DEALER clients with deadlines.
 
-A frame is ``[request_id, payload]`` (the ROUTER adds the peer identity). The server replies to
+A frame is ``[request_id, payload]`` (the ROUTER adds the peer identity; a REQ peer's empty
+delimiter is accepted and echoed, so plain REQ clients work too). The server replies to
 every frame, valid or not: a handler's reply, or a ``Nack`` with a code and a reason. A client
 matches replies by request id, so a late reply to an abandoned call is dropped, never mistaken for
 the next one. One ZMQ context per process; every socket is closed with linger 0.
@@ -108,7 +109,10 @@ class ControlServer:
 
     async def _answer(self, frames: list[bytes]) -> None:
         try:
-            identity, rid, reply = frames[0], _BAD_RID, None
+            # A REQ peer's frames carry an empty delimiter after the identity; its reply must too.
+            envelope = frames[:2] if len(frames) >= 2 and frames[1] == b"" else frames[:1]
+            frames = [frames[0], *frames[len(envelope):]]
+            rid, reply = _BAD_RID, None
             if len(frames) >= 2 and m.unpack_request_id(frames[1]) is not None:
                 rid = frames[1]  # echo a valid id even on a malformed frame, so the caller can match it
             if len(frames) != 3:
@@ -120,7 +124,7 @@ class ControlServer:
             if isinstance(reply, m.Nack):
                 self.nacks_sent += 1
             try:
-                await self._sock.send_multipart([identity, rid, m.encode(reply)])
+                await self._sock.send_multipart([*envelope, rid, m.encode(reply)])
             except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): nobody to tell
                 self.send_errors += 1
                 log.debug("control reply to a departed peer dropped: %s", exc)

@@ -40,6 +40,7 @@ class TransferSpec(msgspec.Struct, frozen=True, kw_only=True):
     src_blocks: list[int]
     dst_blocks: list[int]
     dst_incarnation: str = ""     # D's incarnation the blocks were allocated on ("" = any)
+    layerwise: bool = True        # False: hold every layer and write them all after the last one
 
 
 class LayerTiming(msgspec.Struct, array_like=True):
@@ -219,9 +220,10 @@ class Sender:
         """Submit each layer as it arrives; returns (time all writes settled, failure reason)."""
         local, t = self.local, self.timeouts
         writes: list[asyncio.Task] = []
+        held: list[tuple[int, float]] = []   # bulk: layers ready but not yet submitted
         reason = ""
         async with compat.TaskGroup() as group:
-            for _ in range(local.num_layers):
+            for index in range(local.num_layers):
                 try:
                     async with compat.timeout(t.layer_gap):
                         layer, event, handed = await req.layers.get()
@@ -234,7 +236,11 @@ class Sender:
                     break
                 if any(w.done() and w.result() for w in writes):
                     break  # a write failed already: submit no more layers
-                writes.append(group.create_task(self._write_layer(req, layout, layer, handed)))
+                held.append((layer, handed))
+                if req.spec.layerwise or index == local.num_layers - 1:
+                    for layer, handed in held:
+                        writes.append(group.create_task(self._write_layer(req, layout, layer, handed)))
+                    held.clear()
         settled = time.perf_counter()
         errors = [w.result() for w in writes if w.result()]
         return settled, reason or (errors[0] if errors else "")
