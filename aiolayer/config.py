@@ -25,7 +25,9 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True):
     layer_write: float = 10.0        # one layer's writes to complete once submitted
     done_delivery: float = 10.0      # DONE/FAILED accepted by D, all attempts together
     receive: float = 120.0           # D: registration -> DONE/FAILED from P
-    fence_grace: float = 2.0         # D: wait past a deadline before reusing blocks P may write
+    fence_grace: float = 35.0        # D: without P's ack, wait this long before reusing blocks P may write
+                                     # (longer than a Mooncake write can stay in flight: MC_TRANSFER_TIMEOUT=30)
+    quarantine: float = 60.0         # P: wait for a timed-out write to end before reusing its source
     shutdown: float = 5.0            # whole runtime stop
     cleanup: float = 1.0             # each awaited clean-up step
     backend_close: float = 5.0       # unregister memory and destroy the transfer engine

@@ -87,7 +87,15 @@ class BackendError(TransferError):
 
 
 class TransferTimeout(TransferError, DeadlineExceeded):
-    """A write did not complete within its deadline; the remote region is now unknown."""
+    """A write did not complete within its deadline; the remote region is now unknown.
+
+    ``pending`` holds futures that resolve when the backend sees those writes end (land or fail):
+    until then the source memory may still be read.
+    """
+
+    def __init__(self, phase: str, seconds: float, detail: str = "", pending=()) -> None:
+        super().__init__(phase, seconds, detail)
+        self.pending = list(pending)
 
 
 class TransferFailed(TransferError):

@@ -55,7 +55,8 @@ class DecodeNode:
             if ids is None:
                 raise ControlRejected("no_space", f"{msg.num_blocks} blocks asked, {self.allocator.free} free")
             try:
-                receiver.register(msg.transfer_id, ids, on_release=self.allocator.release)
+                receiver.register(msg.transfer_id, ids, on_release=self.allocator.release,
+                                  sender_control=msg.sender_control)
             except ControlRejected:
                 self.allocator.release(ids)
                 raise

@@ -71,7 +71,9 @@ SAMPLES: list[m._Msg] = [
                   num_blocks=8, layers=[m.LayerRegion(1 << 40, (1 << 40) + 4096), m.LayerRegion(0, 1)]),
     m.Done(transfer_id="t", sender="p", incarnation="inc", layers=4, bytes=1 << 33),
     m.Failed(transfer_id="t", sender="p", reason="boom"),
-    m.AllocRequest(transfer_id="t", num_blocks=3, contiguous=False),
+    m.Abort(transfer_id="t", reason="client gone"),
+    m.AbortRequest(transfer_id="t", reason="client gone"),
+    m.AllocRequest(transfer_id="t", num_blocks=3, contiguous=False, sender_control="tcp://127.0.0.1:5"),
     m.AllocReply(transfer_id="t", block_ids=[5, 1, 9], incarnation="inc"),
     m.VerifyRequest(transfer_id="t"),
     m.VerifyReply(transfer_id="t", state="finished", reason="", crc_k=[1, 2], crc_v=[3, 4]),
@@ -298,7 +300,7 @@ def test_every_transition(machine, state, event, nxt):
     assert t.state is nxt
     assert changed is (nxt is not state)
     assert t.terminal is (nxt in TERMINAL)
-    if changed and nxt is State.FAILED:
+    if changed and nxt in (State.FAILED, State.ABORTING):
         assert t.reason == "why"
     elif not changed:
         assert t.reason == ""
@@ -336,14 +338,25 @@ def test_duplicate_done_on_finished_receiver_is_a_no_op():
     assert r.state is State.FINISHED
 
 
-@pytest.mark.parametrize("first,later", [("failed", ["deadline", "failed", "done"]),
-                                         ("deadline", ["failed", "done", "deadline"])])
-def test_receiver_failure_keeps_first_reason(first, later):
+def test_receiver_failure_keeps_first_reason():
     r = receiver_transfer()
-    assert r.apply(first, "first reason") is True
-    for event in later:
+    assert r.apply("failed", "first reason") is True
+    for event in ["deadline", "failed", "done", "abort", "fenced"]:
         assert r.apply(event, f"later {event}") is False
         assert r.state is State.FAILED and r.reason == "first reason"
+
+
+@pytest.mark.parametrize("start", ["deadline", "abort"])
+@pytest.mark.parametrize("end", ["fenced", "failed", "done"])
+def test_receiver_deadline_or_abort_fences_before_failing(start, end):
+    """F08/F11: a deadline or abort does not free anything at once: ABORTING until P is quiet."""
+    r = receiver_transfer()
+    assert r.apply(start, "why D gave up") is True
+    assert r.state is State.ABORTING and not r.terminal
+    for event in ["deadline", "abort"]:
+        assert r.apply(event, "later") is False and r.state is State.ABORTING
+    assert r.apply(end, "P's word") is True
+    assert r.state is State.FAILED and r.reason == "why D gave up"
 
 
 def test_sender_failure_keeps_first_reason_and_defaults_to_event():

@@ -219,7 +219,8 @@ def test_unreachable_d_fails_bounded(memory_runtime, small_shape):
     pc = PagedKVCache(small_shape)
     p.publish_layout(pc.k_base, pc.v_base, small_shape.block_bytes, small_shape.num_blocks)
     t0 = time.monotonic()
-    p.sender.begin_step(0, [TransferSpec(transfer_id="x", peer=dead, src_blocks=[0], dst_blocks=[0])])
+    p.sender.begin_step(0, [TransferSpec(transfer_id="x", peer=dead, src_blocks=[0], dst_blocks=[0],
+                                         dst_incarnation="never-seen")])
     for layer in range(small_shape.num_layers):
         p.sender.layer_ready(0, layer)                  # never blocks, even with D dead
     assert time.monotonic() - t0 < 0.05
@@ -258,17 +259,20 @@ def status_via(d, tid: str) -> str:
 
 
 def test_receiver_deadline_fails_the_transfer(memory_runtime, memory_decode_node, small_shape):
-    d = memory_decode_node(small_shape, engine_id="d-deadline", timeouts=Timeouts(receive=0.2, fence_grace=0.2))
+    """F08: D's deadline ends the transfer, but its blocks stay fenced until P cannot write any more."""
+    d = memory_decode_node(small_shape, engine_id="d-deadline", timeouts=Timeouts(receive=0.2, fence_grace=0.4))
     p = memory_runtime("p-deadline")
     rep = alloc(p, d, "late", 2, True)
     assert status(p, d, "late").state == "registered"
-    time.sleep(0.3)
+    time.sleep(0.35)
     st = status(p, d, "late")
-    assert st.state == "failed" and "no DONE/FAILED" in st.reason
+    assert st.state == "aborting" and "no DONE/FAILED" in st.reason
     with pytest.raises(ControlRejected) as info:        # fenced: P might still be writing
         p.request(d.control_endpoint, m.ReleaseRequest(transfer_id="late"))
-    assert info.value.code == "fenced"
-    time.sleep(0.3)
+    assert info.value.code == "busy"
+    time.sleep(0.4)
+    st = status(p, d, "late")
+    assert st.state == "failed" and "no DONE/FAILED" in st.reason
     assert isinstance(p.request(d.control_endpoint, m.ReleaseRequest(transfer_id="late")), m.Ack)
     assert rep.block_ids
 
@@ -278,7 +282,7 @@ def test_wait_is_bounded(pd):
     with pytest.raises(KeyError):
         p.sender.wait("never-begun", 0.1)
     p.sender.begin_step(0, [TransferSpec(transfer_id="w", peer=d.control_endpoint, src_blocks=[0],
-                                         dst_blocks=[0])])
+                                         dst_blocks=[0], dst_incarnation=d.runtime.incarnation)])
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceeded):
         p.sender.wait("w", 0.2)                         # layers never come; wait still returns

@@ -73,7 +73,7 @@ class MooncakeBackend:
         self._regions: dict[int, int] = {}
         self._opened_targets: set[str] = set()
         self._inflight: dict[int, _Inflight] = {}
-        self._quarantine: set[int] = set()
+        self._quarantine: dict[int, asyncio.Future] = {}   # timed out, may still land: id -> settled
         self._wake: asyncio.Event | None = None
         self._poller: asyncio.Task | None = None
         self.runs_submitted = 0
@@ -145,9 +145,14 @@ class MooncakeBackend:
         results = await asyncio.gather(*futures, return_exceptions=True)
         if refused is not None:
             raise refused
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        failures = [r for r in results if isinstance(r, BaseException)]
+        timeouts = [r for r in failures if isinstance(r, TransferTimeout)]
+        if timeouts:
+            pending = [f for t in timeouts for f in t.pending]
+            raise TransferTimeout("layer_write", timeout, f"{len(timeouts)} of {len(results)} runs to {target} "
+                                  "still pending; remote region unknown", pending=pending)
+        if failures:
+            raise failures[0]
 
     def _submit(self, target: str, src: int, dst: int, length: int) -> int:
         bid = self._engine.transfer_submit_write(target, src, dst, length)
@@ -189,12 +194,15 @@ class MooncakeBackend:
             elif status == -1:
                 item.future.set_exception(BackendError("Mooncake reported the write failed"))
             else:  # -2 (engine timeout) or our deadline: the data may still land later
-                self._quarantine.add(bid)
-                item.future.set_exception(
-                    TransferTimeout("layer_write", item.timeout, "write still pending; remote region unknown"))
-        for bid in list(self._quarantine):
+                settled = asyncio.get_running_loop().create_future()
+                self._quarantine[bid] = settled
+                item.future.set_exception(TransferTimeout(
+                    "layer_write", item.timeout, "write still pending; remote region unknown", pending=[settled]))
+        for bid, settled in list(self._quarantine.items()):
             if check(bid) in (1, -1):
-                self._quarantine.discard(bid)
+                del self._quarantine[bid]
+                if not settled.done():
+                    settled.set_result(None)
         return progressed
 
     async def close(self) -> None:
@@ -206,6 +214,9 @@ class MooncakeBackend:
             if not item.future.done():
                 item.future.set_exception(BackendError("backend closed with the write in flight"))
         self._inflight.clear()
+        for settled in self._quarantine.values():
+            settled.cancel()
+        self._quarantine.clear()
         if self._engine is not None:
             for addr in list(self._regions):
                 try:

@@ -50,9 +50,18 @@ class Done(_Msg, tag="done"):
 
 
 class Failed(_Msg, tag="failed"):
+    """Sent by P only once none of its writes for the transfer can still be in flight."""
+
     transfer_id: str
     sender: str
     reason: str
+
+
+class Abort(_Msg, tag="abort"):
+    """D (or a proxy through D) asks P to stop; P acks once none of its writes is in flight."""
+
+    transfer_id: str
+    reason: str = ""
 
 
 # --- node management (used by a proxy or the benchmark to drive a standalone D node) -----------
@@ -61,6 +70,14 @@ class AllocRequest(_Msg, tag="alloc"):
     transfer_id: str
     num_blocks: int
     contiguous: bool = True
+    sender_control: str = ""   # P's control endpoint: whom D tells to stop on abort or deadline
+
+
+class AbortRequest(_Msg, tag="abort_req"):
+    """To D: give up a transfer (client gone); D fences its blocks until P is quiet."""
+
+    transfer_id: str
+    reason: str = "aborted"
 
 
 class AllocReply(_Msg, tag="alloc_ok"):
@@ -107,7 +124,7 @@ class Nack(_Msg, tag="nack"):
 
 
 Message = Union[
-    LayoutRequest, LayoutReply, Done, Failed, AllocRequest, AllocReply, VerifyRequest,
+    LayoutRequest, LayoutReply, Done, Failed, Abort, AllocRequest, AbortRequest, AllocReply, VerifyRequest,
     VerifyReply, ReleaseRequest, StatusRequest, StatusReply, Ack, Nack,
 ]
 

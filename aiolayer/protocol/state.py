@@ -26,6 +26,7 @@ class State(str, enum.Enum):
     DELIVERING = "delivering"
     # receiver
     REGISTERED = "registered"
+    ABORTING = "aborting"        # deadline or abort: P told to stop, blocks fenced until it is quiet
     # both
     FINISHED = "finished"
     FAILED = "failed"
@@ -42,9 +43,14 @@ SENDER_TABLE: dict[State, dict[str, State]] = {
 }
 
 RECEIVER_TABLE: dict[State, dict[str, State]] = {
-    State.REGISTERED: {"done": State.FINISHED, "failed": State.FAILED, "deadline": State.FAILED},
-    State.FINISHED: {"done": State.FINISHED},          # duplicate DONE changes nothing
-    State.FAILED: {"failed": State.FAILED, "deadline": State.FAILED, "done": State.FAILED},
+    State.REGISTERED: {"done": State.FINISHED, "failed": State.FAILED, "deadline": State.ABORTING,
+                       "abort": State.ABORTING},
+    # P sends DONE or FAILED only once its writes are quiet: either ends the fence like P's ack.
+    State.ABORTING: {"fenced": State.FAILED, "failed": State.FAILED, "done": State.FAILED,
+                     "deadline": State.ABORTING, "abort": State.ABORTING},
+    State.FINISHED: {"done": State.FINISHED, "abort": State.FINISHED},   # an abort after the end is moot
+    State.FAILED: {"failed": State.FAILED, "deadline": State.FAILED, "done": State.FAILED,
+                   "abort": State.FAILED, "fenced": State.FAILED},
 }
 
 
@@ -69,7 +75,7 @@ class Transfer:
         if nxt is None:
             raise IllegalTransition(self.machine, self.state.value, event)
         changed = nxt is not self.state
-        if changed and nxt is State.FAILED:
+        if changed and nxt in (State.FAILED, State.ABORTING) and not self.reason:
             self.reason = reason or event
         self.state = nxt
         return changed

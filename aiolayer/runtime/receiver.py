@@ -1,10 +1,14 @@
-"""D side: transfers registered before they are published, ended by DONE, FAILED or a deadline.
+"""D side: transfers registered before they are published, ended by DONE, FAILED, abort or deadline.
 
 ``register`` must run before the block ids leave D, so a DONE can never race the registration;
 a DONE or FAILED that still arrives for an unknown transfer is kept for ``Timeouts.receive``
 seconds and applied when the registration comes. DONE and FAILED are idempotent per
-(transfer id, sender). A transfer whose deadline passes is failed, and its blocks are released
-only after ``fence_grace`` more seconds, when no write from P can still be under way.
+(transfer id, sender).
+
+Fencing: on a deadline or an abort the transfer goes to ``aborting``: D tells P to stop and keeps
+the blocks until P acknowledges that none of its writes is in flight (or P's FAILED arrives, which
+P sends only then). Without an answer, it waits ``fence_grace`` seconds, longer than a write can
+stay in flight. Only then is the failure published and may the blocks be released.
 """
 
 from __future__ import annotations
@@ -13,15 +17,20 @@ import asyncio
 import collections
 import logging
 import time
+from typing import Awaitable, Callable
 
 import msgspec
 
 from ..config import Timeouts
 from ..errors import ControlRejected
 from ..protocol import messages as m
-from ..protocol.state import State, receiver_transfer
+from ..protocol.state import IllegalTransition, State, receiver_transfer
+from .loop import spawn_future
 
 log = logging.getLogger(__name__)
+
+# (P's control endpoint, transfer id, reason) -> True once P confirmed it is quiet
+StopSender = Callable[[str, str, str], Awaitable[bool]]
 
 
 class Received(msgspec.Struct, kw_only=True):
@@ -32,16 +41,18 @@ class Received(msgspec.Struct, kw_only=True):
 
 
 class _Entry:
-    __slots__ = ("transfer_id", "block_ids", "state", "sender", "timer", "registered_s", "on_release")
+    __slots__ = ("transfer_id", "block_ids", "state", "sender", "sender_control", "timer", "on_release",
+                 "fence")
 
-    def __init__(self, transfer_id: str, block_ids: list[int], on_release) -> None:
+    def __init__(self, transfer_id: str, block_ids: list[int], on_release, sender_control: str) -> None:
         self.transfer_id = transfer_id
         self.block_ids = block_ids
         self.state = receiver_transfer()
         self.sender = ""
+        self.sender_control = sender_control
         self.timer: asyncio.TimerHandle | None = None
-        self.registered_s = time.perf_counter()
         self.on_release = on_release
+        self.fence: asyncio.Future | None = None
 
 
 class Receiver:
@@ -50,21 +61,28 @@ class Receiver:
         self._entries: dict[str, _Entry] = {}
         self._early: dict[str, tuple[m.Message, float]] = {}
         self._results: collections.deque[Received] = collections.deque()
+        self._spawn = None
+        self._stop_sender: StopSender | None = None
         self.duplicates = 0
         self.deadlines_expired = 0
+        self.aborts = 0
+
+    def bind(self, spawn, stop_sender: StopSender) -> None:
+        """Give the receiver its task owner and the way to tell a P to stop (from the runtime)."""
+        self._spawn = spawn
+        self._stop_sender = stop_sender
 
     # --- on the loop ---------------------------------------------------------------------------
 
     def register(self, transfer_id: str, block_ids: list[int], on_release=None,
-                 deadline_s: float | None = None) -> None:
+                 deadline_s: float | None = None, sender_control: str = "") -> None:
         """Register before publishing the block ids; ``on_release(block_ids)`` frees them later."""
         if transfer_id in self._entries:
             raise ControlRejected("duplicate", f"transfer {transfer_id} is already registered")
-        entry = _Entry(transfer_id, block_ids, on_release)
+        entry = _Entry(transfer_id, block_ids, on_release, sender_control)
         self._entries[transfer_id] = entry
-        loop = asyncio.get_running_loop()
         limit = self.timeouts.receive if deadline_s is None else deadline_s
-        entry.timer = loop.call_later(limit, self._expire, transfer_id)
+        entry.timer = asyncio.get_running_loop().call_later(limit, self._expire, transfer_id)
         early = self._early.pop(transfer_id, None)
         if early is not None:
             self.handle(early[0])
@@ -80,12 +98,28 @@ class Receiver:
             raise ControlRejected("sender", f"transfer {tid} belongs to another sender")
         event = "done" if isinstance(msg, m.Done) else "failed"
         reason = "" if event == "done" else f"P reported: {msg.reason}"
-        if not entry.state.apply(event, reason):
+        if entry.state.state is State.ABORTING:
+            reason = entry.state.reason  # P is quiet now; the failure is still why D gave up
+        try:
+            changed = entry.state.apply(event, reason)
+        except IllegalTransition as exc:
+            raise ControlRejected("state", str(exc)) from None
+        if not changed:
             self.duplicates += 1
             return m.Ack(detail=f"already {entry.state.state.value}")
         entry.sender = msg.sender
         self._settle(entry)
         return m.Ack(detail=entry.state.state.value)
+
+    def abort(self, transfer_id: str, reason: str) -> str:
+        """Give up a transfer: P is told to stop; the blocks stay fenced until it is quiet."""
+        entry = self._entries.get(transfer_id)
+        if entry is None:
+            raise ControlRejected("unknown_transfer", f"no transfer {transfer_id}")
+        if entry.state.apply("abort", reason):
+            self.aborts += 1
+            self._start_fence(entry)
+        return entry.state.state.value
 
     def state_of(self, transfer_id: str) -> tuple[str, str]:
         entry = self._entries.get(transfer_id)
@@ -100,8 +134,6 @@ class Receiver:
             return False
         if not entry.state.terminal:
             raise ControlRejected("busy", f"transfer {transfer_id} is still {entry.state.state.value}")
-        if entry.state.state is State.FAILED and entry.timer is not None:
-            raise ControlRejected("fenced", f"transfer {transfer_id} waits out its fence grace period")
         del self._entries[transfer_id]
         if entry.on_release is not None:
             entry.on_release(entry.block_ids)
@@ -121,6 +153,8 @@ class Receiver:
         for entry in self._entries.values():
             if entry.timer is not None:
                 entry.timer.cancel()
+            if entry.fence is not None:
+                entry.fence.cancel()
         self._entries.clear()
         self._early.clear()
 
@@ -138,23 +172,43 @@ class Receiver:
         if entry.timer is not None:
             entry.timer.cancel()
             entry.timer = None
+        if entry.fence is not None:
+            entry.fence.cancel()
+            entry.fence = None
         ok = entry.state.state is State.FINISHED
         self._results.append(Received(transfer_id=entry.transfer_id, ok=ok, reason=entry.state.reason,
                                       finished_s=time.perf_counter()))
 
     def _expire(self, transfer_id: str) -> None:
         entry = self._entries.get(transfer_id)
-        if entry is None or entry.state.terminal:
+        if entry is None or entry.state.state is not State.REGISTERED:
             return
         self.deadlines_expired += 1
         entry.state.apply("deadline", f"no DONE/FAILED within {self.timeouts.receive:g}s")
-        self._results.append(Received(transfer_id=transfer_id, ok=False, reason=entry.state.reason,
-                                      finished_s=time.perf_counter()))
-        # P may still be writing: keep the blocks fenced for the grace period.
-        loop = asyncio.get_running_loop()
-        entry.timer = loop.call_later(self.timeouts.fence_grace, self._unfence, transfer_id)
+        self._start_fence(entry)
 
-    def _unfence(self, transfer_id: str) -> None:
-        entry = self._entries.get(transfer_id)
-        if entry is not None:
+    def _start_fence(self, entry: _Entry) -> None:
+        if entry.timer is not None:
+            entry.timer.cancel()
             entry.timer = None
+        entry.fence = spawn_future(self._spawn, self._fence(entry), name=f"fence {entry.transfer_id}")
+
+    async def _fence(self, entry: _Entry) -> None:
+        """Until P is quiet: its ack, or ``fence_grace`` (longer than any write stays in flight)."""
+        t = self.timeouts
+        loop = asyncio.get_running_loop()
+        end = loop.time() + t.fence_grace
+        quiet = False
+        if entry.sender_control and self._stop_sender is not None:
+            try:
+                quiet = await asyncio.wait_for(
+                    self._stop_sender(entry.sender_control, entry.transfer_id, entry.state.reason),
+                    max(0.0, min(t.fence_grace, t.layer_write + t.control_call + t.cleanup)))
+            except asyncio.TimeoutError:
+                quiet = False
+        if not quiet:
+            await asyncio.sleep(max(0.0, end - loop.time()))
+        if entry.state.state is State.ABORTING:
+            entry.state.apply("fenced")
+            entry.fence = None
+            self._settle(entry)

@@ -14,7 +14,7 @@ from typing import Awaitable, Callable
 
 from ..backends import make_backend
 from ..config import NodeConfig, Timeouts
-from ..errors import BridgeClosed, ControlRejected, RuntimeStateError
+from ..errors import BridgeClosed, ControlError, ControlRejected, DeadlineExceeded, RuntimeStateError
 from ..protocol import messages as m
 from .bridge import LayerBridge
 from .control import ControlPeers, ControlServer
@@ -73,6 +73,7 @@ class Runtime:
         self.sender = Sender(engine_id=self.node.engine_id, bridge=self.bridge, backend=self.backend,
                              peers=self.peers, layouts=self.layouts, timeouts=self.timeouts)
         spawn(self.sender.run(spawn), name="sender")
+        self.receiver.bind(spawn, self._stop_sender)
         self.server = ControlServer(self.node.control_host, self.node.control_port, self._handle,
                                     max_frame_bytes=self.node.max_frame_bytes)
         self.control_endpoint = await self.server.start(spawn)
@@ -138,9 +139,24 @@ class Runtime:
 
     # --- control-plane routing -----------------------------------------------------------------
 
+    async def _stop_sender(self, endpoint: str, transfer_id: str, reason: str) -> bool:
+        """D's fence: ask P to stop writing ``transfer_id``; True once P says none is in flight."""
+        try:
+            client = await self.peers.get(endpoint)
+            reply = await client.call(m.Abort(transfer_id=transfer_id, reason=reason),
+                                      timeout=self.timeouts.layer_write + self.timeouts.control_call)
+        except (ControlError, DeadlineExceeded) as exc:
+            log.warning("transfer %s: P at %s did not confirm it stopped: %s", transfer_id, endpoint, exc)
+            return False
+        return isinstance(reply, m.Ack) and reply.detail == "stopped"
+
     async def _handle(self, msg: m.Message) -> m.Message:
         if isinstance(msg, (m.Done, m.Failed)):
             return self.receiver.handle(msg)
+        if isinstance(msg, m.Abort):
+            return m.Ack(detail=await self.sender.abort(msg.transfer_id, msg.reason))
+        if isinstance(msg, m.AbortRequest):
+            return m.Ack(detail=self.receiver.abort(msg.transfer_id, msg.reason))
         if isinstance(msg, m.LayoutRequest):
             if self.layout_reply is None:
                 raise ControlRejected("not_ready", "no KV layout registered yet")

@@ -3,8 +3,13 @@
 The forward thread calls ``begin_step``, ``layer_ready`` and ``end_step``; each only appends to the
 bridge. On the loop, every request of a step gets one coroutine that awaits D's layout, then for
 each layer awaits its device event and submits that layer's K and V runs. After the last layer it
-waits for every write to settle and tells D: DONE, or FAILED with the reason. A request's outcome
-is published only after all of its writes settled, so its source blocks are safe to reuse then.
+waits for every write to settle and tells D: DONE, or FAILED with the reason.
+
+Fencing: a transfer id appears in ``pop_released`` only once no write reading its source blocks
+can still be in flight. Usually that is when its outcome is published; after a write timed out
+(the data may still land, notes/mooncake.md) it is when the backend saw that write end. D may
+ask P to stop a transfer (``abort``): no layer is submitted after that, and the reply waits for the
+writes already in flight.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import numpy as np
 
 from .. import compat
 from ..config import Timeouts
-from ..errors import AiolayerError, DeadlineExceeded, LayoutMismatch, RuntimeStateError
+from ..errors import (AiolayerError, ConfigError, ControlRejected, DeadlineExceeded, LayoutMismatch,
+                      RuntimeStateError, TransferTimeout)
 from ..protocol import messages as m
 from ..protocol.plan import BlockRuns, check_block_bounds, merge_runs, run_addresses
 from ..protocol.state import State, sender_transfer
@@ -39,8 +45,12 @@ class TransferSpec(msgspec.Struct, frozen=True, kw_only=True):
     peer: str                     # D's control endpoint
     src_blocks: list[int]
     dst_blocks: list[int]
-    dst_incarnation: str = ""     # D's incarnation the blocks were allocated on ("" = any)
+    dst_incarnation: str          # D's incarnation the blocks were allocated on: never write to another
     layerwise: bool = True        # False: hold every layer and write them all after the last one
+
+    def __post_init__(self) -> None:
+        if not self.dst_incarnation:
+            raise ConfigError(f"transfer {self.transfer_id}: dst_incarnation is required (D's AllocReply)")
 
 
 class LayerTiming(msgspec.Struct, array_like=True):
@@ -57,6 +67,7 @@ class Outcome(msgspec.Struct, kw_only=True):
     bytes: int = 0
     finished_s: float = 0.0       # perf_counter when DONE was acknowledged (or the failure decided)
     writes_settled_s: float = 0.0
+    source_released: bool = True  # False: a timed-out write may still read the source (see pop_released)
     layers: list[LayerTiming] = []
 
 
@@ -72,15 +83,23 @@ class LocalLayout(msgspec.Struct, frozen=True):
 
 
 class _Request:
-    __slots__ = ("spec", "runs", "layers", "state", "timings", "bytes")
+    __slots__ = ("spec", "runs", "layers", "state", "timings", "bytes", "aborted", "pending", "quiet")
 
     def __init__(self, spec: TransferSpec, runs: BlockRuns) -> None:
         self.spec = spec
         self.runs = runs
-        self.layers: asyncio.Queue = asyncio.Queue()
+        self.layers: asyncio.Queue = asyncio.Queue()   # (layer, event, handed) items; None = abort
         self.state = sender_transfer()
         self.timings: list[LayerTiming] = []
         self.bytes = 0
+        self.aborted = ""                              # D's reason, once D asked us to stop
+        self.pending: list[asyncio.Future] = []        # timed-out writes that may still land
+        self.quiet = asyncio.Event()                   # set once no write of ours can be in flight
+
+    def abort(self, reason: str) -> None:
+        if not self.aborted:
+            self.aborted = reason or "aborted by D"
+            self.layers.put_nowait(None)
 
 
 class Sender:
@@ -96,8 +115,12 @@ class Sender:
         self._steps: dict[int, list[_Request]] = {}
         self._waiters: dict[str, concurrent.futures.Future] = {}
         self._outcomes: collections.deque[Outcome] = collections.deque()
+        self._released: collections.deque[str] = collections.deque()
+        self._live: dict[str, _Request] = {}          # until its writes are quiet
+        self._aborted_early: dict[str, float] = {}    # abort before the step came: refuse it then
         self._spawn = None
         self.active = 0
+        self.fence_timeouts = 0
 
     # --- forward-thread API (never blocks) -------------------------------------------------
 
@@ -127,10 +150,11 @@ class Sender:
     # --- results (any thread) ----------------------------------------------------------------
 
     def pop_outcomes(self) -> list[Outcome]:
-        out = []
-        while self._outcomes:
-            out.append(self._outcomes.popleft())
-        return out
+        return _drain(self._outcomes)
+
+    def pop_released(self) -> list[str]:
+        """Transfer ids whose source blocks no write can still read: safe to reuse now."""
+        return _drain(self._released)
 
     def wait(self, transfer_id: str, timeout: float) -> Outcome:
         """Block until the transfer's outcome is known (never call this from the forward thread)."""
@@ -174,19 +198,36 @@ class Sender:
             self._steps.pop(item[1], None)
 
     def _start_request(self, spec: TransferSpec) -> _Request:
-        runs = None
         try:
             check_block_bounds(spec.src_blocks, self.local.num_blocks, "source")
-            runs = merge_runs(spec.src_blocks, spec.dst_blocks)
+            req = _Request(spec, merge_runs(spec.src_blocks, spec.dst_blocks))
         except ValueError as exc:
             req = _Request(spec, merge_runs([], []))
             self._spawn(self._finish(req, str(exc), None), name=f"fail {spec.transfer_id}")
             return req
-        req = _Request(spec, runs)
+        if self._aborted_early.pop(spec.transfer_id, None) is not None:
+            self._spawn(self._finish(req, "aborted by D before it started", None), name=f"fail {spec.transfer_id}")
+            return req
+        self._live[spec.transfer_id] = req
         self.layouts.prefetch(spec.peer)
         self.active += 1
         self._spawn(self._run_request(req), name=f"send {spec.transfer_id}")
         return req
+
+    async def abort(self, transfer_id: str, reason: str) -> str:
+        """D asks us to stop: submit nothing more, and return once no write is in flight."""
+        req = self._live.get(transfer_id)
+        if req is None:
+            now = time.monotonic()
+            self._aborted_early = {t: e for t, e in self._aborted_early.items() if e > now}
+            self._aborted_early[transfer_id] = now + self.timeouts.receive  # unknown or already quiet
+            return "stopped"
+        req.abort(reason)
+        try:
+            await asyncio.wait_for(req.quiet.wait(), self.timeouts.layer_write + self.timeouts.cleanup)
+        except asyncio.TimeoutError:
+            raise ControlRejected("settling", f"writes of {transfer_id} are still in flight") from None
+        return "stopped"
 
     async def _run_request(self, req: _Request) -> None:
         reason = ""
@@ -206,6 +247,8 @@ class Sender:
             reason = f"internal error {type(exc).__name__}: {exc}"
         finally:
             self.active -= 1
+        if reason and not req.aborted:
+            self.layouts.invalidate(req.spec.peer)  # the peer may have restarted: fetch afresh next time
         await self._finish(req, reason, settled)
 
     def _check_layout(self, req: _Request, layout) -> None:
@@ -226,7 +269,11 @@ class Sender:
             for index in range(local.num_layers):
                 try:
                     async with compat.timeout(t.layer_gap):
-                        layer, event, handed = await req.layers.get()
+                        item = await req.layers.get()
+                    if item is None:
+                        reason = req.aborted
+                        break
+                    layer, event, handed = item
                     await wait_event(event, t.layer_event)
                 except TimeoutError:
                     reason = f"layer_gap: no next layer within {t.layer_gap:g}s"
@@ -243,10 +290,13 @@ class Sender:
                     held.clear()
         settled = time.perf_counter()
         errors = [w.result() for w in writes if w.result()]
-        return settled, reason or (errors[0] if errors else "")
+        return settled, req.aborted or reason or (errors[0] if errors else "")
 
     async def _write_layer(self, req: _Request, layout, layer: int, handed: float) -> str:
-        """One layer's K and V runs; returns "" on success or the failure reason (never raises)."""
+        """One layer's K and V runs; returns "" on success or the failure reason (never raises).
+
+        A timed-out write leaves its settle futures in ``req.pending`` for the fence.
+        """
         local = self.local
         bb = local.block_bytes
         ks, kd, kl = run_addresses(req.runs, int(local.k_base[layer]), int(layout.k_base[layer]), bb)
@@ -255,6 +305,9 @@ class Sender:
         try:
             await self.backend.write(layout.session, np.concatenate((ks, vs)), np.concatenate((kd, vd)),
                                      np.concatenate((kl, vl)), self.timeouts.layer_write)
+        except TransferTimeout as exc:
+            req.pending.extend(exc.pending)
+            return f"layer {layer}: {type(exc).__name__}: {exc}"
         except AiolayerError as exc:
             return f"layer {layer}: {type(exc).__name__}: {exc}"
         req.timings.append(LayerTiming(layer, handed, submitted, time.perf_counter()))
@@ -262,21 +315,34 @@ class Sender:
         return ""
 
     async def _finish(self, req: _Request, reason: str, settled: float | None) -> None:
-        """Tell D the outcome (bounded), then publish it locally."""
+        """Success: DONE acknowledged by D, then the outcome. Failure: the outcome at once, then
+        FAILED to D once our writes are quiet, so D may reuse its blocks when it reads it."""
         spec = req.spec
+        if reason:
+            self._publish(req, reason, settled)
+            try:
+                await asyncio.wait_for(req.quiet.wait(), self.timeouts.quarantine + self.timeouts.cleanup)
+            except asyncio.TimeoutError:
+                pass  # still unresolved: D's own deadline and fence take over
+            msg = m.Failed(transfer_id=spec.transfer_id, sender=self.engine_id, reason=reason[:500])
+            if req.quiet.is_set() and not req.aborted:
+                await self._tell_d(spec, msg)
+            return
+        req.state.apply("all_layers_written")
+        msg = m.Done(transfer_id=spec.transfer_id, sender=self.engine_id, incarnation=spec.dst_incarnation,
+                     layers=len(req.timings), bytes=req.bytes)
+        error = await self._tell_d(spec, msg)
+        self._publish(req, f"DONE not delivered: {error}" if error else "", settled)
+
+    async def _tell_d(self, spec: TransferSpec, msg: m.Message) -> str:
+        """Deliver DONE/FAILED with bounded retries; returns "" or what went wrong."""
         try:
             client = await self.peers.get(spec.peer)
-            if not reason:
-                req.state.apply("all_layers_written")
-                msg = m.Done(transfer_id=spec.transfer_id, sender=self.engine_id,
-                             incarnation=spec.dst_incarnation, layers=len(req.timings), bytes=req.bytes)
-            else:
-                msg = m.Failed(transfer_id=spec.transfer_id, sender=self.engine_id, reason=reason[:500])
             await client.call_with_retries(msg, self.timeouts.done_delivery)
         except AiolayerError as exc:
-            reason = reason or f"DONE not delivered: {exc}"
-            log.warning("transfer %s: could not tell D the outcome: %s", spec.transfer_id, exc)
-        self._publish(req, reason, settled)
+            log.warning("transfer %s: could not tell D %s: %s", spec.transfer_id, type(msg).__name__, exc)
+            return f"{type(exc).__name__}: {exc}"
+        return ""
 
     def _publish(self, req: _Request, reason: str, settled: float | None) -> None:
         if req.state.terminal:
@@ -286,15 +352,49 @@ class Sender:
         else:
             req.state.apply("done_acked")
         now = time.perf_counter()
+        pending = [f for f in req.pending if not f.done()]
         outcome = Outcome(transfer_id=req.spec.transfer_id, ok=req.state.state is State.FINISHED,
                           reason=req.state.reason, bytes=req.bytes, finished_s=now,
-                          writes_settled_s=settled or now, layers=sorted(req.timings, key=lambda x: x.layer))
+                          writes_settled_s=settled or now, source_released=not pending,
+                          layers=sorted(req.timings, key=lambda x: x.layer))
         self._outcomes.append(outcome)
         waiter = self._waiters.get(req.spec.transfer_id)
         if waiter is not None and not waiter.done():
             waiter.set_result(outcome)
+        if pending:
+            self._spawn(self._release_when_quiet(req, pending), name=f"fence {req.spec.transfer_id}")
+        else:
+            self._release(req)
+
+    def _release(self, req: _Request) -> None:
+        req.quiet.set()
+        self._live.pop(req.spec.transfer_id, None)
+        self._released.append(req.spec.transfer_id)
+
+    async def _release_when_quiet(self, req: _Request, pending: list[asyncio.Future]) -> None:
+        """Hold the source blocks until the backend saw every timed-out write end."""
+        limit = self.timeouts.quarantine
+        done, still = await asyncio.wait(pending, timeout=limit)
+        if still:
+            # Never hand back memory a write may still read: these blocks stay held, loudly.
+            self.fence_timeouts += 1
+            log.error("transfer %s: %d writes still unresolved after %gs; its source blocks stay held",
+                      req.spec.transfer_id, len(still), limit)
+            req.quiet.set()
+            self._live.pop(req.spec.transfer_id, None)
+            return
+        self._release(req)
 
     def _fail_unstarted(self, reason: str) -> None:
+        for req in list(self._live.values()):
+            req.quiet.set()
         for tid, fut in list(self._waiters.items()):
             if not fut.done():
                 fut.set_result(Outcome(transfer_id=tid, ok=False, reason=reason, finished_s=time.perf_counter()))
+
+
+def _drain(queue: collections.deque) -> list:
+    out = []
+    while queue:
+        out.append(queue.popleft())
+    return out
