@@ -36,6 +36,11 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="mooncake", choices=["mooncake", "memory"])
     p.add_argument("--receive-timeout", type=float, default=Timeouts().receive,
                    help="seconds D waits for a registered transfer's DONE/FAILED")
+    p.add_argument("--fence-grace", type=float, default=Timeouts().fence_grace,
+                   help="seconds D keeps an abandoned transfer's blocks when P does not confirm it stopped "
+                        "(must exceed MC_TRANSFER_TIMEOUT)")
+    p.add_argument("--refuse-writes", action="store_true",
+                   help="fault injection: publish the KV layout but register no memory, so writes are refused")
 
 
 def run_node(args: argparse.Namespace) -> int:
@@ -46,7 +51,9 @@ def run_node(args: argparse.Namespace) -> int:
         return 2
     node_cfg = NodeConfig(engine_id=args.engine_id or f"decode-{args.port or 'auto'}",
                           control_host=args.host, control_port=args.port, backend=args.backend)
-    node = DecodeNode(shape_from_args(args), node_cfg, Timeouts(receive=args.receive_timeout))
+    node = DecodeNode(shape_from_args(args), node_cfg,
+                      Timeouts(receive=args.receive_timeout, fence_grace=args.fence_grace),
+                      refuse_writes=args.refuse_writes)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

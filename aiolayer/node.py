@@ -18,8 +18,9 @@ from .runtime.runtime import Runtime
 
 class DecodeNode:
     def __init__(self, shape: KVShape, node: NodeConfig | None = None, timeouts: Timeouts | None = None,
-                 backend=None) -> None:
+                 backend=None, refuse_writes: bool = False) -> None:
         self.shape = shape
+        self.refuse_writes = refuse_writes   # fault injection: publish the layout, register no memory
         self.runtime = Runtime(node, timeouts, backend=backend, extra_handler=self._handle)
         self.cache: PagedKVCache | None = None
         self.allocator = BlockAllocator(shape.num_blocks)
@@ -34,7 +35,7 @@ class DecodeNode:
         self.runtime.start()
         try:
             self.runtime.publish_layout(self.cache.k_base, self.cache.v_base, self.shape.block_bytes,
-                                        self.shape.num_blocks)
+                                        self.shape.num_blocks, register=not self.refuse_writes)
         except BaseException:
             self.runtime.stop()
             raise

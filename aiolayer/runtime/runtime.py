@@ -122,14 +122,19 @@ class Runtime:
 
     # --- D side: publish the local KV layout -------------------------------------------------
 
-    def publish_layout(self, k_base: list[int], v_base: list[int], block_bytes: int, num_blocks: int) -> None:
-        """Make this process's KV caches the target of peers' writes (D), or their source (P)."""
-        self.loop_thread.call(self._register_layout(k_base, v_base, block_bytes, num_blocks),
+    def publish_layout(self, k_base: list[int], v_base: list[int], block_bytes: int, num_blocks: int,
+                       register: bool = True) -> None:
+        """Make this process's KV caches the target of peers' writes (D), or their source (P).
+
+        ``register=False`` publishes without registering the memory with the backend, so every
+        write to it is refused: a fault-injection switch for tests and ``bench --scenario faults``.
+        """
+        self.loop_thread.call(self._register_layout(k_base, v_base, block_bytes, num_blocks, register),
                               timeout=self.timeouts.shutdown)
 
-    async def _register_layout(self, k_base, v_base, block_bytes: int, num_blocks: int) -> None:
+    async def _register_layout(self, k_base, v_base, block_bytes: int, num_blocks: int, register: bool) -> None:
         span = num_blocks * block_bytes
-        for base in list(k_base) + list(v_base):
+        for base in list(k_base) + list(v_base) if register else ():
             self.backend.register(int(base), span)
         self.sender.set_local_layout(k_base, v_base, block_bytes, num_blocks)
         self.layout_reply = m.LayoutReply(

@@ -1,0 +1,132 @@
+"""Peer faults against real processes and the real Mooncake engine, one test per seed fragility.
+
+Each test runs one scenario of ``aiolayer bench --scenario faults`` (bench/faults.py) on a shared
+harness: P in this process, a healthy decode node kept for the module, a faulty node per test.
+Names say which item of notes/seed-fragilities.md the test shows impossible (fNN).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers_node import apply_mc_env
+
+apply_mc_env()
+
+from aiolayer_bench import faults  # noqa: E402
+from aiolayer_bench.faults import FAULT_TIMEOUTS, P_DEADLINE_S  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+HANDOFF_MAX_NS = 50_000_000   # the old design stalled the forward ~3 s per layer; allow scheduler noise
+
+
+@pytest.fixture(scope="module")
+def harness():
+    with faults.FaultHarness() as h:
+        yield h
+
+
+def _healthy_peer_unhurt(r: dict) -> None:
+    assert r["lost"] == 0, r
+    assert r["good_ok"] and r["good_verified"], r
+    assert r["handoff_ns"]["max"] < HANDOFF_MAX_NS, r
+
+
+def test_f20_f04_killed_d_fails_within_its_deadline_and_others_complete(harness):
+    r = faults.scenario_kill(harness)
+    _healthy_peer_unhurt(r)
+    assert not r["bad_ok"] and r["bad_reason"]
+    assert r["terminal_s"] <= P_DEADLINE_S + 1.0, r
+
+
+def test_f04_f09_frozen_d_fails_at_p_then_at_d_and_source_is_fenced(harness):
+    r = faults.scenario_freeze(harness)
+    _healthy_peer_unhurt(r)
+    assert not r["bad_ok"] and "TransferTimeout" in r["bad_reason"], r
+    assert r["terminal_s"] <= P_DEADLINE_S + 1.0, r
+    # the timed-out write may still land: P must not hand its source blocks back while D is frozen
+    assert not r["source_released_at_outcome"] and not r["source_released_while_frozen"], r
+    assert r["source_released_later"], r
+    assert r["d_state_after_sigcont"] == "failed", r
+    assert r["d_terminal_after_sigcont_s"] <= FAULT_TIMEOUTS.receive + FAULT_TIMEOUTS.fence_grace + 1.0, r
+
+
+def test_f05_refused_write_fails_and_d_is_told(harness):
+    r = faults.scenario_refuse(harness)
+    _healthy_peer_unhurt(r)
+    assert not r["bad_ok"] and "BackendError" in r["bad_reason"], r
+    assert r["d_state"] == "failed", r          # FAILED reached D: it does not wait forever
+
+
+def test_slow_peer_is_delayed_not_failed(harness):
+    r = faults.scenario_slow(harness)
+    _healthy_peer_unhurt(r)
+    assert r["bad_ok"] and r["bad_verified"], r
+
+
+def test_f11_client_abort_stops_p_and_fences_d(harness):
+    r = faults.scenario_abort(harness)
+    _healthy_peer_unhurt(r)
+    assert r["aborted_tid_seen"] and not r["bad_ok"], r
+    assert "client disconnected" in r["bad_reason"], r
+    assert r["d_state"] == "failed", r
+    assert r["d_fenced_s"] < FAULT_TIMEOUTS.fence_grace, r   # P's ack ended the fence, not the grace timer
+
+
+def test_f01_f02_unreachable_d_fails_once_off_the_forward(harness):
+    r = faults.scenario_unreachable(harness)
+    _healthy_peer_unhurt(r)
+    assert not r["bad_ok"] and "layout_fetch" in r["bad_reason"], r
+    assert r["layout_fetches"] == 1, r          # once per transfer, never once per layer
+    assert r["terminal_s"] <= r["deadline_s"] + 1.0, r
+
+
+def test_f13_done_before_registration_completes_and_duplicate_is_a_no_op(harness):
+    r = faults.scenario_done_first(harness)
+    assert r["early_reply"] == "kept until registration"
+    assert r["state"] == "finished" and r["duplicate_reply"] == "already finished", r
+
+
+def test_f06_garbage_frames_are_all_answered_and_d_keeps_serving(harness):
+    r = faults.scenario_garbage(harness, frames=1000)
+    assert r["answered"] == r["frames"] == 1000, r
+    _healthy_peer_unhurt(r)
+    assert r["bad_ok"] and r["bad_verified"], r
+
+
+def test_f16_restarted_d_on_the_same_port_is_never_written_at_stale_addresses(harness):
+    from aiolayer.protocol import messages as m
+
+    h = harness
+    port = _free_port()
+    first = h.bad_node(port=port)
+    try:
+        old = h.alloc(first.control, "before-restart")
+        h.release(first.control, "before-restart")
+    finally:
+        first.stop()
+    second = h.bad_node(port=port)
+    try:
+        assert second.control == first.control and second.info["incarnation"] != old.incarnation
+        fresh = h.alloc(second.control, "after-restart")
+        stale = h.alloc(second.control, "stale-spec")
+        before = h.rt.request(second.control, m.VerifyRequest(transfer_id="stale-spec"))
+        # a transfer still carrying the first incarnation's allocation must be refused, unwritten
+        kv, _, _ = h.stream([("stale-spec", second.control, m.AllocReply(
+            transfer_id="stale-spec", block_ids=stale.block_ids, incarnation=old.incarnation)),
+            ("after-restart", second.control, fresh)])
+        bad, good = h.outcome("stale-spec", 10), h.outcome("after-restart", 10)
+        assert bad is not None and not bad.ok and "StaleLayout" in bad.reason, bad
+        assert good is not None and good.ok, good
+        assert h.verified(second.control, "after-restart", kv)
+        after = h.rt.request(second.control, m.VerifyRequest(transfer_id="stale-spec"))
+        assert (after.crc_k, after.crc_v) == (before.crc_k, before.crc_v)   # not one byte written
+    finally:
+        second.stop()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
