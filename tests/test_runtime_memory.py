@@ -141,7 +141,7 @@ def test_forward_thread_calls_return_at_once(pd, small_shape):
 
 # --- failures end in a terminal state on both sides -----------------------------------------------------
 
-def test_backend_failure_is_reported_to_d(pd, small_shape):
+def test_f05_backend_failure_is_reported_to_d(pd, small_shape):
     """Fragility 5: a failed transfer still tells D (FAILED), so D does not wait forever."""
     p, d, pc = pd
     rep = alloc(p, d, "bad", 6, False)
@@ -258,7 +258,7 @@ def status_via(d, tid: str) -> str:
     return d.runtime.loop_thread.call(get(), timeout=2)
 
 
-def test_receiver_deadline_fails_the_transfer(memory_runtime, memory_decode_node, small_shape):
+def test_f08_receiver_deadline_fails_the_transfer(memory_runtime, memory_decode_node, small_shape):
     """F08: D's deadline ends the transfer, but its blocks stay fenced until P cannot write any more."""
     d = memory_decode_node(small_shape, engine_id="d-deadline", timeouts=Timeouts(receive=0.2, fence_grace=0.4))
     p = memory_runtime("p-deadline")
@@ -325,3 +325,82 @@ def test_stop_leaves_no_region_socket_or_thread(small_shape):
     p.stop()                                            # stopping twice is harmless
     with pytest.raises(RuntimeStateError):
         p.start()
+
+
+# --- layer identity, device events, collectives (seed fragilities 14, 15, 18) ------------------------
+
+def test_f14_layers_are_identified_by_index_not_by_arrival_order(pd, small_shape):
+    """Extra hooks (MTP) shifted a counter-based layer id in the seed; here the caller names the layer."""
+    p, d, pc = pd
+    rep = alloc(p, d, "shuffled", 3, False)
+    p.sender.begin_step(7, [spec(d, "shuffled", [4, 5, 6], rep)])
+    for layer in reversed(range(small_shape.num_layers)):
+        p.sender.layer_ready(7, layer)
+    p.sender.end_step(7)
+    assert p.sender.wait("shuffled", 10).ok
+    verify(p, d, pc, "shuffled", [4, 5, 6])     # every layer's K/V landed in that layer's tensors
+
+
+def test_f15_events_are_polled_never_a_device_wide_synchronize():
+    import ast
+    import asyncio
+    import pathlib
+
+    import aiolayer
+    from aiolayer.errors import DeadlineExceeded
+    from aiolayer.runtime.events import wait_event
+
+    root = pathlib.Path(aiolayer.__file__).parent
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                assert node.attr != "synchronize", f"{path.name} calls synchronize()"
+
+    class PendingEvent:
+        def __init__(self, ready_after: int) -> None:
+            self.queries, self.ready_after = 0, ready_after
+
+        def query(self) -> bool:
+            self.queries += 1
+            return self.queries > self.ready_after
+
+    event = PendingEvent(ready_after=5)
+    asyncio.run(wait_event(event, timeout=2))
+    assert event.queries == 6
+    with pytest.raises(DeadlineExceeded):
+        asyncio.run(wait_event(PendingEvent(ready_after=10 ** 9), timeout=0.05))
+
+
+def test_f18_no_collective_on_the_connector_path():
+    import ast
+    import pathlib
+
+    import aiolayer
+
+    for path in pathlib.Path(aiolayer.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.startswith("torch.distributed") for n in names), f"{path.name} imports {names}"
+
+
+def test_f09_source_released_only_after_every_write_settled(memory_runtime, memory_decode_node, small_shape):
+    """The seed freed P's blocks with sends still queued; here release waits for the last write."""
+    d = memory_decode_node(small_shape, engine_id="d-slow")
+    p = memory_runtime("p-fence")
+    pc = PagedKVCache(small_shape)
+    p.publish_layout(pc.k_base, pc.v_base, small_shape.block_bytes, small_shape.num_blocks)
+    d.runtime.backend.faults.delay_s = 0.05      # every write takes a while to land
+    rep = alloc(p, d, "held", 2, True)
+    run_step(p, 1, [spec(d, "held", [0, 1], rep)], small_shape.num_layers)
+    released_at = None
+    deadline = time.monotonic() + 10
+    while released_at is None and time.monotonic() < deadline:
+        if "held" in p.sender.pop_released():
+            released_at = time.perf_counter()
+        time.sleep(0.002)
+    assert released_at is not None
+    out = p.sender.wait("held", 1)
+    assert out.ok and out.source_released and len(out.layers) == small_shape.num_layers
+    assert max(t.landed_s for t in out.layers) <= released_at   # no write was still reading the source
+    assert status(p, d, "held").state == "finished"
