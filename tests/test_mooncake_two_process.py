@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import zlib
 
 import numpy as np
@@ -303,6 +304,7 @@ def test_layout_mismatch_fails_visibly_at_both_ends(d_node):
         out = rt.sender.wait("mismatch", WAIT_S)
         assert not out.ok and "LayoutMismatch" in out.reason, out
         assert out.bytes == 0
+        _await_d_state(rt, d_node.control, "mismatch", "failed")   # P tells D just after its own outcome
         after = rt.request(d_node.control, m.VerifyRequest(transfer_id="mismatch"), timeout=CALL_S)
         assert after.state == "failed" and "LayoutMismatch" in after.reason, after
         assert (after.crc_k, after.crc_v) == (before.crc_k, before.crc_v), "D's blocks were written"
@@ -322,6 +324,7 @@ def test_stale_incarnation_is_refused(p_side):
     run_forward(p_side.rt, [(p_side.next_step(), [spec])])
     out = p_side.rt.sender.wait("stale", WAIT_S)
     assert not out.ok and "StaleLayout" in out.reason, out
+    _await_d_state(p_side.rt, p_side.endpoint, "stale", "failed")
     after = p_side.verify("stale")
     assert after.state == "failed"
     assert (after.crc_k, after.crc_v) == (before.crc_k, before.crc_v)
@@ -366,3 +369,10 @@ def test_random_block_patterns_land_byte_exact(p_side, data):
     wait_ok(p_side.rt, spec)
     p_side.assert_landed(tid, src)
     p_side.release(tid)
+
+
+def _await_d_state(rt, endpoint: str, tid: str, want: str, limit: float = 5.0) -> None:
+    deadline = time.monotonic() + limit
+    while rt.request(endpoint, m.StatusRequest(transfer_id=tid), timeout=CALL_S).state != want:
+        assert time.monotonic() < deadline, f"D never reached {want} for {tid}"
+        time.sleep(0.01)

@@ -59,6 +59,16 @@ def status(p, d, tid: str) -> m.StatusReply:
     return p.request(d.control_endpoint, m.StatusRequest(transfer_id=tid))
 
 
+def status_when(p, d, tid: str, want: str, limit: float = 5.0) -> m.StatusReply:
+    """P publishes a failure at once and tells D right after: poll D, bounded."""
+    deadline = time.monotonic() + limit
+    st = status(p, d, tid)
+    while st.state != want and time.monotonic() < deadline:
+        time.sleep(0.01)
+        st = status(p, d, tid)
+    return st
+
+
 @pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "scattered"])
 @pytest.mark.parametrize("src_kind", ["contiguous", "scattered"])
 def test_transfer_lands_intact(pd, small_shape, contiguous, src_kind):
@@ -150,7 +160,7 @@ def test_f05_backend_failure_is_reported_to_d(pd, small_shape):
     out = p.sender.wait("bad", 10)
     assert not out.ok
     assert "injected failure" in out.reason
-    st = status(p, d, "bad")
+    st = status_when(p, d, "bad", "failed")
     assert st.state == "failed"
     assert "P reported" in st.reason and "injected failure" in st.reason
     # D may free the blocks of a failed transfer (its timer was settled by FAILED)
@@ -175,7 +185,7 @@ def test_frozen_peer_times_out_and_d_is_told(memory_runtime, memory_decode_node,
     out = p.sender.wait("frozen", 10)
     assert time.monotonic() - t0 < 3
     assert not out.ok and "TransferTimeout" in out.reason
-    assert status(p, d, "frozen").state == "failed"
+    assert status_when(p, d, "frozen", "failed").state == "failed"
 
 
 def test_bad_source_block_fails_once_and_tells_d(pd, small_shape):
@@ -184,7 +194,7 @@ def test_bad_source_block_fails_once_and_tells_d(pd, small_shape):
     run_step(p, 0, [spec(d, "oob", [0, small_shape.num_blocks], rep)], small_shape.num_layers)
     out = p.sender.wait("oob", 10)
     assert not out.ok and "source block id out of range" in out.reason
-    assert status(p, d, "oob").state == "failed"
+    assert status_when(p, d, "oob", "failed").state == "failed"
 
 
 def test_mismatched_block_counts_fail(pd, small_shape):
@@ -193,7 +203,7 @@ def test_mismatched_block_counts_fail(pd, small_shape):
     run_step(p, 0, [spec(d, "mm", [0, 1], rep)], small_shape.num_layers)
     out = p.sender.wait("mm", 10)
     assert not out.ok and "destination blocks" in out.reason
-    assert status(p, d, "mm").state == "failed"
+    assert status_when(p, d, "mm", "failed").state == "failed"
 
 
 def test_stale_incarnation_is_refused(pd, small_shape):

@@ -81,9 +81,18 @@ class AbortRequest(_Msg, tag="abort_req"):
 
 
 class AllocReply(_Msg, tag="alloc_ok"):
+    """D's registration of a transfer, as published to whoever dispatches P."""
+
     transfer_id: str
     block_ids: list[int]
     incarnation: str
+    first_block: int = 0       # blocks before this index of the request were already at D (prefix hit)
+
+
+class LookupRequest(_Msg, tag="lookup"):
+    """To D: the registration of ``transfer_id`` (an AllocReply), once D registered it."""
+
+    transfer_id: str
 
 
 class VerifyRequest(_Msg, tag="verify"):
@@ -124,7 +133,8 @@ class Nack(_Msg, tag="nack"):
 
 
 Message = Union[
-    LayoutRequest, LayoutReply, Done, Failed, Abort, AllocRequest, AbortRequest, AllocReply, VerifyRequest,
+    LayoutRequest, LayoutReply, Done, Failed, Abort, AllocRequest, AbortRequest, AllocReply, LookupRequest,
+    VerifyRequest,
     VerifyReply, ReleaseRequest, StatusRequest, StatusReply, Ack, Nack,
 ]
 

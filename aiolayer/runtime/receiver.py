@@ -41,12 +41,14 @@ class Received(msgspec.Struct, kw_only=True):
 
 
 class _Entry:
-    __slots__ = ("transfer_id", "block_ids", "state", "sender", "sender_control", "timer", "on_release",
-                 "fence")
+    __slots__ = ("transfer_id", "block_ids", "first_block", "state", "sender", "sender_control", "timer",
+                 "on_release", "fence")
 
-    def __init__(self, transfer_id: str, block_ids: list[int], on_release, sender_control: str) -> None:
+    def __init__(self, transfer_id: str, block_ids: list[int], on_release, sender_control: str,
+                 first_block: int) -> None:
         self.transfer_id = transfer_id
         self.block_ids = block_ids
+        self.first_block = first_block
         self.state = receiver_transfer()
         self.sender = ""
         self.sender_control = sender_control
@@ -56,8 +58,10 @@ class _Entry:
 
 
 class Receiver:
-    def __init__(self, timeouts: Timeouts) -> None:
+    def __init__(self, timeouts: Timeouts, forget_settled: bool = False) -> None:
         self.timeouts = timeouts
+        # An engine that owns the blocks itself (vLLM) needs no entry once the result is out.
+        self.forget_settled = forget_settled
         self._entries: dict[str, _Entry] = {}
         self._early: dict[str, tuple[m.Message, float]] = {}
         self._results: collections.deque[Received] = collections.deque()
@@ -75,11 +79,11 @@ class Receiver:
     # --- on the loop ---------------------------------------------------------------------------
 
     def register(self, transfer_id: str, block_ids: list[int], on_release=None,
-                 deadline_s: float | None = None, sender_control: str = "") -> None:
+                 deadline_s: float | None = None, sender_control: str = "", first_block: int = 0) -> None:
         """Register before publishing the block ids; ``on_release(block_ids)`` frees them later."""
         if transfer_id in self._entries:
             raise ControlRejected("duplicate", f"transfer {transfer_id} is already registered")
-        entry = _Entry(transfer_id, block_ids, on_release, sender_control)
+        entry = _Entry(transfer_id, block_ids, on_release, sender_control, first_block)
         self._entries[transfer_id] = entry
         limit = self.timeouts.receive if deadline_s is None else deadline_s
         entry.timer = asyncio.get_running_loop().call_later(limit, self._expire, transfer_id)
@@ -120,6 +124,15 @@ class Receiver:
             self.aborts += 1
             self._start_fence(entry)
         return entry.state.state.value
+
+    def registration(self, transfer_id: str) -> tuple[list[int], int]:
+        """(block ids, first block) of a registered transfer, for whoever dispatches P."""
+        entry = self._entries.get(transfer_id)
+        if entry is None:
+            raise ControlRejected("not_registered", f"transfer {transfer_id} is not registered (yet)")
+        if entry.state.terminal:
+            raise ControlRejected("ended", f"transfer {transfer_id} is already {entry.state.state.value}")
+        return entry.block_ids, entry.first_block
 
     def state_of(self, transfer_id: str) -> tuple[str, str]:
         entry = self._entries.get(transfer_id)
@@ -178,6 +191,8 @@ class Receiver:
         ok = entry.state.state is State.FINISHED
         self._results.append(Received(transfer_id=entry.transfer_id, ok=ok, reason=entry.state.reason,
                                       finished_s=time.perf_counter()))
+        if self.forget_settled:
+            self._entries.pop(entry.transfer_id, None)
 
     def _expire(self, transfer_id: str) -> None:
         entry = self._entries.get(transfer_id)

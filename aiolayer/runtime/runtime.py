@@ -30,7 +30,7 @@ ExtraHandler = Callable[[m.Message], Awaitable[m.Message]]
 
 class Runtime:
     def __init__(self, node: NodeConfig | None = None, timeouts: Timeouts | None = None,
-                 backend=None, extra_handler: ExtraHandler | None = None) -> None:
+                 backend=None, extra_handler: ExtraHandler | None = None, forget_settled: bool = False) -> None:
         self.node = node or NodeConfig()
         self.timeouts = timeouts or Timeouts()
         self.incarnation = uuid.uuid4().hex
@@ -38,7 +38,7 @@ class Runtime:
         self.extra_handler = extra_handler
         self.loop_thread = LoopThread(name=f"aiolayer-{self.node.engine_id}")
         self.bridge = LayerBridge(capacity=self.node.bridge_capacity)
-        self.receiver = Receiver(self.timeouts)
+        self.receiver = Receiver(self.timeouts, forget_settled=forget_settled)
         self.server: ControlServer | None = None
         self.peers: ControlPeers | None = None
         self.layouts: LayoutCache | None = None
@@ -162,6 +162,10 @@ class Runtime:
             return m.Ack(detail=await self.sender.abort(msg.transfer_id, msg.reason))
         if isinstance(msg, m.AbortRequest):
             return m.Ack(detail=self.receiver.abort(msg.transfer_id, msg.reason))
+        if isinstance(msg, m.LookupRequest):
+            block_ids, first = self.receiver.registration(msg.transfer_id)
+            return m.AllocReply(transfer_id=msg.transfer_id, block_ids=block_ids, incarnation=self.incarnation,
+                                first_block=first)
         if isinstance(msg, m.LayoutRequest):
             if self.layout_reply is None:
                 raise ControlRejected("not_ready", "no KV layout registered yet")
