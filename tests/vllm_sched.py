@@ -1,0 +1,121 @@
+"""A real vLLM ``Scheduler`` with ``AiolayerConnector``, and its worker-side twin, in one process.
+
+``Engine`` plays one vLLM engine without a model: the real Scheduler (scheduler-side connector),
+a real worker-side connector with torch KV tensors and a real aiolayer Runtime (memory backend),
+and ``step()`` = schedule -> bind metadata -> per-layer save hooks -> wait_for_save -> transfer
+results -> ``update_from_output``, as vLLM's model runner does, minus the model.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+BLOCK_SIZE = 32
+NUM_BLOCKS = 64
+_MODEL_DIR: list[str] = []
+
+
+def model_dir() -> str:
+    """A config-only Llama (no weights needed: nothing runs the model here)."""
+    if not _MODEL_DIR:
+        from transformers import LlamaConfig
+
+        path = tempfile.mkdtemp(prefix="aiolayer-llama-cfg-")
+        LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=len(LAYERS),
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                    max_position_embeddings=4096).save_pretrained(path)
+        _MODEL_DIR.append(path)
+    return _MODEL_DIR[0]
+
+
+def vllm_config(role: str, extra: dict, policy: str = "fail", max_batched: int = 1024):
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    model = ModelConfig(model=model_dir(), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=4096)
+    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=4096,
+                            enable_chunked_prefill=True, is_encoder_decoder=False)
+    cache = CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto",
+                        enable_prefix_caching=False)
+    ktc = KVTransferConfig(kv_connector="AiolayerConnector", kv_role=role, kv_connector_extra_config=extra,
+                           kv_load_failure_policy=policy)
+    return VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache, kv_transfer_config=ktc,
+                      device_config=DeviceConfig("cpu"))
+
+
+class Engine:
+    def __init__(self, role: str, extra: dict, policy: str = "fail", max_batched: int = 1024) -> None:
+        from aiolayer_vllm.connector import AiolayerConnector
+        from aiolayer_vllm.plugin import register
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        register()
+        self.config = vllm_config(role, extra, policy, max_batched)
+        kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec(LAYERS, FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64,
+                                                       dtype=torch.float32))])
+        self.config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=kv_cache_config, log_stats=True,
+                                   structured_output_manager=StructuredOutputManager(self.config),
+                                   block_size=BLOCK_SIZE)
+        self.worker = AiolayerConnector(self.config, KVConnectorRole.WORKER, kv_cache_config)
+        # vLLM's CPU layout: per layer [2, num_blocks, block_size, kv_heads, head_size]
+        self.kv = {name: torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 1, 64) for name in LAYERS}
+        self.worker.register_kv_caches(self.kv)
+        self.outputs = []
+
+    @property
+    def runtime(self):
+        return self.worker._worker.runtime
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int, params: dict | None):
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sp.update_from_generation_config({}, 2)
+        req = Request(request_id=req_id, prompt_token_ids=prompt, sampling_params=sp, pooling_params=None)
+        req.kv_transfer_params = params
+        self.scheduler.add_request(req)
+        return req
+
+    def step(self, before_save=None) -> object:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        out = self.scheduler.schedule()
+        self.worker.bind_connector_metadata(out.kv_connector_metadata)
+        if out.total_num_scheduled_tokens:
+            for name in LAYERS:
+                if before_save is not None:
+                    before_save(name)
+                self.worker.save_kv_layer(name, self.kv[name], None)
+        self.worker.wait_for_save()
+        res = self.worker.get_transfer_results(out.finished_req_ids)
+        errors = self.worker.get_block_ids_with_load_errors()
+        self.worker.clear_connector_metadata()
+        req_ids = list(out.num_scheduled_tokens)
+        kv_out = KVConnectorOutput(finished_sending=res.finished_sending or None,
+                                   finished_recving=res.finished_recving or None,
+                                   failed_recving=res.failed_recving, invalid_block_ids=errors)
+        # a partial prefill (an early chunk) samples nothing, as in the real model runner
+        sampled = [[] if self._partial(r) else [7] for r in req_ids]
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                sampled_token_ids=sampled, kv_connector_output=kv_out)
+        self.outputs.append(self.scheduler.update_from_output(out, mro))
+        return out
+
+    def _partial(self, req_id: str) -> bool:
+        req = self.scheduler.requests.get(req_id)
+        return req is not None and req.num_computed_tokens < req.num_prompt_tokens
+
+    def blocks_of(self, req_id: str) -> list[int]:
+        mgr = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        return [b.block_id for b in mgr.req_to_blocks.get(req_id, [])]
+
+    def close(self) -> None:
+        self.worker.shutdown()
