@@ -225,3 +225,59 @@ def test_chunked_prefill_sends_every_block_in_the_last_chunk(engines):
     for name in LAYERS:
         assert (d.kv[name][:, reg.block_ids] == 9.0).all()
 
+
+
+class _Registrations:
+    """A stand-in for the proxy's registration endpoint: records POSTs, answers with ``status``."""
+
+    def __init__(self, status: int) -> None:
+        import http.server
+        import json
+        import threading
+
+        outer = self
+        self.bodies: list[dict] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's naming
+                outer.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/internal/aiolayer/registered"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+@pytest.mark.parametrize("status", [202, 404])
+def test_d_publishes_its_registration_and_gives_up_if_nobody_takes_it(engines, status):
+    from vllm.v1.request import RequestStatus
+
+    hub = _Registrations(status)
+    try:
+        d = engines("kv_consumer", f"d-notify-{status}")
+        d.add("d-5", list(range(40)), 2, {"aiolayer": {"transfer_id": "t5", "notify_url": hub.url}})
+        d.step()
+        deadline = time.monotonic() + 5
+        while not hub.bodies and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(hub.bodies) == 1
+        body = hub.bodies[0]
+        assert body["transfer_id"] == "t5" and body["block_ids"] == d.blocks_of("d-5")
+        assert body["decode_control"] == d.runtime.control_endpoint and body["incarnation"]
+        if status == 202:
+            assert _status(d, "d-5") is RequestStatus.WAITING_FOR_REMOTE_KVS
+        else:   # refused: D gives the transfer up instead of waiting for a P that will never come
+            _steps_until(d, lambda: "d-5" not in d.scheduler.requests, limit=FAST["fence_grace"] + 5)
+    finally:
+        hub.close()

@@ -16,6 +16,7 @@ class RecvReq:
     block_ids: list[int]
     first_block: int
     prefill_control: str
+    notify_url: str = ""
 
 
 @dataclass(frozen=True)

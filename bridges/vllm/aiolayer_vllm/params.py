@@ -1,7 +1,7 @@
 """The request-level contract: what the proxy puts in ``kv_transfer_params["aiolayer"]``.
 
-To D (remote prefill): ``{"transfer_id": str, "prefill_control": "tcp://..."}`` (P's control
-endpoint, so D can tell P to stop on abort or deadline). To P (remote decode): ``{"transfer_id":
+To D (remote prefill): ``{"transfer_id": str, "prefill_control": "tcp://...", "notify_url": "http://..."}``
+(P's control endpoint, so D can tell P to stop on abort or deadline; where to POST the registration). To P (remote decode): ``{"transfer_id":
 str, "decode_control": "tcp://...", "dst_blocks": [int], "dst_incarnation": str, "first_block":
 int}``, the registration D published. Transfer ids are the proxy's own, never derived from vLLM's
 request ids.
@@ -19,6 +19,7 @@ KEY = "aiolayer"
 class RecvParams(msgspec.Struct, frozen=True, kw_only=True):
     transfer_id: str
     prefill_control: str = ""
+    notify_url: str = ""      # where D POSTs its registration (the proxy); "" = LookupRequest only
 
 
 class SendParams(msgspec.Struct, frozen=True, kw_only=True):

@@ -62,7 +62,7 @@ class SchedulerSide:
                 first = computed // self.block_size
                 self._receiving[request.request_id] = recv.transfer_id
                 self._meta.recvs.append(RecvReq(request.request_id, recv.transfer_id, list(all_blocks[first:]),
-                                                first, recv.prefill_control))
+                                                first, recv.prefill_control, recv.notify_url))
         if self.is_producer:
             try:
                 send = parse(request.kv_transfer_params, SendParams)

@@ -7,6 +7,7 @@ registrations run on the loop. Results come back from thread-safe queues in ``tr
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import re
@@ -113,11 +114,41 @@ class WorkerSide:
                                   first_block=recv.first_block)
             except AiolayerError as exc:
                 self._recv_failures.append((recv.req_id, recv.transfer_id, str(exc)))
+                continue
+            if recv.notify_url:
+                self.runtime.loop_thread.spawn(self._publish(recv), name=f"publish {recv.transfer_id}")
         for _req_id, tid in aborts:
             try:
                 receiver.abort(tid, "request aborted at D")
             except AiolayerError:
                 pass  # already ended: its result is on its way
+
+    async def _publish(self, recv: RecvReq) -> None:
+        """POST the registration to the proxy (bounded retries); if nobody takes it, give up the transfer."""
+        import httpx
+
+        rt, t = self.runtime, self.runtime.timeouts
+        body = {"transfer_id": recv.transfer_id, "block_ids": recv.block_ids, "first_block": recv.first_block,
+                "incarnation": rt.incarnation, "decode_control": rt.control_endpoint}
+        error = ""
+        async with httpx.AsyncClient(timeout=t.control_call) as client:
+            for attempt in range(t.control_retries):
+                try:
+                    reply = await client.post(recv.notify_url, json=body)
+                except httpx.HTTPError as exc:
+                    error = f"{type(exc).__name__}: {exc}"
+                else:
+                    if reply.status_code < 300:
+                        return
+                    error = f"HTTP {reply.status_code}: {reply.text[:200]}"
+                    if reply.status_code < 500:
+                        break  # the proxy refused it (e.g. 404 unknown transfer): retrying will not help
+                await asyncio.sleep(0.05 * (attempt + 1))
+        log.warning("transfer %s: registration not published to %s: %s", recv.transfer_id, recv.notify_url, error)
+        try:
+            rt.receiver.abort(recv.transfer_id, f"registration not published: {error}")
+        except AiolayerError:
+            pass
 
     def save_kv_layer(self, layer_name: str) -> None:
         if self._active_step is not None:
