@@ -1,4 +1,4 @@
-"""Command line: ``aiolayer node`` (a standalone D node) and ``aiolayer bench`` (the benchmark)."""
+"""Command line: ``aiolayer node`` (a standalone D node), ``bench`` (the benchmark), ``proxy`` (D-first proxy)."""
 
 from __future__ import annotations
 
@@ -88,12 +88,28 @@ def main(argv: list[str] | None = None) -> int:
         bench_error = None
         add_bench_args(bench)
 
+    proxy = sub.add_parser("proxy", help="the D-first proxy in front of vLLM P and D servers (needs aiolayer-vllm)")
+    try:
+        from aiolayer_vllm.proxy.server import add_proxy_args
+    except ImportError as exc:
+        proxy_error: ImportError | None = exc
+    else:
+        proxy_error = None
+        add_proxy_args(proxy)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
         if args.command == "node":
             return run_node(args)
+        if args.command == "proxy":
+            if proxy_error is not None:
+                print(f"aiolayer proxy needs the vLLM bridge (pip install ./bridges/vllm): {proxy_error}",
+                      file=sys.stderr)
+                return 2
+            from aiolayer_vllm.proxy.server import run_proxy
+            return run_proxy(args)
         if bench_error is not None:
             print(f"aiolayer bench is not available: {bench_error}", file=sys.stderr)
             return 2

@@ -6,6 +6,11 @@ import pytest
 
 from aiolayer import DecodeNode, KVShape, NodeConfig, Runtime, Timeouts
 
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "vllm: starts real vLLM (CPU) servers; slow (tens of seconds)")
+
+
 SMALL_SHAPE = KVShape(num_layers=4, num_blocks=64, block_size=16, kv_heads=2, head_dim=64)
 
 

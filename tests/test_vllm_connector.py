@@ -126,17 +126,18 @@ def _run_prefill(p: Engine, d: Engine, tid: str, prompt: list[int]):
 
     def write_layer(name: str) -> None:
         blocks = p.blocks_of("p-" + tid)
-        p.kv[name][:, blocks] = float(LAYERS.index(name) + 1)
+        p.kv_blocks(name)[blocks] = float(LAYERS.index(name) + 1)
 
     p.step(before_save=write_layer)
     return reg
 
 
-def test_d_async_load_finishes_and_p_frees_blocks_only_after_its_sends(engines):
+@pytest.mark.parametrize("layout", ["cpu", "split"])
+def test_d_async_load_finishes_and_p_frees_blocks_only_after_its_sends(engines, layout):
     from vllm.v1.request import RequestStatus
 
-    d = engines("kv_consumer", "d")
-    p = engines("kv_producer", "p")
+    d = engines("kv_consumer", f"d-{layout}", layout=layout)
+    p = engines("kv_producer", f"p-{layout}", layout=layout)
     prompt = list(range(3, 103))                       # 100 tokens: 4 blocks of 32
     d.add("d-1", prompt, 3, {"aiolayer": {"transfer_id": "t1", "prefill_control": p.runtime.control_endpoint}})
     d.step()
@@ -157,7 +158,7 @@ def test_d_async_load_finishes_and_p_frees_blocks_only_after_its_sends(engines):
     _steps_until(d, lambda: _status(d, "d-1") in (RequestStatus.RUNNING, None)
                  or d.scheduler.requests["d-1"].num_output_tokens > 0)
     for i, name in enumerate(LAYERS):
-        assert (d.kv[name][:, reg.block_ids] == float(i + 1)).all(), f"layer {name} did not land at D"
+        assert (d.kv_blocks(name)[reg.block_ids] == float(i + 1)).all(), f"layer {name} did not land at D"
 
 
 def test_failed_receive_ends_in_failed_recving_not_a_stuck_request(engines):
@@ -213,7 +214,7 @@ def test_chunked_prefill_sends_every_block_in_the_last_chunk(engines):
     reg = _lookup(p, d, "t4")
     p.add("p-t4", prompt, 1, _send_params(d, "t4", reg))
     def write_layer(name: str) -> None:
-        p.kv[name][:, p.blocks_of("p-t4")] = 9.0
+        p.kv_blocks(name)[p.blocks_of("p-t4")] = 9.0
 
     first = p.step(before_save=write_layer)
     assert not first.kv_connector_metadata.sends       # first chunk: KV not final yet
@@ -223,7 +224,7 @@ def test_chunked_prefill_sends_every_block_in_the_last_chunk(engines):
     _steps_until(d, lambda: d.scheduler.requests.get("d-4") is None
                  or d.scheduler.requests["d-4"].num_output_tokens > 0)
     for name in LAYERS:
-        assert (d.kv[name][:, reg.block_ids] == 9.0).all()
+        assert (d.kv_blocks(name)[reg.block_ids] == 9.0).all()
 
 
 

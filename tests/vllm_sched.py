@@ -46,7 +46,8 @@ def vllm_config(role: str, extra: dict, policy: str = "fail", max_batched: int =
 
 
 class Engine:
-    def __init__(self, role: str, extra: dict, policy: str = "fail", max_batched: int = 1024) -> None:
+    def __init__(self, role: str, extra: dict, policy: str = "fail", max_batched: int = 1024,
+                 layout: str = "cpu") -> None:
         from aiolayer_vllm.connector import AiolayerConnector
         from aiolayer_vllm.plugin import register
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -64,8 +65,11 @@ class Engine:
                                    structured_output_manager=StructuredOutputManager(self.config),
                                    block_size=BLOCK_SIZE)
         self.worker = AiolayerConnector(self.config, KVConnectorRole.WORKER, kv_cache_config)
-        # vLLM's CPU layout: per layer [2, num_blocks, block_size, kv_heads, head_size]
-        self.kv = {name: torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 1, 64) for name in LAYERS}
+        # "cpu": vLLM's CPU backend, [num_blocks, kv_heads, block_size, 2 * head_size] (K and V in
+        # each block); "split": [2, num_blocks, block_size, kv_heads, head_size] (flash on CUDA)
+        shape = (NUM_BLOCKS, 1, BLOCK_SIZE, 128) if layout == "cpu" else (2, NUM_BLOCKS, BLOCK_SIZE, 1, 64)
+        self.layout = layout
+        self.kv = {name: torch.zeros(shape) for name in LAYERS}
         self.worker.register_kv_caches(self.kv)
         self.outputs = []
 
@@ -112,6 +116,11 @@ class Engine:
     def _partial(self, req_id: str) -> bool:
         req = self.scheduler.requests.get(req_id)
         return req is not None and req.num_computed_tokens < req.num_prompt_tokens
+
+    def kv_blocks(self, name: str) -> torch.Tensor:
+        """Layer ``name``'s cache as a view with blocks first (writes go through)."""
+        t = self.kv[name]
+        return t if self.layout == "cpu" else t.transpose(0, 1)
 
     def blocks_of(self, req_id: str) -> list[int]:
         mgr = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]

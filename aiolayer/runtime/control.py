@@ -138,6 +138,7 @@ class ControlServer:
             msg = m.decode(payload)
         except m.DecodeFailure as exc:
             return m.Nack(code=exc.code, reason=exc.reason)
+        log.debug("%s: %s", self.endpoint, type(msg).__name__)
         try:
             return await self.handler(msg)
         except asyncio.CancelledError:

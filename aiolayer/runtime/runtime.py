@@ -126,6 +126,9 @@ class Runtime:
                        register: bool = True) -> None:
         """Make this process's KV caches the target of peers' writes (D), or their source (P).
 
+        Per layer, block ``b`` of K is at ``k_base + b * block_bytes``, likewise for V. Where one
+        tensor holds both (each block K and V together, vLLM's CPU layout), pass 0 as V bases.
+
         ``register=False`` publishes without registering the memory with the backend, so every
         write to it is refused: a fault-injection switch for tests and ``bench --scenario faults``.
         """
@@ -135,7 +138,8 @@ class Runtime:
     async def _register_layout(self, k_base, v_base, block_bytes: int, num_blocks: int, register: bool) -> None:
         span = num_blocks * block_bytes
         for base in list(k_base) + list(v_base) if register else ():
-            self.backend.register(int(base), span)
+            if base:   # a V base of 0: K and V share one tensor per layer
+                self.backend.register(int(base), span)
         self.sender.set_local_layout(k_base, v_base, block_bytes, num_blocks)
         self.layout_reply = m.LayoutReply(
             engine_id=self.node.engine_id, incarnation=self.incarnation, session=self.backend.session,

@@ -257,6 +257,8 @@ class Sender:
             raise LayoutMismatch(
                 f"D has {layout.num_layers} layers of {layout.block_bytes}-byte blocks, "
                 f"P has {local.num_layers} of {local.block_bytes}")
+        if bool((layout.v_base == 0).any()) != bool((local.v_base == 0).any()):
+            raise LayoutMismatch("one side keeps K and V in separate tensors, the other in one")
         check_block_bounds(req.spec.dst_blocks, layout.num_blocks, "destination")
 
     async def _stream_layers(self, req: _Request, layout) -> tuple[float, str]:
@@ -299,19 +301,23 @@ class Sender:
         """
         local = self.local
         bb = local.block_bytes
-        ks, kd, kl = run_addresses(req.runs, int(local.k_base[layer]), int(layout.k_base[layer]), bb)
-        vs, vd, vl = run_addresses(req.runs, int(local.v_base[layer]), int(layout.v_base[layer]), bb)
+        planes = [(local.k_base, layout.k_base)]
+        if local.v_base[layer]:   # 0: K and V share each block (one plane), as on vLLM's CPU backend
+            planes.append((local.v_base, layout.v_base))
+        src, dst, lengths = zip(*(run_addresses(req.runs, int(mine[layer]), int(theirs[layer]), bb)
+                                  for mine, theirs in planes))
+        lengths = np.concatenate(lengths)
         submitted = time.perf_counter()
         try:
-            await self.backend.write(layout.session, np.concatenate((ks, vs)), np.concatenate((kd, vd)),
-                                     np.concatenate((kl, vl)), self.timeouts.layer_write)
+            await self.backend.write(layout.session, np.concatenate(src), np.concatenate(dst), lengths,
+                                     self.timeouts.layer_write)
         except TransferTimeout as exc:
             req.pending.extend(exc.pending)
             return f"layer {layer}: {type(exc).__name__}: {exc}"
         except AiolayerError as exc:
             return f"layer {layer}: {type(exc).__name__}: {exc}"
         req.timings.append(LayerTiming(layer, handed, submitted, time.perf_counter()))
-        req.bytes += int(kl.sum() + vl.sum())
+        req.bytes += int(lengths.sum())
         return ""
 
     async def _finish(self, req: _Request, reason: str, settled: float | None) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorRole,
@@ -13,9 +15,20 @@ from .scheduler import SchedulerSide
 from .worker import WorkerSide
 
 
+def _configure_logging() -> None:
+    """aiolayer's own log level in vLLM's processes (AIOLAYER_LOG_LEVEL, default WARNING)."""
+    logger = logging.getLogger("aiolayer")
+    logger.setLevel(os.environ.get("AIOLAYER_LOG_LEVEL", "WARNING").upper())
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s aiolayer[%(process)d] %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+
+
 class AiolayerConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _configure_logging()
         ktc = self._kv_transfer_config
         engine_id = getattr(ktc, "engine_id", None) or "vllm"
         self.config = from_extra_config(ktc.kv_connector_extra_config, str(engine_id))
@@ -25,7 +38,7 @@ class AiolayerConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.config, vllm_config.cache_config.block_size, producer, consumer)
         else:
-            self._worker = WorkerSide(self.config, producer, consumer)
+            self._worker = WorkerSide(self.config, producer, consumer, kv_cache_config.num_blocks)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -30,34 +30,41 @@ def layer_order(names) -> list[str]:
     return sorted(names, key=key)
 
 
-def kv_layout(kv_caches: dict) -> tuple[list[str], list[int], list[int], int, int, dict]:
-    """(names, K bases, V bases, block bytes, num blocks, per-name (K, V) views) of vLLM's caches.
+def kv_layout(kv_caches: dict, num_blocks: int) -> tuple[list[str], list[int], list[int], int, int, dict]:
+    """(names, K bases, V bases, block bytes, num blocks, per-name planes) of vLLM's caches.
 
-    Supports per-layer tensors [2, num_blocks, ...] with each K and V contiguous (CPU and flash
-    layouts); a blocks-first layout would interleave K and V blocks and is refused explicitly.
+    Two layouts: [2, num_blocks, ...] (K and V tensors, e.g. flash attention on CUDA) and
+    [num_blocks, ...] with each block holding its K and V together (the CPU backend's
+    [num_blocks, kv_heads, block_size, 2 * head_size]): then the whole block is one plane and the
+    V bases are 0. Each plane must be contiguous, so block ``b`` is one run of bytes.
     """
     names = layer_order(kv_caches)
     k_base, v_base, views, geometry = [], [], {}, set()
     for name in names:
         t = kv_caches[name]
-        if t.dim() < 3 or t.shape[0] != 2:
-            raise ConfigError(f"layer {name}: KV cache of shape {tuple(t.shape)} is not [2, num_blocks, ...]")
-        k, v = t[0], t[1]
-        if not (k.is_contiguous() and v.is_contiguous()):
-            raise ConfigError(f"layer {name}: K and V must each be contiguous")
-        geometry.add((k.shape[0], k[0].numel() * k.element_size()))
-        k_base.append(k.data_ptr())
-        v_base.append(v.data_ptr())
-        views[name] = (k, v)
+        if t.dim() >= 2 and t.shape[0] == num_blocks:
+            planes = (t,)
+        elif t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+            planes = (t[0], t[1])
+        else:
+            raise ConfigError(f"layer {name}: KV cache of shape {tuple(t.shape)} has no {num_blocks}-block "
+                              "dimension first (or after a K/V dimension of 2)")
+        if not all(p.is_contiguous() for p in planes):
+            raise ConfigError(f"layer {name}: each KV plane must be contiguous")
+        geometry.add((planes[0][0].numel() * planes[0].element_size(), len(planes)))
+        k_base.append(planes[0].data_ptr())
+        v_base.append(planes[1].data_ptr() if len(planes) == 2 else 0)
+        views[name] = planes
     if len(geometry) != 1:
-        raise ConfigError(f"layers differ in (num_blocks, block_bytes): {sorted(geometry)}")
-    num_blocks, block_bytes = geometry.pop()
+        raise ConfigError(f"layers differ in (block_bytes, planes): {sorted(geometry)}")
+    block_bytes, _ = geometry.pop()
     return names, k_base, v_base, block_bytes, num_blocks, views
 
 
 class WorkerSide:
-    def __init__(self, config: BridgeConfig, is_producer: bool, is_consumer: bool) -> None:
+    def __init__(self, config: BridgeConfig, is_producer: bool, is_consumer: bool, num_blocks: int) -> None:
         self.config = config
+        self.num_blocks = num_blocks
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.runtime: Runtime | None = None
@@ -75,7 +82,7 @@ class WorkerSide:
     # --- set-up --------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
-        names, k_base, v_base, block_bytes, num_blocks, self._views = kv_layout(kv_caches)
+        names, k_base, v_base, block_bytes, num_blocks, self._views = kv_layout(kv_caches, self.num_blocks)
         self.layer_index = {name: i for i, name in enumerate(names)}
         self.runtime = Runtime(self.config.node, self.config.timeouts, forget_settled=True).start()
         try:
@@ -201,9 +208,9 @@ class WorkerSide:
         import torch
 
         idx = torch.as_tensor(blocks, dtype=torch.int64)
-        for k, v in self._views.values():
-            k.index_fill_(0, idx, 0)
-            v.index_fill_(0, idx, 0)
+        for planes in self._views.values():
+            for plane in planes:
+                plane.index_fill_(0, idx, 0)
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

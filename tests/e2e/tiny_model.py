@@ -1,0 +1,222 @@
+"""A tiny random-weight Llama model, built offline with transformers + tokenizers, for real vLLM runs.
+
+``tiny_model_dir()`` returns a folder vLLM can load (config.json, model.safetensors, tokenizer files),
+building it once per spec and caching it under ``$AIOLAYER_E2E_CACHE`` (default: the system temp dir,
+``aiolayer-e2e/``). The build is deterministic (fixed seed, fixed vocabulary), atomic (written to a
+scratch folder, then renamed) and guarded by a file lock, so concurrent sessions share one copy.
+
+Shape (from notes/vllm.md; what vLLM's CPU backend accepts): 2 layers, hidden 128, 2 attention heads,
+1 KV head, head_dim 64, a WordLevel tokenizer over a few hundred words. The init scale is raised from
+Llama's 0.02 so that logits are not flat: greedy outputs then differ between prompts, and depend on
+earlier tokens (not only the last one), so a wrong or missing KV cache changes the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+# 4 special tokens + these words + synthetic "wNNN" words up to VOCAB_SIZE.
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
+_WORDS = """
+the of and to in is was for on that with as by at from his an were are which this be have or had
+not one but all they their she her he him it its we our you your there been has who when more
+after would into first can other out if some about time so them these only new two over also
+what three may then made many most up world before during year could any where between well
+under life through city day house man old part school about small state three people back last
+water long great like work good high way long own same just big little down light sun moon star
+river mountain sea forest tree stone fire wind rain snow cloud road bridge tower garden field
+winter summer autumn spring morning evening night king queen child mother father brother sister
+friend letter book song story name word voice door window table bread wine salt gold silver iron
+red blue green white black yellow bright dark warm cold quiet loud fast slow near far open close
+walk run sing read write speak listen sleep dream think remember forget begin end carry bring
+""".split()
+VOCAB_SIZE = 512
+
+# Bump when the build procedure changes, so old cached folders are not reused.
+BUILD_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TinySpec:
+    num_layers: int = 2
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_heads: int = 2
+    num_kv_heads: int = 1
+    head_dim: int = 64
+    max_position_embeddings: int = 1024
+    dtype: str = "float32"          # vLLM CPU: float32 and bfloat16 both load
+    init_std: float = 0.5           # Llama's default 0.02 gives near-flat logits at this size
+    seed: int = 0
+
+    def key(self) -> str:
+        blob = json.dumps({**dataclasses.asdict(self), "v": BUILD_VERSION, "vocab": VOCAB_SIZE}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def vocabulary() -> list[str]:
+    """The ordered vocabulary (specials first, then unique words, then filler words)."""
+    seen: dict[str, None] = {}
+    for w in _WORDS:
+        seen.setdefault(w, None)
+    words = list(SPECIAL_TOKENS) + list(seen)
+    i = 0
+    while len(words) < VOCAB_SIZE:
+        words.append(f"w{i:03d}")
+        i += 1
+    return words[:VOCAB_SIZE]
+
+
+def prompt_words() -> list[str]:
+    """Plain words of the vocabulary (no specials, no fillers), handy for making prompts."""
+    return [w for w in vocabulary()[len(SPECIAL_TOKENS):] if not (w.startswith("w") and w[1:].isdigit())]
+
+
+# Prompts made of in-vocabulary words. The last three end in the same word, so a model whose output
+# differs between them depends on earlier tokens (their KV), not only on the last one.
+SAMPLE_PROMPTS = (
+    "the king sang to the river",
+    "a cold night in the forest",
+    "my mother wrote a letter",
+    "one two three",
+    "the queen sang a song by the river",
+    "old stone bridge over the river",
+)
+
+
+def long_prompt(num_words: int, seed: int = 0) -> str:
+    """A deterministic prompt of ``num_words`` in-vocabulary words (one token each, plus BOS)."""
+    import random
+
+    rng = random.Random(seed)
+    words = prompt_words()
+    return " ".join(rng.choice(words) for _ in range(num_words))
+
+
+def _save_tokenizer(dest: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(vocabulary())}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    # No decoder: tokenizers then joins tokens with a single space on decode.
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        model_max_length=1024,
+    )
+    fast.save_pretrained(str(dest))
+
+
+def _save_model(spec: TinySpec, dest: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = vocabulary()
+    cfg = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.init_std,
+        rms_norm_eps=1e-6,
+        bos_token_id=vocab.index("<s>"),
+        eos_token_id=vocab.index("</s>"),
+        pad_token_id=vocab.index("<pad>"),
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(cfg)
+    model.to(getattr(torch, spec.dtype))
+    model.config.dtype = spec.dtype
+    model.save_pretrained(str(dest), safe_serialization=True)
+    # generation_config.json from save_pretrained may carry sampling defaults; vLLM reads it.
+    (dest / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+    }))
+
+
+def cache_root() -> Path:
+    root = os.environ.get("AIOLAYER_E2E_CACHE") or os.path.join(tempfile.gettempdir(), "aiolayer-e2e")
+    return Path(root)
+
+
+LAST_BUILD_S: float | None = None   # seconds the last build in this process took (None: cache hit)
+
+
+def build_tiny_model(dest: str | os.PathLike, spec: TinySpec = TinySpec()) -> Path:
+    """Build the model into ``dest`` (created; must not exist or be empty). Returns ``dest``."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    _save_tokenizer(dest)
+    _save_model(spec, dest)
+    (dest / "aiolayer_spec.json").write_text(json.dumps({**dataclasses.asdict(spec), "key": spec.key()}))
+    return dest
+
+
+def tiny_model_dir(spec: TinySpec = TinySpec(), root: str | os.PathLike | None = None) -> Path:
+    """The cached model folder for ``spec``, built on first use (about 1-3 s)."""
+    global LAST_BUILD_S
+    root = Path(root) if root is not None else cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"tiny-llama-{spec.key()}"
+    marker = final / "aiolayer_spec.json"
+    if marker.exists():
+        LAST_BUILD_S = None
+        return final
+    with open(root / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists():
+            LAST_BUILD_S = None
+            return final
+        t0 = time.monotonic()
+        scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+        try:
+            build_tiny_model(scratch, spec)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(scratch, final)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        LAST_BUILD_S = time.monotonic() - t0
+    return final
+
+
+def hf_greedy(model_dir: str | os.PathLike, prompt_token_ids: list[int], max_tokens: int) -> list[int]:
+    """Reference greedy continuation computed by transformers (float32, no EOS stop).
+
+    An engine-independent baseline: vLLM CPU in float32 reproduces it exactly on this model.
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids = list(prompt_token_ids)
+    with torch.no_grad():
+        for _ in range(max_tokens):   # plain argmax over the full sequence: EOS neither stops nor is masked
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(torch.argmax(logits)))
+    return ids[len(prompt_token_ids):]
+
+
+if __name__ == "__main__":
+    import sys
+
+    out = tiny_model_dir() if len(sys.argv) < 2 else build_tiny_model(sys.argv[1])
+    print(out, f"build_s={LAST_BUILD_S}")
