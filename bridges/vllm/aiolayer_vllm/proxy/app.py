@@ -124,8 +124,9 @@ class ProxyState:
         task = asyncio.ensure_future(work)
 
         async def watch() -> None:
-            while not await request.is_disconnected():
-                await asyncio.sleep(0.1)
+            # After the body was read, the server's next ASGI message is the client's disconnect.
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
 
         watcher = asyncio.ensure_future(watch())
         try:

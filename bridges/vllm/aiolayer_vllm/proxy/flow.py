@@ -78,13 +78,20 @@ class Exchange:
         """D first, its registration, then P's prefill; returns D's response (streaming or whole)."""
         t = self.state.timeouts
         self.d_task = self.state.spawn(self.open_decode(), f"decode {self.transfer_id}")
-        done, _ = await asyncio.wait({self.registered, self.d_task}, timeout=t.registration_s,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if self.registered not in done:
-            if self.d_task in done:
-                raise await self._decode_error("D answered before registering the transfer")
-            raise ExchangeError(504, "registration_timeout",
-                                f"D did not register the transfer within {t.registration_s:g}s")
+        loop = asyncio.get_running_loop()
+        end = loop.time() + t.registration_s
+        waiting = {self.registered, self.d_task}
+        while not self.registered.done():
+            done, _ = await asyncio.wait(waiting, timeout=max(0.0, end - loop.time()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                raise ExchangeError(504, "registration_timeout",
+                                    f"D did not register the transfer within {t.registration_s:g}s")
+            if self.d_task in done and not self.registered.done():
+                # a streaming D answers its headers at once; anything else before the registration is an error
+                if self.d_task.exception() is not None or self.d_task.result().status_code != 200 or not self.stream:
+                    raise await self._decode_error("D answered before registering the transfer")
+                waiting = {self.registered}
         await self._prefill(self.registered.result())
         try:
             async with compat.timeout(t.request_s):

@@ -1,0 +1,163 @@
+"""Issue 6: the D-first proxy in front of real vLLM CPU engines, end to end.
+
+One P, one D (vLLM with AiolayerConnector) and ``aiolayer proxy`` as a real process. Requests
+through the proxy must give the same tokens as the aggregated engine (P answering on its own);
+killing P fails the affected requests with a clear error in bounded time and D's KV usage goes
+back to idle; a client that disconnects mid-stream makes D and P drop the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
+
+from e2e.servers import (VllmServer, acompletion, completion, free_port, kv_cache_usage,  # noqa: E402
+                         running)
+from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir  # noqa: E402
+from helpers_node import MC_ENV  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+MAX_TOKENS = 10
+
+
+def _connector(role: str, engine_id: str, port: int) -> dict:
+    return {"kv_connector": "AiolayerConnector", "kv_role": role, "kv_load_failure_policy": "fail",
+            "kv_connector_extra_config": {"engine_id": engine_id, "control_port": port,
+                                          "timeouts": {"receive": 20.0, "fence_grace": 8.0}}}
+
+
+class Proxy:
+    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "aiolayer", "proxy", "--port", str(self.port), "--prefill", *prefill,
+               "--decode", *decode, "--health-interval", "0.5", "--prefill-timeout", "20",
+               "--registration-timeout", "20", "--request-timeout", "60"]
+        self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"aiolayer-proxy-{self.port}.log"), "w+b")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code in (200, 503):
+                    break
+            except httpx.HTTPError:
+                pass
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.log_text()
+            time.sleep(0.2)
+
+    def log_text(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self.log.close()
+
+
+def _servers():
+    model = tiny_model_dir()
+    p_ctl, d_ctl = free_port(), free_port()
+    common = {"env": MC_ENV, "prefix_caching": False, "omp_bind": "nobind"}
+    p = VllmServer(model, name="prefill", kv_transfer_config=_connector("kv_producer", "p", p_ctl), **common)
+    d = VllmServer(model, name="decode", kv_transfer_config=_connector("kv_consumer", "d", d_ctl), **common)
+    return p, d, f"tcp://127.0.0.1:{p_ctl}", f"tcp://127.0.0.1:{d_ctl}"
+
+
+@pytest.fixture(scope="module")
+def stack():
+    p, d, p_ctl, d_ctl = _servers()
+    with running(p, d):
+        proxy = Proxy([f"{p.base_url},{p_ctl}"], [f"{d.base_url},{d_ctl}"])
+        try:
+            yield {"p": p, "d": d, "proxy": proxy}
+        finally:
+            proxy.stop()
+
+
+def test_concurrent_requests_through_the_proxy_equal_the_aggregated_engine(stack):
+    p, proxy = stack["p"], stack["proxy"]
+    prompts = [*SAMPLE_PROMPTS, *(long_prompt(20 + 13 * i, seed=i) for i in range(4))]
+    baseline = {prompt: completion(p, prompt, max_tokens=MAX_TOKENS).token_ids for prompt in prompts}
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
+            jobs = [acompletion(proxy.url, prompts[i % len(prompts)], max_tokens=MAX_TOKENS, stream=bool(i % 2),
+                                model=p.served_model, client=client, timeout_s=150) for i in range(20)]
+            return await asyncio.gather(*jobs)
+
+    outs = asyncio.run(burst())
+    for i, out in enumerate(outs):
+        assert out.token_ids == baseline[prompts[i % len(prompts)]], (i, out)
+    metrics = httpx.get(proxy.url + "/metrics", timeout=5).text
+    assert 'aiolayer_proxy_requests_total{outcome="ok"} 20' in metrics, metrics
+    assert "aiolayer_proxy_pending_transfers 0" in metrics
+
+
+def test_unknown_transfer_registration_is_a_404_with_a_json_error(stack):
+    proxy = stack["proxy"]
+    r = httpx.post(proxy.url + "/internal/aiolayer/registered", timeout=5, json={
+        "transfer_id": "nope", "block_ids": [1], "incarnation": "x", "decode_control": "tcp://127.0.0.1:1"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "unknown_transfer"
+    assert httpx.post(proxy.url + "/internal/aiolayer/registered", timeout=5, content=b"{").status_code == 400
+    models = httpx.get(proxy.url + "/v1/models", timeout=5)
+    assert models.status_code == 200 and models.json()["data"]
+
+
+def test_client_disconnect_mid_stream_drops_the_request_on_d(stack):
+    d, proxy, p = stack["d"], stack["proxy"], stack["p"]
+    body = {"model": p.served_model, "prompt": long_prompt(60, seed=9), "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60, trust_env=False) as client:
+        with client.stream("POST", proxy.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for i, _line in enumerate(r.iter_lines()):
+                if i >= 3:
+                    break   # leave mid-stream: the context manager closes the connection
+    deadline = time.monotonic() + 20
+    while (kv_cache_usage(d) or 0) > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (kv_cache_usage(d) or 0) == 0, "D kept the disconnected request's KV"
+    assert "aiolayer_proxy_pending_transfers 0" in httpx.get(proxy.url + "/metrics", timeout=5).text
+
+
+def test_killed_prefill_fails_requests_visibly_and_d_frees_its_kv():
+    p, d, p_ctl, d_ctl = _servers()
+    with running(p, d):
+        proxy = Proxy([f"{p.base_url},{p_ctl}"], [f"{d.base_url},{d_ctl}"])
+        try:
+            assert completion(proxy.url, SAMPLE_PROMPTS[0], model=p.served_model, max_tokens=4).token_ids
+            for pid in p.pids():
+                os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(httpx.HTTPStatusError) as info:
+                completion(proxy.url, SAMPLE_PROMPTS[1], model=p.served_model, max_tokens=4, timeout_s=60)
+            took = time.monotonic() - t0
+            assert info.value.response.status_code in (502, 503, 504), info.value
+            assert "error" in info.value.response.json()
+            assert took < 30, took                       # the prefill deadline (20 s) plus slack
+            deadline = time.monotonic() + 30
+            while (kv_cache_usage(d) or 0) > 0 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert (kv_cache_usage(d) or 0) == 0, "D kept KV for a request whose P died"
+            # the health check takes the dead P out: the proxy now refuses at once
+            time.sleep(1.5)
+            r = httpx.post(proxy.url + "/v1/completions", timeout=10,
+                           json={"model": p.served_model, "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["type"] == "no_backend"
+        finally:
+            proxy.stop()
