@@ -13,7 +13,7 @@ STAMP_VLLM := $(VENV)/.stamp-vllm
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup bench test clean
+.PHONY: setup bench test e2e clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,10 @@ bench: $(STAMP)
 
 test: $(STAMP) $(STAMP_VLLM)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The end-to-end tests alone: real vLLM CPU engines with the connector, and the proxy in front of them.
+e2e: $(STAMP) $(STAMP_VLLM)
+	$(BIN)/python -m pytest -q tests/test_vllm_e2e.py tests/test_proxy_e2e.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) bench/results .pytest_cache .hypothesis
