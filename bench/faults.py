@@ -134,10 +134,11 @@ def _wait_d_state(h: FaultHarness, control: str, tid: str, want: set[str], limit
 
 
 def _with_good_peer(h: FaultHarness, name: str, bad_ctl: str, fault, fault_at=FAULT_AT_LAYER,
-                    after=None) -> dict:
+                    after=None, bad_alloc: m.AllocReply | None = None, deadline_s: float = P_DEADLINE_S) -> dict:
     """Stream to the faulty D and the healthy one together; the healthy one must verify."""
     bad_tid, good_tid = f"{name}-bad-{h.step + 1}", f"{name}-good-{h.step + 1}"
-    bad_alloc, good_alloc = h.alloc(bad_ctl, bad_tid), h.alloc(h.good.control, good_tid)
+    bad_alloc = bad_alloc or h.alloc(bad_ctl, bad_tid)
+    good_alloc = h.alloc(h.good.control, good_tid)
     kv, timing, t_fault = h.stream([(bad_tid, bad_ctl, bad_alloc), (good_tid, h.good.control, good_alloc)],
                                    fault, fault_at)
     limit = P_DEADLINE_S + FAULT_TIMEOUTS.quarantine + 5
@@ -145,7 +146,7 @@ def _with_good_peer(h: FaultHarness, name: str, bad_ctl: str, fault, fault_at=FA
     result = {"name": name, "lost": int(bad is None) + int(good is None),
               "bad_ok": bool(bad and bad.ok), "bad_reason": bad.reason if bad else "no outcome",
               "terminal_s": round(bad.finished_s - t_fault, 3) if bad else None,
-              "deadline_s": P_DEADLINE_S,
+              "deadline_s": deadline_s,
               "good_ok": bool(good and good.ok), "good_verified": bool(good and good.ok) and
               h.verified(h.good.control, good_tid, kv),
               "handoff_ns": {"p50": int(np.percentile(timing["handoff_ns"], 50)),
@@ -264,25 +265,11 @@ def scenario_unreachable(h: FaultHarness) -> dict:
     sock = ctx.socket(zmq.ROUTER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     sock.close(0)  # the port is now free: nobody will answer there
-    dead = f"tcp://127.0.0.1:{port}"
     fake = m.AllocReply(transfer_id="", block_ids=list(range(BLOCKS)), incarnation="gone")
-    fetches = h.rt.layouts.fetches
-    bad_tid, good_tid = f"unreachable-bad-{h.step + 1}", f"unreachable-good-{h.step + 1}"
-    good_alloc = h.alloc(h.good.control, good_tid)
-    kv, timing, t0 = h.stream([(bad_tid, dead, fake), (good_tid, h.good.control, good_alloc)])
-    bad, good = h.outcome(bad_tid, 15), h.outcome(good_tid, 15)
-    result = {"name": "unreachable D", "lost": int(bad is None) + int(good is None),
-              "bad_ok": bool(bad and bad.ok), "bad_reason": bad.reason if bad else "no outcome",
-              "terminal_s": round(bad.finished_s - t0, 3) if bad else None,
-              "deadline_s": FAULT_TIMEOUTS.layout_fetch + FAULT_TIMEOUTS.done_delivery,
-              "layout_fetches": h.rt.layouts.fetches - fetches,
-              "good_ok": bool(good and good.ok),
-              "good_verified": bool(good and good.ok) and h.verified(h.good.control, good_tid, kv),
-              "handoff_ns": {"p99": int(np.percentile(timing["handoff_ns"], 99)),
-                             "max": int(max(timing["handoff_ns"]))}}
-    h.release(h.good.control, good_tid)
-    result["outcome"] = _verdict(result)
-    return result
+    dead = f"tcp://127.0.0.1:{port}"
+    return _with_good_peer(h, "unreachable D", dead, None, bad_alloc=fake,
+                           deadline_s=FAULT_TIMEOUTS.layout_fetch + FAULT_TIMEOUTS.done_delivery,
+                           after=lambda tid, kv, _: {"layout_fetches": h.rt.layouts.fetches[dead]})
 
 
 def scenario_done_first(h: FaultHarness) -> dict:

@@ -9,6 +9,7 @@ refused (``StaleLayout``): a restarted D never receives writes at its old addres
 from __future__ import annotations
 
 import asyncio
+import collections
 
 import msgspec
 import numpy as np
@@ -49,7 +50,7 @@ class LayoutCache:
         self.timeouts = timeouts
         self.requester = requester
         self._entries: dict[str, asyncio.Future] = {}
-        self.fetches = 0
+        self.fetches: collections.Counter[str] = collections.Counter()   # per endpoint
 
     def prefetch(self, endpoint: str) -> asyncio.Future:
         """Start fetching ``endpoint``'s layout unless a fetch is cached or running."""
@@ -76,7 +77,7 @@ class LayoutCache:
         self._entries.pop(endpoint, None)
 
     async def _fetch(self, endpoint: str) -> RemoteLayout:
-        self.fetches += 1
+        self.fetches[endpoint] += 1
         limit = self.timeouts.layout_fetch
         try:
             async with compat.timeout(limit):
