@@ -187,6 +187,7 @@ class ControlClient:
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(ControlError(f"client to {self.endpoint} closed"))
+                fut.exception()  # a waiting call still gets it; an abandoned one is not logged as lost
         self._pending.clear()
 
     async def call(self, msg: m.Message, timeout: float | None = None) -> m.Message:
