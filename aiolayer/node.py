@@ -69,6 +69,7 @@ class DecodeNode:
         if isinstance(msg, m.VerifyRequest):
             return await self._verify(msg.transfer_id)
         if isinstance(msg, m.ReleaseRequest):
+            receiver.pop_results()  # a node reports through StatusRequest: do not let results pile up
             if not receiver.release(msg.transfer_id):
                 raise ControlRejected("unknown_transfer", f"no transfer {msg.transfer_id}")
             self._blocks.pop(msg.transfer_id, None)

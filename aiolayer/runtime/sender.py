@@ -150,7 +150,11 @@ class Sender:
     # --- results (any thread) ----------------------------------------------------------------
 
     def pop_outcomes(self) -> list[Outcome]:
-        return _drain(self._outcomes)
+        """Outcomes published since the last call; popping one also forgets its ``wait`` slot."""
+        outcomes = _drain(self._outcomes)
+        for outcome in outcomes:
+            self._waiters.pop(outcome.transfer_id, None)
+        return outcomes
 
     def pop_released(self) -> list[str]:
         """Transfer ids whose source blocks no write can still read: safe to reuse now."""

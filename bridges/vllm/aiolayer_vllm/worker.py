@@ -75,8 +75,9 @@ class WorkerSide:
         self._req_of: dict[str, str] = {}                 # transfer id -> vLLM request id
         self._recv_blocks: dict[str, list[int]] = {}      # D: transfer id -> destination blocks
         self._recv_failures: collections.deque = collections.deque()   # (req_id, reason) from the loop
-        self._released: set[str] = set()                  # P: request ids whose sends are quiet
-        self._finished: set[str] = set()                  # P: request ids vLLM reported finished
+        self._sending: set[str] = set()                   # P: request ids with a send not yet reported
+        self._released: set[str] = set()                  # P: ... whose sends are quiet
+        self._finished: set[str] = set()                  # P: ... that vLLM reported finished
         self._load_errors: set[int] = set()
 
     # --- set-up --------------------------------------------------------------------------------
@@ -106,6 +107,7 @@ class WorkerSide:
             specs = []
             for send in meta.sends:
                 self._req_of[send.transfer_id] = send.req_id
+                self._sending.add(send.req_id)
                 specs.append(TransferSpec(transfer_id=send.transfer_id, peer=send.decode_control,
                                           src_blocks=send.src_blocks, dst_blocks=send.dst_blocks,
                                           dst_incarnation=send.dst_incarnation, layerwise=send.layerwise))
@@ -180,10 +182,11 @@ class WorkerSide:
             req_id = self._req_of.pop(tid, None)
             if req_id is not None:
                 self._released.add(req_id)
-        self._finished.update(finished_req_ids)
+        self._finished.update(r for r in finished_req_ids if r in self._sending)   # only ours: no leak
         sending = self._released & self._finished     # vLLM wants ids it told us are finished
         self._released -= sending
         self._finished -= sending
+        self._sending -= sending
         for result in self.runtime.receiver.pop_results():
             self._record_received(result.transfer_id, result.ok, result.reason, recving, failed)
         while self._recv_failures:
