@@ -113,6 +113,8 @@ class ProxyState:
         outcome = "client_disconnect"
         try:
             async for chunk in d_resp.aiter_raw():
+                if b"data: [DONE]" in chunk:
+                    outcome = "ok"   # the client may close as soon as it has the end marker
                 yield chunk
             outcome = "ok"
         finally:
