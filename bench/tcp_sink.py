@@ -21,15 +21,19 @@ import numpy as np
 HEADER = struct.Struct("!QQQQQI")   # request id, offset, length, total, chunk, streams
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock`` completely, or raise if the peer closes first."""
     got = 0
-    while got < n:
+    while got < len(view):
         k = sock.recv_into(view[got:])
         if not k:
             raise ConnectionError("peer closed")
         got += k
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into_exact(sock, memoryview(buf))
     return bytes(buf)
 
 
@@ -54,13 +58,7 @@ class _Sink:
                     self.buffer_for(total)
                     conn.sendall(b"R")
                     continue
-                view = memoryview(self.buffer_for(total))[offset:offset + length]
-                got = 0
-                while got < length:
-                    k = conn.recv_into(view[got:])
-                    if not k:
-                        raise ConnectionError("peer closed")
-                    got += k
+                recv_into_exact(conn, memoryview(self.buffer_for(total))[offset:offset + length])
                 with self.lock:
                     left = self.pending.get(rid, streams) - 1
                     self.pending[rid] = left
