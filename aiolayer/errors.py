@@ -62,6 +62,10 @@ class ProtocolError(ControlError):
     """A frame or message could not be decoded or is not valid in this exchange."""
 
 
+class FrameDropped(ControlError):
+    """Fault injection only: a handler raises it so the server sends no reply (a message lost on the way)."""
+
+
 # --- metadata --------------------------------------------------------------------------------
 
 class MetadataError(AiolayerError):

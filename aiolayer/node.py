@@ -3,14 +3,19 @@
 It serves what a proxy and a P engine need from D: ``AllocRequest`` (allocate blocks and register
 the transfer before the ids are published), the layout, DONE/FAILED, ``StatusRequest``,
 ``VerifyRequest`` (per-layer checksums of what arrived) and ``ReleaseRequest``.
+
+These management messages are the driver's surface (a proxy, the benchmark, tests): whoever can
+reach the control port can allocate. Keep it on 127.0.0.1 or a private interface (the default).
+A transfer's token comes with its ``AllocRequest`` or is minted here and returned in the reply.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 
 from .config import KVShape, NodeConfig, Timeouts
-from .errors import ControlRejected
+from .errors import ConfigError, ControlRejected, FrameDropped
 from .kvcache import BlockAllocator, PagedKVCache
 from .protocol import messages as m
 from .runtime.runtime import Runtime
@@ -21,10 +26,12 @@ class DecodeNode:
                  backend=None, refuse_writes: bool = False) -> None:
         self.shape = shape
         self.refuse_writes = refuse_writes   # fault injection: publish the layout, register no memory
-        self.runtime = Runtime(node, timeouts, backend=backend, extra_handler=self._handle)
+        self.runtime = Runtime(node, timeouts, backend=backend, extra_handler=self._handle,
+                               inbound_filter=self._drop_faulty)
         self.cache: PagedKVCache | None = None
         self.allocator = BlockAllocator(shape.num_blocks)
         self._blocks: dict[str, list[int]] = {}
+        self._drop_done: set[str] = set()    # fault injection: DONEs of these transfers go unanswered
 
     @property
     def control_endpoint(self) -> str:
@@ -55,14 +62,21 @@ class DecodeNode:
             ids = self.allocator.allocate(msg.num_blocks, msg.contiguous)
             if ids is None:
                 raise ControlRejected("no_space", f"{msg.num_blocks} blocks asked, {self.allocator.free} free")
+            token = msg.token or secrets.token_hex(16)
             try:
-                receiver.register(msg.transfer_id, ids, on_release=self.allocator.release,
+                receiver.register(msg.transfer_id, ids, token=token, on_release=self.allocator.release,
                                   sender_control=msg.sender_control)
+            except ConfigError as exc:
+                self.allocator.release(ids)
+                raise ControlRejected("token", str(exc)) from None
             except ControlRejected:
                 self.allocator.release(ids)
                 raise
             self._blocks[msg.transfer_id] = ids
-            return m.AllocReply(transfer_id=msg.transfer_id, block_ids=ids, incarnation=self.runtime.incarnation)
+            if msg.drop_done:
+                self._drop_done.add(msg.transfer_id)
+            return m.AllocReply(transfer_id=msg.transfer_id, block_ids=ids, incarnation=self.runtime.incarnation,
+                                token=token)
         if isinstance(msg, m.StatusRequest):
             state, reason = receiver.state_of(msg.transfer_id)
             return m.StatusReply(transfer_id=msg.transfer_id, state=state, reason=reason)
@@ -73,8 +87,13 @@ class DecodeNode:
             if not receiver.release(msg.transfer_id):
                 raise ControlRejected("unknown_transfer", f"no transfer {msg.transfer_id}")
             self._blocks.pop(msg.transfer_id, None)
+            self._drop_done.discard(msg.transfer_id)
             return m.Ack(detail="released")
         raise ControlRejected("unknown", f"{type(msg).__name__} is not served by a decode node")
+
+    def _drop_faulty(self, msg: m.Message) -> None:
+        if isinstance(msg, m.Done) and msg.transfer_id in self._drop_done:
+            raise FrameDropped(f"fault injection: DONE of {msg.transfer_id} dropped")
 
     async def _verify(self, transfer_id: str) -> m.Message:
         ids = self._blocks.get(transfer_id)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import signal
 import sys
 import threading
@@ -51,6 +52,7 @@ class FaultHarness:
         self.good: NodeProcess | None = None
         self.rt: Runtime | None = None
         self.step = 0
+        self.tokens: dict[str, str] = {}   # transfer id -> its token, as the driver (a proxy's role) holds it
 
     def __enter__(self) -> "FaultHarness":
         os.environ.update(NODE_ENV)
@@ -73,15 +75,17 @@ class FaultHarness:
         args = [*NODE_ARGS, *extra] + (["--port", str(port), "--engine-id", f"d-{port}"] if port else [])
         return NodeProcess(SHAPE, extra_args=args, env=NODE_ENV).start()
 
-    def alloc(self, node_control: str, tid: str) -> m.AllocReply:
-        return self.rt.request(node_control, m.AllocRequest(transfer_id=tid, num_blocks=BLOCKS,
-                                                            sender_control=self.rt.control_endpoint))
+    def alloc(self, node_control: str, tid: str, token: str = "") -> m.AllocReply:
+        reply = self.rt.request(node_control, m.AllocRequest(transfer_id=tid, num_blocks=BLOCKS, token=token,
+                                                             sender_control=self.rt.control_endpoint))
+        self.tokens[tid] = reply.token
+        return reply
 
     def stream(self, targets: list[tuple[str, str, m.AllocReply]], fault=None, fault_at=FAULT_AT_LAYER):
         """One step to every (tid, control, alloc) target; ``fault()`` runs when layer ``fault_at`` is due."""
         self.step += 1
         specs = [TransferSpec(transfer_id=tid, peer=ctl, src_blocks=list(range(BLOCKS)), dst_blocks=a.block_ids,
-                              dst_incarnation=a.incarnation) for tid, ctl, a in targets]
+                              dst_incarnation=a.incarnation, token=a.token) for tid, ctl, a in targets]
         kv = RequestKV(self.base_kv, self.step)
         fired: dict = {}
         timer = None
@@ -247,7 +251,8 @@ def scenario_abort(h: FaultHarness) -> dict:
     def abort() -> None:
         tid = f"client abort-bad-{h.step}"
         tids.append(tid)
-        h.rt.request(node.control, m.AbortRequest(transfer_id=tid, reason="client disconnected"))
+        h.rt.request(node.control, m.AbortRequest(transfer_id=tid, reason="client disconnected",
+                                                  token=h.tokens[tid]))
 
     def after(tid: str, kv, outcome) -> dict:
         state, took = _wait_d_state(h, node.control, tid, {"failed"}, FAULT_TIMEOUTS.fence_grace + 2)
@@ -265,7 +270,7 @@ def scenario_unreachable(h: FaultHarness) -> dict:
     sock = ctx.socket(zmq.ROUTER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     sock.close(0)  # the port is now free: nobody will answer there
-    fake = m.AllocReply(transfer_id="", block_ids=list(range(BLOCKS)), incarnation="gone")
+    fake = m.AllocReply(transfer_id="", block_ids=list(range(BLOCKS)), incarnation="gone", token="never-checked-" * 2)
     dead = f"tcp://127.0.0.1:{port}"
     return _with_good_peer(h, "unreachable D", dead, None, bad_alloc=fake,
                            deadline_s=FAULT_TIMEOUTS.layout_fetch + FAULT_TIMEOUTS.done_delivery,
@@ -277,10 +282,12 @@ def scenario_done_first(h: FaultHarness) -> dict:
     tid = f"early-{h.step + 1}"
     ctl = h.good.control
     t0 = time.perf_counter()
-    early = h.rt.request(ctl, m.Done(transfer_id=tid, sender="faults-p", incarnation="", layers=0, bytes=0))
-    h.alloc(ctl, tid)
+    token = secrets.token_hex(16)   # minted by the driver, as a proxy does, so P has it before D registers
+    done = m.Done(transfer_id=tid, sender="faults-p", incarnation="", layers=0, bytes=0, token=token)
+    early = h.rt.request(ctl, done)
+    h.alloc(ctl, tid, token=token)
     state = h.d_state(ctl, tid)
-    dup = h.rt.request(ctl, m.Done(transfer_id=tid, sender="faults-p", incarnation="", layers=0, bytes=0))
+    dup = h.rt.request(ctl, done)
     after_dup = h.d_state(ctl, tid)
     h.release(ctl, tid)
     ok = state == "finished" and after_dup == "finished" and dup.detail.startswith("already")

@@ -134,7 +134,7 @@ class Harness:
         kv = self._kv(self.step)
         layerwise = mode != "auto" or use_layerwise(self.args.prompt_tokens, self.args.auto_min_tokens)
         spec = TransferSpec(transfer_id=tid, peer=self.d_control, src_blocks=src, dst_blocks=alloc.block_ids,
-                            dst_incarnation=alloc.incarnation, layerwise=layerwise)
+                            dst_incarnation=alloc.incarnation, token=alloc.token, layerwise=layerwise)
         if mode == "threaded":
             connector, cpu_clock = self.threaded, self.threaded.sender_cpu_s
         else:
@@ -157,9 +157,10 @@ class Harness:
 
     # --- the limits ----------------------------------------------------------------------------
 
-    def _d_layout(self) -> m.LayoutReply:
+    def _d_layout(self, alloc: m.AllocReply) -> m.LayoutReply:
         if self._layout is None:
-            self._layout = self.runtime.request(self.d_control, m.LayoutRequest(requester="bench-raw"))
+            self._layout = self.runtime.request(self.d_control, m.LayoutRequest(
+                requester="bench-raw", transfer_id=alloc.transfer_id, token=alloc.token))
         return self._layout
 
     def _fill(self, variant: int) -> RequestKV:
@@ -169,7 +170,7 @@ class Harness:
 
     def _raw_mooncake(self) -> dict:
         tid, alloc = self._new_transfer("raw_mooncake")
-        layout, bb = self._d_layout(), self.p_shape.block_bytes
+        layout, bb = self._d_layout(alloc), self.p_shape.block_bytes
         runs = merge_runs(range(self.p_shape.num_blocks), alloc.block_ids)
         src, dst, lens = [], [], []
         k_base, v_base = self.cache.k_base, self.cache.v_base
@@ -197,7 +198,8 @@ class Harness:
             verified = self._verify(tid, kv) and verified
             variants[name] = {"s": secs, "cpu_s": cpu, "ceiling": ceiling}
         self.runtime.request(self.d_control, m.Done(transfer_id=tid, sender="bench-raw", incarnation=alloc.incarnation,
-                                                     layers=self.p_shape.num_layers, bytes=int(sum(lens))))
+                                                     layers=self.p_shape.num_layers, bytes=int(sum(lens)),
+                                                     token=alloc.token))
         self._release(tid)
         return limit_sample(variants, verified, int(sum(lens)))
 

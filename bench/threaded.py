@@ -134,7 +134,9 @@ class ThreadedConnector:
             peer = req.spec.peer
             if peer not in self._layouts:  # a cache miss queries D here, on the forward path
                 client = self._fwd_clients.get(peer) or self._fwd_clients.setdefault(peer, ReqClient(self.ctx, peer))
-                self._layouts[peer] = client.call(m.LayoutRequest(requester=self.engine_id))
+                self._layouts[peer] = client.call(m.LayoutRequest(requester=self.engine_id,
+                                                                  transfer_id=req.spec.transfer_id,
+                                                                  token=req.spec.token))
             self._queue.put((req, layer, time.perf_counter()))
 
     def end_step(self, step: int) -> None:
@@ -192,10 +194,10 @@ class ThreadedConnector:
         spec = req.spec
         client = self._snd_clients.get(spec.peer) or self._snd_clients.setdefault(spec.peer, ReqClient(self.ctx, spec.peer))
         if req.error:  # the seed skipped this message (fragility 5); sent here so the bench can clean up
-            msg = m.Failed(transfer_id=spec.transfer_id, sender=self.engine_id, reason=req.error[:500])
+            msg = m.Failed(transfer_id=spec.transfer_id, sender=self.engine_id, reason=req.error[:500], token=spec.token)
         else:
             msg = m.Done(transfer_id=spec.transfer_id, sender=self.engine_id, incarnation=spec.dst_incarnation,
-                         layers=len(req.timings), bytes=req.bytes)
+                         layers=len(req.timings), bytes=req.bytes, token=spec.token)
         try:
             client.call(msg)
         except Exception as exc:  # noqa: BLE001

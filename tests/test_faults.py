@@ -113,7 +113,7 @@ def test_f16_restarted_d_on_the_same_port_is_never_written_at_stale_addresses(ha
         before = h.rt.request(second.control, m.VerifyRequest(transfer_id="stale-spec"))
         # a transfer still carrying the first incarnation's allocation must be refused, unwritten
         kv, _, _ = h.stream([("stale-spec", second.control, m.AllocReply(
-            transfer_id="stale-spec", block_ids=stale.block_ids, incarnation=old.incarnation)),
+            transfer_id="stale-spec", block_ids=stale.block_ids, incarnation=old.incarnation, token=stale.token)),
             ("after-restart", second.control, fresh)])
         bad, good = h.outcome("stale-spec", 10), h.outcome("after-restart", 10)
         assert bad is not None and not bad.ok and "StaleLayout" in bad.reason, bad

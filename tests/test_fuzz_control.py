@@ -100,7 +100,7 @@ def test_f06_node_still_serves_a_verified_transfer_after_the_fuzz(node):
         rt.publish_layout(cache.k_base, cache.v_base, p_shape.block_bytes, p_shape.num_blocks)
         alloc = rt.request(node.control, m.AllocRequest(transfer_id="after-fuzz", num_blocks=4))
         spec = TransferSpec(transfer_id="after-fuzz", peer=node.control, src_blocks=[0, 1, 2, 3],
-                            dst_blocks=alloc.block_ids, dst_incarnation=alloc.incarnation)
+                            dst_blocks=alloc.block_ids, dst_incarnation=alloc.incarnation, token=alloc.token)
 
         def forward() -> None:
             rt.sender.begin_step(1, [spec])

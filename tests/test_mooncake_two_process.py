@@ -76,7 +76,7 @@ class PSide:
 
     def spec(self, tid: str, src: list[int], reply: m.AllocReply) -> TransferSpec:
         return TransferSpec(transfer_id=tid, peer=self.endpoint, src_blocks=list(src),
-                            dst_blocks=reply.block_ids, dst_incarnation=reply.incarnation)
+                            dst_blocks=reply.block_ids, dst_incarnation=reply.incarnation, token=reply.token)
 
     def next_step(self) -> int:
         self._step += 1
@@ -299,7 +299,7 @@ def test_layout_mismatch_fails_visibly_at_both_ends(d_node):
         reply = rt.request(d_node.control, m.AllocRequest(transfer_id="mismatch", num_blocks=4), timeout=CALL_S)
         before = rt.request(d_node.control, m.VerifyRequest(transfer_id="mismatch"), timeout=CALL_S)
         spec = TransferSpec(transfer_id="mismatch", peer=d_node.control, src_blocks=[0, 1, 2, 3],
-                            dst_blocks=reply.block_ids, dst_incarnation=reply.incarnation)
+                            dst_blocks=reply.block_ids, dst_incarnation=reply.incarnation, token=reply.token)
         run_forward(rt, [(1, [spec])], num_layers=other.num_layers)
         out = rt.sender.wait("mismatch", WAIT_S)
         assert not out.ok and "LayoutMismatch" in out.reason, out
@@ -319,7 +319,7 @@ def test_layout_mismatch_fails_visibly_at_both_ends(d_node):
 def test_stale_incarnation_is_refused(p_side):
     reply = p_side.alloc("stale", 2, contiguous=True)
     spec = TransferSpec(transfer_id="stale", peer=p_side.endpoint, src_blocks=[0, 1],
-                        dst_blocks=reply.block_ids, dst_incarnation="0" * 32)
+                        dst_blocks=reply.block_ids, dst_incarnation="0" * 32, token=reply.token)
     before = p_side.verify("stale")
     run_forward(p_side.rt, [(p_side.next_step(), [spec])])
     out = p_side.rt.sender.wait("stale", WAIT_S)

@@ -56,6 +56,14 @@ def _check_layout(reply: m.Message, info: dict) -> None:
     assert [b - bases[0] for b in bases] == [i * shape.layer_bytes for i in range(len(bases))]
 
 
+def _layout_of(p_runtime, control: str, tid: str) -> m.LayoutReply:
+    """D shows its layout only for a transfer it registered: allocate one, then ask with its token."""
+    alloc = p_runtime.request(control, m.AllocRequest(transfer_id=tid, num_blocks=1), timeout=5)
+    reply = p_runtime.request(control, m.LayoutRequest(requester="p", transfer_id=tid, token=alloc.token), timeout=5)
+    assert isinstance(reply, m.LayoutReply), reply
+    return reply
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_node_prints_one_json_line_answers_layout_and_exits_cleanly(sig, p_runtime):
@@ -67,8 +75,7 @@ def test_node_prints_one_json_line_answers_layout_and_exits_cleanly(sig, p_runti
         assert re.match(r"^127\.0\.0\.1:\d+$", info["session"]), info  # Mooncake's P2PHANDSHAKE name
         assert len(info["incarnation"]) == 32
 
-        reply = p_runtime.request(info["control"], m.LayoutRequest(), timeout=5)
-        _check_layout(reply, info)
+        _check_layout(_layout_of(p_runtime, info["control"], "cli-layout"), info)
         # the socket keeps answering, and tells a D-only message apart from a bad one
         status = p_runtime.request(info["control"], m.StatusRequest(transfer_id="nope"), timeout=5)
         assert isinstance(status, m.StatusReply) and status.state == "unknown"
@@ -110,8 +117,7 @@ def test_explicit_port_and_engine_id(p_runtime):
     with spawn_node("--host", "127.0.0.1", "--port", str(port), "--engine-id", "d-cli") as node:
         assert node.control == f"tcp://127.0.0.1:{port}"
         assert node.info["engine_id"] == "d-cli"
-        reply = p_runtime.request(node.control, m.LayoutRequest(requester="p"), timeout=5)
-        assert reply.engine_id == "d-cli"
+        assert _layout_of(p_runtime, node.control, "cli-port").engine_id == "d-cli"
         assert node.stop() == 0, node.stderr_text()
 
 

@@ -37,7 +37,7 @@ def alloc(p, d, tid: str, n: int, contiguous: bool) -> m.AllocReply:
 
 def spec(d, tid: str, src: list[int], rep: m.AllocReply) -> TransferSpec:
     return TransferSpec(transfer_id=tid, peer=d.control_endpoint, src_blocks=src, dst_blocks=rep.block_ids,
-                        dst_incarnation=rep.incarnation)
+                        dst_incarnation=rep.incarnation, token=rep.token)
 
 
 def run_step(p, step: int, specs: list[TransferSpec], layers: int) -> None:
@@ -211,7 +211,7 @@ def test_stale_incarnation_is_refused(pd, small_shape):
     p, d, pc = pd
     rep = alloc(p, d, "stale", 2, True)
     old = TransferSpec(transfer_id="stale", peer=d.control_endpoint, src_blocks=[0, 1], dst_blocks=rep.block_ids,
-                       dst_incarnation="an-older-incarnation")
+                       dst_incarnation="an-older-incarnation", token=rep.token)
     run_step(p, 0, [old], small_shape.num_layers)
     out = p.sender.wait("stale", 10)
     assert not out.ok and "StaleLayout" in out.reason
@@ -230,7 +230,7 @@ def test_unreachable_d_fails_bounded(memory_runtime, small_shape):
     p.publish_layout(pc.k_base, pc.v_base, small_shape.block_bytes, small_shape.num_blocks)
     t0 = time.monotonic()
     p.sender.begin_step(0, [TransferSpec(transfer_id="x", peer=dead, src_blocks=[0], dst_blocks=[0],
-                                         dst_incarnation="never-seen")])
+                                         dst_incarnation="never-seen", token="t" * 32)])
     for layer in range(small_shape.num_layers):
         p.sender.layer_ready(0, layer)                  # never blocks, even with D dead
     assert time.monotonic() - t0 < 0.05
@@ -291,8 +291,7 @@ def test_wait_is_bounded(pd):
     p, d, pc = pd
     with pytest.raises(KeyError):
         p.sender.wait("never-begun", 0.1)
-    p.sender.begin_step(0, [TransferSpec(transfer_id="w", peer=d.control_endpoint, src_blocks=[0],
-                                         dst_blocks=[0], dst_incarnation=d.runtime.incarnation)])
+    p.sender.begin_step(0, [spec(d, "w", [0], alloc(p, d, "w", 1, True))])
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceeded):
         p.sender.wait("w", 0.2)                         # layers never come; wait still returns

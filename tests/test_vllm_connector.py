@@ -90,18 +90,23 @@ def test_bad_extra_config_is_refused_at_construction():
 
 # --- the flows through the real Scheduler ------------------------------------------------------------
 
+def tok(tid: str) -> str:
+    """The token a proxy would mint for ``tid`` (any secret of 16+ characters)."""
+    return f"{tid}-token-0123456789abcdef"
+
+
 def _lookup(p: Engine, d: Engine, tid: str, limit: float = 5.0) -> m.AllocReply:
     deadline = time.monotonic() + limit
     while True:
         try:
-            return p.runtime.request(d.runtime.control_endpoint, m.LookupRequest(transfer_id=tid))
+            return p.runtime.request(d.runtime.control_endpoint, m.LookupRequest(transfer_id=tid, token=tok(tid)))
         except Exception:  # noqa: BLE001 - not registered yet: D registers on its loop
             assert time.monotonic() < deadline, "D never published the registration"
             time.sleep(0.01)
 
 
 def _send_params(d: Engine, tid: str, reg: m.AllocReply) -> dict:
-    return {"aiolayer": {"transfer_id": tid, "decode_control": d.runtime.control_endpoint,
+    return {"aiolayer": {"transfer_id": tid, "token": tok(tid), "decode_control": d.runtime.control_endpoint,
                          "dst_blocks": reg.block_ids, "dst_incarnation": reg.incarnation,
                          "first_block": reg.first_block}}
 
@@ -139,7 +144,7 @@ def test_d_async_load_finishes_and_p_frees_blocks_only_after_its_sends(engines, 
     d = engines("kv_consumer", f"d-{layout}", layout=layout)
     p = engines("kv_producer", f"p-{layout}", layout=layout)
     prompt = list(range(3, 103))                       # 100 tokens: 4 blocks of 32
-    d.add("d-1", prompt, 3, {"aiolayer": {"transfer_id": "t1", "prefill_control": p.runtime.control_endpoint}})
+    d.add("d-1", prompt, 3, {"aiolayer": {"transfer_id": "t1", "token": tok("t1"), "prefill_control": p.runtime.control_endpoint}})
     d.step()
     assert _status(d, "d-1") is RequestStatus.WAITING_FOR_REMOTE_KVS
     reg = _run_prefill(p, d, "t1", prompt)
@@ -165,7 +170,7 @@ def test_failed_receive_ends_in_failed_recving_not_a_stuck_request(engines):
     d = engines("kv_consumer", "d-fail")
     p = engines("kv_producer", "p-fail")
     prompt = list(range(10, 74))
-    d.add("d-2", prompt, 3, {"aiolayer": {"transfer_id": "t2", "prefill_control": p.runtime.control_endpoint}})
+    d.add("d-2", prompt, 3, {"aiolayer": {"transfer_id": "t2", "token": tok("t2"), "prefill_control": p.runtime.control_endpoint}})
     d.step()
     d.runtime.backend.faults.fail = True              # every write into D is refused
     _run_prefill(p, d, "t2", prompt)
@@ -183,7 +188,7 @@ def test_abort_while_waiting_keeps_blocks_until_the_fence(engines, p_answers):
     d = engines("kv_consumer", f"d-abort-{p_answers}")
     p = engines("kv_producer", f"p-abort-{p_answers}")
     prefill = p.runtime.control_endpoint if p_answers else "tcp://127.0.0.1:9"   # nobody there
-    d.add("d-3", list(range(64)), 3, {"aiolayer": {"transfer_id": "t3", "prefill_control": prefill}})
+    d.add("d-3", list(range(64)), 3, {"aiolayer": {"transfer_id": "t3", "token": tok("t3"), "prefill_control": prefill}})
     d.step()
     blocks = d.blocks_of("d-3")
     assert blocks and _status(d, "d-3") is RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -209,7 +214,7 @@ def test_chunked_prefill_sends_every_block_in_the_last_chunk(engines):
     d = engines("kv_consumer", "d-chunk")
     p = engines("kv_producer", "p-chunk", max_batched=64)
     prompt = list(range(5, 133))                       # 128 tokens in chunks of 64: 2 steps, 4 blocks
-    d.add("d-4", prompt, 2, {"aiolayer": {"transfer_id": "t4", "prefill_control": p.runtime.control_endpoint}})
+    d.add("d-4", prompt, 2, {"aiolayer": {"transfer_id": "t4", "token": tok("t4"), "prefill_control": p.runtime.control_endpoint}})
     d.step()
     reg = _lookup(p, d, "t4")
     p.add("p-t4", prompt, 1, _send_params(d, "t4", reg))
@@ -267,7 +272,7 @@ def test_d_publishes_its_registration_and_gives_up_if_nobody_takes_it(engines, s
     hub = _Registrations(status)
     try:
         d = engines("kv_consumer", f"d-notify-{status}")
-        d.add("d-5", list(range(40)), 2, {"aiolayer": {"transfer_id": "t5", "notify_url": hub.url}})
+        d.add("d-5", list(range(40)), 2, {"aiolayer": {"transfer_id": "t5", "token": tok("t5"), "notify_url": hub.url}})
         d.step()
         deadline = time.monotonic() + 5
         while not hub.bodies and time.monotonic() < deadline:

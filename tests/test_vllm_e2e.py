@@ -10,6 +10,7 @@ D first, D's registration from its control socket, then P with D's block ids.
 from __future__ import annotations
 
 import concurrent.futures
+import secrets
 import time
 import uuid
 
@@ -53,11 +54,11 @@ def cluster():
         client.stop()
 
 
-def _lookup(client: Runtime, control: str, tid: str, limit: float = 30.0) -> m.AllocReply:
+def _lookup(client: Runtime, control: str, tid: str, token: str, limit: float = 30.0) -> m.AllocReply:
     deadline = time.monotonic() + limit
     while True:
         try:
-            return client.request(control, m.LookupRequest(transfer_id=tid), timeout=2.0)
+            return client.request(control, m.LookupRequest(transfer_id=tid, token=token), timeout=2.0)
         except Exception:  # noqa: BLE001 - D registers once its scheduler parked the request
             assert time.monotonic() < deadline, f"D never registered {tid}"
             time.sleep(0.02)
@@ -65,14 +66,15 @@ def _lookup(client: Runtime, control: str, tid: str, limit: float = 30.0) -> m.A
 
 def disaggregated(c: dict, decode: str, prompt: str, max_tokens: int = MAX_TOKENS, stream: bool = False):
     """D first (parks and registers), then P with D's blocks; returns (D's completion, P's)."""
-    tid = uuid.uuid4().hex
+    tid, token = uuid.uuid4().hex, secrets.token_hex(16)
     d_server, d_ctl = c[decode], c[decode + "_ctl"]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         d_future = pool.submit(completion, d_server, prompt, max_tokens=max_tokens, stream=stream, timeout_s=120,
-                               kv_transfer_params={"aiolayer": {"transfer_id": tid, "prefill_control": c["p_ctl"]}})
-        reg = _lookup(c["client"], d_ctl, tid)
+                               kv_transfer_params={"aiolayer": {"transfer_id": tid, "token": token,
+                                                                "prefill_control": c["p_ctl"]}})
+        reg = _lookup(c["client"], d_ctl, tid, token)
         p_out = completion(c["p"], prompt, max_tokens=1, timeout_s=120, kv_transfer_params={"aiolayer": {
-            "transfer_id": tid, "decode_control": d_ctl, "dst_blocks": reg.block_ids,
+            "transfer_id": tid, "token": token, "decode_control": d_ctl, "dst_blocks": reg.block_ids,
             "dst_incarnation": reg.incarnation, "first_block": reg.first_block}})
         return d_future.result(timeout=150), p_out
 

@@ -2,6 +2,12 @@
 
 A control frame is ``[request_id (8 bytes), payload]`` where the payload is one of ``Message``
 encoded with msgpack. Every request gets exactly one reply; ``Nack`` carries a code and a reason.
+
+Every message about a transfer carries its ``token``: a secret minted by whoever created the
+transfer (the proxy, or the benchmark driving a node) and handed only to D and to P. D serves its
+layout and accepts DONE/FAILED only with the token of a transfer it registered; P stops a transfer
+only on an Abort with that transfer's token. A stranger on the control port learns nothing and
+ends nothing (``Nack`` code ``auth``, counted).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ class LayerRegion(msgspec.Struct, frozen=True, array_like=True):
 
 class LayoutRequest(_Msg, tag="layout_req"):
     requester: str = ""
+    transfer_id: str = ""      # a transfer D registered, and its token: D shows its layout only then
+    token: str = ""
 
 
 class LayoutReply(_Msg, tag="layout"):
@@ -47,6 +55,7 @@ class Done(_Msg, tag="done"):
     incarnation: str = ""      # D's incarnation the data was written to
     layers: int = 0
     bytes: int = 0
+    token: str = ""
 
 
 class Failed(_Msg, tag="failed"):
@@ -55,6 +64,7 @@ class Failed(_Msg, tag="failed"):
     transfer_id: str
     sender: str
     reason: str
+    token: str = ""
 
 
 class Abort(_Msg, tag="abort"):
@@ -62,6 +72,7 @@ class Abort(_Msg, tag="abort"):
 
     transfer_id: str
     reason: str = ""
+    token: str = ""
 
 
 # --- node management (used by a proxy or the benchmark to drive a standalone D node) -----------
@@ -71,6 +82,8 @@ class AllocRequest(_Msg, tag="alloc"):
     num_blocks: int
     contiguous: bool = True
     sender_control: str = ""   # P's control endpoint: whom D tells to stop on abort or deadline
+    token: str = ""            # the transfer's secret; "" = the node mints one and returns it
+    drop_done: bool = False    # fault injection (bench/tests): D never answers this transfer's DONE
 
 
 class AbortRequest(_Msg, tag="abort_req"):
@@ -78,6 +91,7 @@ class AbortRequest(_Msg, tag="abort_req"):
 
     transfer_id: str
     reason: str = "aborted"
+    token: str = ""
 
 
 class AllocReply(_Msg, tag="alloc_ok"):
@@ -87,12 +101,14 @@ class AllocReply(_Msg, tag="alloc_ok"):
     block_ids: list[int]
     incarnation: str
     first_block: int = 0       # blocks before this index of the request were already at D (prefix hit)
+    token: str = ""            # the transfer's secret, for whoever dispatches P
 
 
 class LookupRequest(_Msg, tag="lookup"):
     """To D: the registration of ``transfer_id`` (an AllocReply), once D registered it."""
 
     transfer_id: str
+    token: str = ""
 
 
 class VerifyRequest(_Msg, tag="verify"):

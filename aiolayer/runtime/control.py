@@ -10,6 +10,7 @@ the next one. One ZMQ context per process; every socket is closed with linger 0.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import random
@@ -20,7 +21,7 @@ import zmq.asyncio
 
 from .. import compat
 from ..config import Timeouts
-from ..errors import ControlError, ControlRejected, ControlTimeout, ProtocolError, RuntimeStateError
+from ..errors import ControlError, ControlRejected, ControlTimeout, FrameDropped, ProtocolError, RuntimeStateError
 from ..protocol import messages as m
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class ControlServer:
         self.endpoint = ""
         self.frames_received = 0
         self.nacks_sent = 0
+        self.nacks: collections.Counter[str] = collections.Counter()   # refused frames, by Nack code
+        self.dropped = 0                                               # fault injection: unanswered
         self.send_errors = 0
         self._sock: zmq.asyncio.Socket | None = None
         self._slots = asyncio.Semaphore(max_concurrent)
@@ -121,8 +124,12 @@ class ControlServer:
                 reply = m.Nack(code="frame", reason="request id must be 8 bytes")
             else:
                 reply = await self._dispatch(frames[2])
+            if reply is None:
+                self.dropped += 1
+                return
             if isinstance(reply, m.Nack):
                 self.nacks_sent += 1
+                self.nacks[reply.code] += 1
             try:
                 await self._sock.send_multipart([*envelope, rid, m.encode(reply)])
             except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): nobody to tell
@@ -131,7 +138,7 @@ class ControlServer:
         finally:
             self._slots.release()
 
-    async def _dispatch(self, payload: bytes) -> m.Message:
+    async def _dispatch(self, payload: bytes) -> m.Message | None:
         if len(payload) > self.max_frame_bytes:
             return m.Nack(code="size", reason=f"payload of {len(payload)} bytes exceeds {self.max_frame_bytes}")
         try:
@@ -145,6 +152,8 @@ class ControlServer:
             raise
         except ControlRejected as exc:
             return m.Nack(code=exc.code, reason=exc.reason)
+        except FrameDropped:
+            return None
         except Exception as exc:  # noqa: BLE001 - the peer is told, and so is the log
             log.exception("control handler failed on %s", type(msg).__name__)
             return m.Nack(code="internal", reason=f"{type(exc).__name__}: {exc}"[:300])

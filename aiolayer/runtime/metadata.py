@@ -52,22 +52,26 @@ class LayoutCache:
         self._entries: dict[str, asyncio.Future] = {}
         self.fetches: collections.Counter[str] = collections.Counter()   # per endpoint
 
-    def prefetch(self, endpoint: str) -> asyncio.Future:
-        """Start fetching ``endpoint``'s layout unless a fetch is cached or running."""
+    def prefetch(self, endpoint: str, credentials: tuple[str, str]) -> asyncio.Future:
+        """Start fetching ``endpoint``'s layout unless a fetch is cached or running.
+
+        ``credentials`` is (transfer id, token) of a transfer D registered: D shows its layout
+        only to a peer that holds one.
+        """
         fut = self._entries.get(endpoint)
         if fut is not None and not (fut.done() and (fut.cancelled() or fut.exception() is not None)):
             return fut
-        fut = spawn_future(self._spawn, self._fetch(endpoint), name=f"layout-fetch {endpoint}")
+        fut = spawn_future(self._spawn, self._fetch(endpoint, credentials), name=f"layout-fetch {endpoint}")
         fut.add_done_callback(_consume_exception)
         self._entries[endpoint] = fut
         return fut
 
-    async def get(self, endpoint: str, incarnation: str = "") -> RemoteLayout:
+    async def get(self, endpoint: str, credentials: tuple[str, str], incarnation: str = "") -> RemoteLayout:
         """The layout of ``endpoint``; refetched once if it is not of ``incarnation``."""
-        layout = await asyncio.shield(self.prefetch(endpoint))
+        layout = await asyncio.shield(self.prefetch(endpoint, credentials))
         if incarnation and layout.incarnation != incarnation:
             self.invalidate(endpoint)
-            layout = await asyncio.shield(self.prefetch(endpoint))
+            layout = await asyncio.shield(self.prefetch(endpoint, credentials))
             if layout.incarnation != incarnation:
                 raise StaleLayout(f"{endpoint} is incarnation {layout.incarnation}, transfer was "
                                   f"allocated on {incarnation}")
@@ -76,13 +80,14 @@ class LayoutCache:
     def invalidate(self, endpoint: str) -> None:
         self._entries.pop(endpoint, None)
 
-    async def _fetch(self, endpoint: str) -> RemoteLayout:
+    async def _fetch(self, endpoint: str, credentials: tuple[str, str]) -> RemoteLayout:
         self.fetches[endpoint] += 1
         limit = self.timeouts.layout_fetch
+        request = m.LayoutRequest(requester=self.requester, transfer_id=credentials[0], token=credentials[1])
         try:
             async with compat.timeout(limit):
                 client = await self.peers.get(endpoint)
-                reply = await client.call_with_retries(m.LayoutRequest(requester=self.requester), limit)
+                reply = await client.call_with_retries(request, limit)
         except TimeoutError:
             raise DeadlineExceeded("layout_fetch", limit, endpoint) from None
         except ControlError as exc:

@@ -9,12 +9,18 @@ Fencing: on a deadline or an abort the transfer goes to ``aborting``: D tells P 
 the blocks until P acknowledges that none of its writes is in flight (or P's FAILED arrives, which
 P sends only then). Without an answer, it waits ``fence_grace`` seconds, longer than a write can
 stay in flight. Only then is the failure published and may the blocks be released.
+
+Authentication: each registration holds the transfer's token; DONE, FAILED, an abort request, a
+lookup or a layout request must present it (``authorize``). Refusals raise ``ControlRejected``
+with code ``auth`` and are counted in ``rejected``; an early DONE whose token does not match the
+registration is dropped and counted too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import hmac
 import logging
 import time
 from typing import Awaitable, Callable
@@ -22,15 +28,17 @@ from typing import Awaitable, Callable
 import msgspec
 
 from ..config import Timeouts
-from ..errors import ControlRejected
+from ..errors import ConfigError, ControlRejected
 from ..protocol import messages as m
 from ..protocol.state import IllegalTransition, State, receiver_transfer
 from .loop import spawn_future
 
 log = logging.getLogger(__name__)
 
-# (P's control endpoint, transfer id, reason) -> True once P confirmed it is quiet
-StopSender = Callable[[str, str, str], Awaitable[bool]]
+# (P's control endpoint, transfer id, token, reason) -> True once P confirmed it is quiet
+StopSender = Callable[[str, str, str, str], Awaitable[bool]]
+MAX_EARLY = 4096          # DONE/FAILED kept for unregistered transfers: a stranger cannot grow it further
+MIN_TOKEN_CHARS = 16
 
 
 class Received(msgspec.Struct, kw_only=True):
@@ -41,12 +49,13 @@ class Received(msgspec.Struct, kw_only=True):
 
 
 class _Entry:
-    __slots__ = ("transfer_id", "block_ids", "first_block", "state", "sender", "sender_control", "timer",
-                 "on_release", "fence")
+    __slots__ = ("transfer_id", "token", "block_ids", "first_block", "state", "sender", "sender_control",
+                 "timer", "on_release", "fence")
 
-    def __init__(self, transfer_id: str, block_ids: list[int], on_release, sender_control: str,
+    def __init__(self, transfer_id: str, token: str, block_ids: list[int], on_release, sender_control: str,
                  first_block: int) -> None:
         self.transfer_id = transfer_id
+        self.token = token
         self.block_ids = block_ids
         self.first_block = first_block
         self.state = receiver_transfer()
@@ -63,13 +72,16 @@ class Receiver:
         # An engine that owns the blocks itself (vLLM) needs no entry once the result is out.
         self.forget_settled = forget_settled
         self._entries: dict[str, _Entry] = {}
-        self._early: dict[str, tuple[m.Message, float]] = {}
+        # (transfer id, token) -> (DONE/FAILED, expiry): keyed by token too, so a stranger's early
+        # DONE cannot take the place of the real one
+        self._early: dict[tuple[str, str], tuple[m.Message, float]] = {}
         self._results: collections.deque[Received] = collections.deque()
         self._spawn = None
         self._stop_sender: StopSender | None = None
         self.duplicates = 0
         self.deadlines_expired = 0
         self.aborts = 0
+        self.rejected: collections.Counter[str] = collections.Counter()   # refused messages, by reason
 
     def bind(self, spawn, stop_sender: StopSender) -> None:
         """Give the receiver its task owner and the way to tell a P to stop (from the runtime)."""
@@ -78,26 +90,39 @@ class Receiver:
 
     # --- on the loop ---------------------------------------------------------------------------
 
-    def register(self, transfer_id: str, block_ids: list[int], on_release=None,
+    def register(self, transfer_id: str, block_ids: list[int], *, token: str, on_release=None,
                  deadline_s: float | None = None, sender_control: str = "", first_block: int = 0) -> None:
-        """Register before publishing the block ids; ``on_release(block_ids)`` frees them later."""
+        """Register before publishing the block ids; ``on_release(block_ids)`` frees them later.
+
+        ``token`` is the transfer's secret: only a peer that presents it may end the transfer.
+        """
+        if len(token) < MIN_TOKEN_CHARS:
+            raise ConfigError(f"transfer {transfer_id}: a token of at least {MIN_TOKEN_CHARS} characters is required")
         if transfer_id in self._entries:
             raise ControlRejected("duplicate", f"transfer {transfer_id} is already registered")
-        entry = _Entry(transfer_id, block_ids, on_release, sender_control, first_block)
+        entry = _Entry(transfer_id, token, block_ids, on_release, sender_control, first_block)
         self._entries[transfer_id] = entry
         limit = self.timeouts.receive if deadline_s is None else deadline_s
         entry.timer = asyncio.get_running_loop().call_later(limit, self._expire, transfer_id)
-        early = self._early.pop(transfer_id, None)
-        if early is not None:
-            self.handle(early[0])
+        if self._early:
+            self._apply_early(entry)
+
+    def authorize(self, transfer_id: str, token: str, what: str) -> _Entry:
+        """The registered transfer, if ``token`` is its own; else refused (code ``auth``) and counted."""
+        entry = self._entries.get(transfer_id)
+        if entry is None or not hmac.compare_digest(entry.token.encode(), token.encode()):
+            self.rejected["auth"] += 1
+            log.warning("transfer %s: %s refused: no such transfer or wrong token", transfer_id, what)
+            raise ControlRejected("auth", f"{what}: no transfer {transfer_id} with this token")
+        return entry
 
     def handle(self, msg: m.Message) -> m.Message:
         """Apply a Done or Failed from P; always returns the reply to send."""
         tid = msg.transfer_id
-        entry = self._entries.get(tid)
-        if entry is None:
+        if tid not in self._entries:
             self._keep_early(msg)
             return m.Ack(detail="kept until registration")
+        entry = self.authorize(tid, msg.token, type(msg).__name__)
         if entry.sender and entry.sender != msg.sender:
             raise ControlRejected("sender", f"transfer {tid} belongs to another sender")
         event = "done" if isinstance(msg, m.Done) else "failed"
@@ -115,21 +140,26 @@ class Receiver:
         self._settle(entry)
         return m.Ack(detail=entry.state.state.value)
 
-    def abort(self, transfer_id: str, reason: str) -> str:
-        """Give up a transfer: P is told to stop; the blocks stay fenced until it is quiet."""
+    def abort(self, transfer_id: str, reason: str, token: str | None = None) -> str:
+        """Give up a transfer: P is told to stop; the blocks stay fenced until it is quiet.
+
+        A request from the network passes its ``token``; the engine itself (None) is trusted.
+        """
         entry = self._entries.get(transfer_id)
         if entry is None:
             raise ControlRejected("unknown_transfer", f"no transfer {transfer_id}")
+        if token is not None:
+            self.authorize(transfer_id, token, "abort request")
         if entry.state.apply("abort", reason):
             self.aborts += 1
             self._start_fence(entry)
         return entry.state.state.value
 
-    def registration(self, transfer_id: str) -> tuple[list[int], int]:
+    def registration(self, transfer_id: str, token: str) -> tuple[list[int], int]:
         """(block ids, first block) of a registered transfer, for whoever dispatches P."""
-        entry = self._entries.get(transfer_id)
-        if entry is None:
+        if transfer_id not in self._entries:
             raise ControlRejected("not_registered", f"transfer {transfer_id} is not registered (yet)")
+        entry = self.authorize(transfer_id, token, "lookup")
         if entry.state.terminal:
             raise ControlRejected("ended", f"transfer {transfer_id} is already {entry.state.state.value}")
         return entry.block_ids, entry.first_block
@@ -175,11 +205,27 @@ class Receiver:
 
     def _keep_early(self, msg: m.Message) -> None:
         now = time.monotonic()
-        for tid, (_, expiry) in list(self._early.items()):
+        for key, (_, expiry) in list(self._early.items()):
             if expiry < now:
-                del self._early[tid]
-        if msg.transfer_id not in self._early:  # first word wins, like on a registered transfer
-            self._early[msg.transfer_id] = (msg, now + self.timeouts.receive)
+                del self._early[key]
+        if len(self._early) >= MAX_EARLY:
+            self.rejected["early_full"] += 1
+            raise ControlRejected("busy", f"{MAX_EARLY} messages already wait for their registration")
+        key = (msg.transfer_id, msg.token)
+        if key not in self._early:  # first word wins, like on a registered transfer
+            self._early[key] = (msg, now + self.timeouts.receive)
+
+    def _apply_early(self, entry: _Entry) -> None:
+        """On registration: apply the early word with the right token; drop (and count) the others."""
+        tid = entry.transfer_id
+        keys = [key for key in self._early if key[0] == tid]
+        for key in keys:
+            msg, _ = self._early.pop(key)
+            if hmac.compare_digest(key[1].encode(), entry.token.encode()):
+                self.handle(msg)
+            else:
+                self.rejected["auth"] += 1
+                log.warning("transfer %s: early %s with a wrong token dropped", tid, type(msg).__name__)
 
     def _settle(self, entry: _Entry) -> None:
         if entry.timer is not None:
@@ -199,6 +245,7 @@ class Receiver:
         if entry is None or entry.state.state is not State.REGISTERED:
             return
         self.deadlines_expired += 1
+        log.warning("transfer %s: no DONE/FAILED within %gs; fencing its blocks", transfer_id, self.timeouts.receive)
         entry.state.apply("deadline", f"no DONE/FAILED within {self.timeouts.receive:g}s")
         self._start_fence(entry)
 
@@ -217,7 +264,7 @@ class Receiver:
         if entry.sender_control and self._stop_sender is not None:
             try:
                 quiet = await asyncio.wait_for(
-                    self._stop_sender(entry.sender_control, entry.transfer_id, entry.state.reason),
+                    self._stop_sender(entry.sender_control, entry.transfer_id, entry.token, entry.state.reason),
                     max(0.0, min(t.fence_grace, t.layer_write + t.control_call + t.cleanup)))
             except asyncio.TimeoutError:
                 quiet = False

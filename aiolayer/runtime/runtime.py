@@ -2,7 +2,8 @@
 
 Construct it (no I/O), ``start()`` it, use ``sender`` on P and ``receiver`` on D, ``stop()`` it.
 ``stop`` is bounded by ``Timeouts.shutdown`` and leaves no task, socket or registered region.
-Extra control messages (a node's allocation and verification) go to ``extra_handler``.
+Extra control messages (a node's allocation and verification) go to ``extra_handler``;
+``inbound_filter`` sees every message first (a node's fault injection drops some there).
 """
 
 from __future__ import annotations
@@ -26,16 +27,19 @@ from .sender import Sender
 log = logging.getLogger(__name__)
 
 ExtraHandler = Callable[[m.Message], Awaitable[m.Message]]
+InboundFilter = Callable[[m.Message], None]   # raises FrameDropped or ControlRejected to stop a message
 
 
 class Runtime:
     def __init__(self, node: NodeConfig | None = None, timeouts: Timeouts | None = None,
-                 backend=None, extra_handler: ExtraHandler | None = None, forget_settled: bool = False) -> None:
+                 backend=None, extra_handler: ExtraHandler | None = None, forget_settled: bool = False,
+                 inbound_filter: InboundFilter | None = None) -> None:
         self.node = node or NodeConfig()
         self.timeouts = timeouts or Timeouts()
         self.incarnation = uuid.uuid4().hex
         self.backend = backend if backend is not None else make_backend(self.node.backend)
         self.extra_handler = extra_handler
+        self.inbound_filter = inbound_filter
         self.loop_thread = LoopThread(name=f"aiolayer-{self.node.engine_id}")
         self.bridge = LayerBridge(capacity=self.node.bridge_capacity)
         self.receiver = Receiver(self.timeouts, forget_settled=forget_settled)
@@ -148,11 +152,11 @@ class Runtime:
 
     # --- control-plane routing -----------------------------------------------------------------
 
-    async def _stop_sender(self, endpoint: str, transfer_id: str, reason: str) -> bool:
+    async def _stop_sender(self, endpoint: str, transfer_id: str, token: str, reason: str) -> bool:
         """D's fence: ask P to stop writing ``transfer_id``; True once P says none is in flight."""
         try:
             client = await self.peers.get(endpoint)
-            reply = await client.call(m.Abort(transfer_id=transfer_id, reason=reason),
+            reply = await client.call(m.Abort(transfer_id=transfer_id, reason=reason, token=token),
                                       timeout=self.timeouts.layer_write + self.timeouts.control_call)
         except (ControlError, DeadlineExceeded) as exc:
             log.warning("transfer %s: P at %s did not confirm it stopped: %s", transfer_id, endpoint, exc)
@@ -160,17 +164,21 @@ class Runtime:
         return isinstance(reply, m.Ack) and reply.detail == "stopped"
 
     async def _handle(self, msg: m.Message) -> m.Message:
+        if self.inbound_filter is not None:
+            self.inbound_filter(msg)
         if isinstance(msg, (m.Done, m.Failed)):
             return self.receiver.handle(msg)
         if isinstance(msg, m.Abort):
-            return m.Ack(detail=await self.sender.abort(msg.transfer_id, msg.reason))
+            return m.Ack(detail=await self.sender.abort(msg.transfer_id, msg.reason, msg.token))
         if isinstance(msg, m.AbortRequest):
-            return m.Ack(detail=self.receiver.abort(msg.transfer_id, msg.reason))
+            return m.Ack(detail=self.receiver.abort(msg.transfer_id, msg.reason, msg.token))
         if isinstance(msg, m.LookupRequest):
-            block_ids, first = self.receiver.registration(msg.transfer_id)
+            block_ids, first = self.receiver.registration(msg.transfer_id, msg.token)
             return m.AllocReply(transfer_id=msg.transfer_id, block_ids=block_ids, incarnation=self.incarnation,
-                                first_block=first)
+                                first_block=first, token=msg.token)
         if isinstance(msg, m.LayoutRequest):
+            # the layout names our memory: only for a peer holding a live transfer's token
+            self.receiver.authorize(msg.transfer_id, msg.token, f"layout request from {msg.requester!r}")
             if self.layout_reply is None:
                 raise ControlRejected("not_ready", "no KV layout registered yet")
             return self.layout_reply

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import hmac
 import logging
 import time
 
@@ -36,6 +37,7 @@ from .events import record_event, wait_event
 from .metadata import LayoutCache
 
 log = logging.getLogger(__name__)
+MAX_EARLY_ABORTS = 4096   # aborts kept for transfers not started yet: a stranger cannot grow it further
 
 
 class TransferSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,11 +48,14 @@ class TransferSpec(msgspec.Struct, frozen=True, kw_only=True):
     src_blocks: list[int]
     dst_blocks: list[int]
     dst_incarnation: str          # D's incarnation the blocks were allocated on: never write to another
+    token: str                    # the transfer's secret: D accepts our layout request and DONE only with it
     layerwise: bool = True        # False: hold every layer and write them all after the last one
 
     def __post_init__(self) -> None:
         if not self.dst_incarnation:
             raise ConfigError(f"transfer {self.transfer_id}: dst_incarnation is required (D's AllocReply)")
+        if not self.token:
+            raise ConfigError(f"transfer {self.transfer_id}: token is required (minted with the transfer)")
 
 
 class LayerTiming(msgspec.Struct, array_like=True):
@@ -117,10 +122,13 @@ class Sender:
         self._outcomes: collections.deque[Outcome] = collections.deque()
         self._released: collections.deque[str] = collections.deque()
         self._live: dict[str, _Request] = {}          # until its writes are quiet
-        self._aborted_early: dict[str, float] = {}    # abort before the step came: refuse it then
+        # abort before the step came, by (transfer id, token): refuse the step then; keyed by token
+        # too, so a stranger's abort can neither stop the transfer nor shadow the real abort
+        self._aborted_early: dict[tuple[str, str], float] = {}
         self._spawn = None
         self.active = 0
         self.fence_timeouts = 0
+        self.rejected_aborts = 0                      # Abort frames without the transfer's token
 
     # --- forward-thread API (never blocks) -------------------------------------------------
 
@@ -209,23 +217,32 @@ class Sender:
             req = _Request(spec, merge_runs([], []))
             self._spawn(self._finish(req, str(exc), None), name=f"fail {spec.transfer_id}")
             return req
-        if self._aborted_early.pop(spec.transfer_id, None) is not None:
+        if self._aborted_early.pop((spec.transfer_id, spec.token), None) is not None:
             self._spawn(self._finish(req, "aborted by D before it started", None), name=f"fail {spec.transfer_id}")
             return req
         self._live[spec.transfer_id] = req
-        self.layouts.prefetch(spec.peer)
+        self.layouts.prefetch(spec.peer, (spec.transfer_id, spec.token))
         self.active += 1
         self._spawn(self._run_request(req), name=f"send {spec.transfer_id}")
         return req
 
-    async def abort(self, transfer_id: str, reason: str) -> str:
-        """D asks us to stop: submit nothing more, and return once no write is in flight."""
+    async def abort(self, transfer_id: str, reason: str, token: str) -> str:
+        """D asks us to stop: submit nothing more, and return once no write is in flight.
+
+        Only with the transfer's token: a stranger cannot stop another's transfer.
+        """
         req = self._live.get(transfer_id)
         if req is None:
             now = time.monotonic()
-            self._aborted_early = {t: e for t, e in self._aborted_early.items() if e > now}
-            self._aborted_early[transfer_id] = now + self.timeouts.receive  # unknown or already quiet
+            self._aborted_early = {k: e for k, e in self._aborted_early.items() if e > now}
+            if len(self._aborted_early) >= MAX_EARLY_ABORTS:
+                raise ControlRejected("busy", f"{MAX_EARLY_ABORTS} early aborts pending")
+            self._aborted_early[(transfer_id, token)] = now + self.timeouts.receive  # unknown or already quiet
             return "stopped"
+        if not _same_token(token, req.spec.token):
+            self.rejected_aborts += 1
+            log.warning("transfer %s: abort with a wrong token refused", transfer_id)
+            raise ControlRejected("auth", f"abort: no transfer {transfer_id} with this token")
         req.abort(reason)
         try:
             await asyncio.wait_for(req.quiet.wait(), self.timeouts.layer_write + self.timeouts.cleanup)
@@ -237,7 +254,8 @@ class Sender:
         reason = ""
         settled = None
         try:
-            layout = await self.layouts.get(req.spec.peer, req.spec.dst_incarnation)
+            layout = await self.layouts.get(req.spec.peer, (req.spec.transfer_id, req.spec.token),
+                                            req.spec.dst_incarnation)
             self._check_layout(req, layout)
             req.state.apply("layout_ready")
             settled, reason = await self._stream_layers(req, layout)
@@ -334,13 +352,13 @@ class Sender:
                 await asyncio.wait_for(req.quiet.wait(), self.timeouts.quarantine + self.timeouts.cleanup)
             except asyncio.TimeoutError:
                 pass  # still unresolved: D's own deadline and fence take over
-            msg = m.Failed(transfer_id=spec.transfer_id, sender=self.engine_id, reason=reason[:500])
+            msg = m.Failed(transfer_id=spec.transfer_id, sender=self.engine_id, reason=reason[:500], token=spec.token)
             if req.quiet.is_set() and not req.aborted:
                 await self._tell_d(spec, msg)
             return
         req.state.apply("all_layers_written")
         msg = m.Done(transfer_id=spec.transfer_id, sender=self.engine_id, incarnation=spec.dst_incarnation,
-                     layers=len(req.timings), bytes=req.bytes)
+                     layers=len(req.timings), bytes=req.bytes, token=spec.token)
         error = await self._tell_d(spec, msg)
         self._publish(req, f"DONE not delivered: {error}" if error else "", settled)
 
@@ -401,6 +419,10 @@ class Sender:
         for tid, fut in list(self._waiters.items()):
             if not fut.done():
                 fut.set_result(Outcome(transfer_id=tid, ok=False, reason=reason, finished_s=time.perf_counter()))
+
+
+def _same_token(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
 
 
 def _drain(queue: collections.deque) -> list:

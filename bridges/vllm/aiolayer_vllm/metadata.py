@@ -17,6 +17,7 @@ class RecvReq:
     first_block: int
     prefill_control: str
     notify_url: str = ""
+    token: str = ""
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class SendReq:
     dst_blocks: list[int]
     dst_incarnation: str
     layerwise: bool = True
+    token: str = ""
 
 
 @dataclass

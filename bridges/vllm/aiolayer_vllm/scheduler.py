@@ -62,7 +62,7 @@ class SchedulerSide:
                 first = computed // self.block_size
                 self._receiving[request.request_id] = recv.transfer_id
                 self._meta.recvs.append(RecvReq(request.request_id, recv.transfer_id, list(all_blocks[first:]),
-                                                first, recv.prefill_control, recv.notify_url))
+                                                first, recv.prefill_control, recv.notify_url, token=recv.token))
         if self.is_producer:
             try:
                 send = parse(request.kv_transfer_params, SendParams)
@@ -88,7 +88,8 @@ class SchedulerSide:
             self._sent[req_id] = send.transfer_id
             out.append(SendReq(req_id, send.transfer_id, src, send.decode_control, send.dst_blocks,
                                send.dst_incarnation,
-                               layerwise=use_layerwise(request.num_prompt_tokens, self.config.layerwise_min_tokens)))
+                               layerwise=use_layerwise(request.num_prompt_tokens, self.config.layerwise_min_tokens),
+                               token=send.token))
         return out
 
     # --- both ------------------------------------------------------------------------------------

@@ -110,7 +110,8 @@ class WorkerSide:
                 self._sending.add(send.req_id)
                 specs.append(TransferSpec(transfer_id=send.transfer_id, peer=send.decode_control,
                                           src_blocks=send.src_blocks, dst_blocks=send.dst_blocks,
-                                          dst_incarnation=send.dst_incarnation, layerwise=send.layerwise))
+                                          dst_incarnation=send.dst_incarnation, token=send.token,
+                                          layerwise=send.layerwise))
             self.runtime.sender.begin_step(self._step, specs)
             self._active_step = self._step
 
@@ -119,7 +120,8 @@ class WorkerSide:
         receiver = self.runtime.receiver
         for recv in recvs:
             try:
-                receiver.register(recv.transfer_id, recv.block_ids, sender_control=recv.prefill_control,
+                receiver.register(recv.transfer_id, recv.block_ids, token=recv.token,
+                                  sender_control=recv.prefill_control,
                                   first_block=recv.first_block)
             except AiolayerError as exc:
                 self._recv_failures.append((recv.req_id, recv.transfer_id, str(exc)))
@@ -137,7 +139,8 @@ class WorkerSide:
         import httpx
 
         rt, t = self.runtime, self.runtime.timeouts
-        body = {"transfer_id": recv.transfer_id, "block_ids": recv.block_ids, "first_block": recv.first_block,
+        body = {"transfer_id": recv.transfer_id, "token": recv.token, "block_ids": recv.block_ids,
+                "first_block": recv.first_block,
                 "incarnation": rt.incarnation, "decode_control": rt.control_endpoint}
         error = ""
         async with httpx.AsyncClient(timeout=t.control_call) as client:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hmac
 import logging
 
 import httpx
@@ -32,6 +33,7 @@ class ProxyState:
         self.notify_url = public_url.rstrip("/") + REGISTER_PATH
         self.pending: dict[str, Exchange] = {}
         self.outcomes: collections.Counter = collections.Counter()
+        self.rejected_registrations = 0
         self.client: httpx.AsyncClient | None = None
         self.peers: ControlPeers | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -66,6 +68,10 @@ class ProxyState:
         exchange = self.pending.get(tid)
         if exchange is None:
             return JSONResponse({"error": {"message": f"unknown transfer {tid}", "type": "unknown_transfer"}}, 404)
+        token = body.get("token")
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), exchange.token.encode()):
+            self.rejected_registrations += 1   # only the D we sent the token to may redirect P's writes
+            return JSONResponse({"error": {"message": f"wrong token for transfer {tid}", "type": "auth"}}, 403)
         if not exchange.registered.done():
             exchange.registered.set_result(body)
         return JSONResponse({"accepted": tid}, 202)   # answered at once; P is dispatched by the exchange
@@ -149,6 +155,8 @@ class ProxyState:
     def metrics(self) -> str:
         lines = ["# TYPE aiolayer_proxy_requests_total counter"]
         lines += [f'aiolayer_proxy_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self.outcomes.items())]
+        lines += ["# TYPE aiolayer_proxy_rejected_registrations_total counter",
+                  f"aiolayer_proxy_rejected_registrations_total {self.rejected_registrations}"]
         lines += ["# TYPE aiolayer_proxy_pending_transfers gauge", f"aiolayer_proxy_pending_transfers {len(self.pending)}",
                   "# TYPE aiolayer_proxy_backend_outstanding gauge", "# TYPE aiolayer_proxy_backend_healthy gauge"]
         for b in self.pool.all:

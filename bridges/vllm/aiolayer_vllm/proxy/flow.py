@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import uuid
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ class Exchange:
         self.state, self.path, self.body = state, path, body
         self.prefill, self.decode = prefill, decode
         self.transfer_id = uuid.uuid4().hex
+        self.token = secrets.token_hex(16)   # only this transfer's D and P learn it
         self.stream = bool(body.get("stream"))
         self.registered: asyncio.Future = asyncio.get_running_loop().create_future()
         self.d_task: asyncio.Task | None = None
@@ -55,7 +57,7 @@ class Exchange:
         self.aborted_d = False
 
     def d_body(self) -> dict:
-        params = {"transfer_id": self.transfer_id, "prefill_control": self.prefill.control,
+        params = {"transfer_id": self.transfer_id, "token": self.token, "prefill_control": self.prefill.control,
                   "notify_url": self.state.notify_url}
         return {**self.body, "kv_transfer_params": {"aiolayer": params}}
 
@@ -63,7 +65,7 @@ class Exchange:
         body = {k: v for k, v in self.body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
         body["max_tokens"] = 1
         body["kv_transfer_params"] = {"aiolayer": {
-            "transfer_id": self.transfer_id, "decode_control": reg["decode_control"],
+            "transfer_id": self.transfer_id, "token": self.token, "decode_control": reg["decode_control"],
             "dst_blocks": reg["block_ids"], "dst_incarnation": reg["incarnation"],
             "first_block": reg.get("first_block", 0)}}
         return body
@@ -128,7 +130,7 @@ class Exchange:
         self.aborted_d = True
         try:
             client = await self.state.peers.get(self.decode.control)
-            await client.call(m.AbortRequest(transfer_id=self.transfer_id, reason=reason),
+            await client.call(m.AbortRequest(transfer_id=self.transfer_id, reason=reason, token=self.token),
                               timeout=self.state.timeouts.abort_s)
         except AiolayerError as exc:
             log.warning("transfer %s: D was not told to abort: %s", self.transfer_id, exc)
