@@ -22,11 +22,14 @@ def add_shape_args(p: argparse.ArgumentParser, num_blocks: int = 512) -> None:
     g.add_argument("--kv-heads", type=int, default=d.kv_heads)
     g.add_argument("--head-dim", type=int, default=d.head_dim)
     g.add_argument("--dtype", default=d.dtype, choices=["float16", "bfloat16", "float32", "int8", "uint8"])
+    g.add_argument("--kv-layout", default=d.layout, choices=["NHD", "HND"],
+                   help="block layout: NHD [block, token, head, dim] or HND [block, head, token, dim]")
 
 
 def shape_from_args(args: argparse.Namespace) -> KVShape:
     return KVShape(num_layers=args.num_layers, num_blocks=args.num_blocks, block_size=args.block_size,
-                   kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype)
+                   kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype,
+                   layout=getattr(args, "kv_layout", KVShape().layout))
 
 
 def add_node_args(p: argparse.ArgumentParser) -> None:
@@ -39,6 +42,9 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fence-grace", type=float, default=Timeouts().fence_grace,
                    help="seconds D keeps an abandoned transfer's blocks when P does not confirm it stopped "
                         "(must exceed MC_TRANSFER_TIMEOUT)")
+    p.add_argument("--metrics-port", type=int, default=-1,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = a free port, -1 = off; "
+                        "the JSON line names the URL)")
     p.add_argument("--refuse-writes", action="store_true",
                    help="fault injection: publish the KV layout but register no memory, so writes are refused")
 
@@ -50,7 +56,8 @@ def run_node(args: argparse.Namespace) -> int:
         print("only --role decode is a standalone node; P runs inside its engine (see README)", file=sys.stderr)
         return 2
     node_cfg = NodeConfig(engine_id=args.engine_id or f"decode-{args.port or 'auto'}",
-                          control_host=args.host, control_port=args.port, backend=args.backend)
+                          control_host=args.host, control_port=args.port, backend=args.backend,
+                          metrics_port=args.metrics_port)
     node = DecodeNode(shape_from_args(args), node_cfg,
                       Timeouts(receive=args.receive_timeout, fence_grace=args.fence_grace),
                       refuse_writes=args.refuse_writes)

@@ -43,7 +43,8 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class KVShape(msgspec.Struct, frozen=True, kw_only=True):
-    """A paged KV cache: per layer one K and one V tensor [num_blocks, block_size, kv_heads, head_dim]."""
+    """A paged KV cache: per layer one K and one V tensor [num_blocks, block_size, kv_heads, head_dim]
+    (``layout`` "NHD"), or [num_blocks, kv_heads, block_size, head_dim] ("HND")."""
 
     num_layers: int = 32
     num_blocks: int = 512
@@ -51,10 +52,13 @@ class KVShape(msgspec.Struct, frozen=True, kw_only=True):
     kv_heads: int = 8
     head_dim: int = 128
     dtype: str = "float16"
+    layout: str = "NHD"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ConfigError(f"unsupported dtype {self.dtype!r}; one of {sorted(DTYPE_BYTES)}")
+        if self.layout not in ("NHD", "HND"):
+            raise ConfigError(f"layout must be 'NHD' or 'HND', got {self.layout!r}")
         for name in ("num_layers", "num_blocks", "block_size", "kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
@@ -62,6 +66,11 @@ class KVShape(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def block_bytes(self) -> int:
         return self.block_size * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head of one token: head_dim * dtype."""
+        return self.head_dim * DTYPE_BYTES[self.dtype]
 
     @property
     def layer_bytes(self) -> int:
@@ -79,6 +88,7 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     engine_id: str = "aiolayer"
     control_host: str = "127.0.0.1"
     control_port: int = 0            # 0 = pick a free port
+    metrics_port: int = -1           # Prometheus GET /metrics on control_host: -1 = off, 0 = a free port
     backend: str = "mooncake"        # "mooncake" | "memory"
     max_frame_bytes: int = 1 << 20   # control frames larger than this are refused
     bridge_capacity: int = 65536     # items the forward thread may queue before BridgeFull
@@ -90,5 +100,7 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"control_host must be an IP address, got {self.control_host!r}") from exc
         if not 0 <= self.control_port <= 65535:
             raise ConfigError(f"control_port out of range: {self.control_port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port out of range: {self.metrics_port} (-1 = off)")
         if self.backend not in ("mooncake", "memory"):
             raise ConfigError(f"unknown backend {self.backend!r}; 'mooncake' or 'memory'")

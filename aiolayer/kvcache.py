@@ -34,10 +34,11 @@ class PagedKVCache:
         return [self.blocks[layer, 1].ctypes.data for layer in range(self.shape.num_layers)]
 
     def layer_view(self, layer: int, kind: int) -> np.ndarray:
-        """K (kind 0) or V (kind 1) of ``layer`` as [num_blocks, block_size, heads, dim]."""
+        """K (kind 0) or V (kind 1) of ``layer`` as [num_blocks, block_size, heads, dim] (NHD)
+        or [num_blocks, heads, block_size, dim] (HND)."""
         s = self.shape
-        return self.blocks[layer, kind].view(_NP_DTYPE[s.dtype]).reshape(
-            s.num_blocks, s.block_size, s.kv_heads, s.head_dim)
+        inner = (s.block_size, s.kv_heads) if s.layout == "NHD" else (s.kv_heads, s.block_size)
+        return self.blocks[layer, kind].view(_NP_DTYPE[s.dtype]).reshape(s.num_blocks, *inner, s.head_dim)
 
     def checksums(self, block_ids) -> tuple[list[int], list[int]]:
         """Per layer CRC32 of K and of V over ``block_ids`` in that order."""

@@ -18,6 +18,7 @@ from .config import KVShape, NodeConfig, Timeouts
 from .errors import ConfigError, ControlRejected, FrameDropped
 from .kvcache import BlockAllocator, PagedKVCache
 from .protocol import messages as m
+from .protocol.plan import HeadGeometry
 from .runtime.runtime import Runtime
 
 
@@ -41,8 +42,11 @@ class DecodeNode:
         self.cache = PagedKVCache(self.shape)
         self.runtime.start()
         try:
-            self.runtime.publish_layout(self.cache.k_base, self.cache.v_base, self.shape.block_bytes,
-                                        self.shape.num_blocks, register=not self.refuse_writes)
+            # with its head geometry, so P ranks of another TP size can write head slices
+            shape = self.shape
+            self.runtime.publish_layout(self.cache.k_base, self.cache.v_base, shape.block_bytes,
+                                        shape.num_blocks, register=not self.refuse_writes, kv_heads=shape.kv_heads,
+                                        geometry=HeadGeometry(shape.block_size, shape.head_bytes, shape.layout))
         except BaseException:
             self.runtime.stop()
             raise
@@ -54,18 +58,21 @@ class DecodeNode:
     def info(self) -> dict:
         return {"control": self.control_endpoint, "session": self.runtime.backend.session,
                 "engine_id": self.runtime.node.engine_id, "incarnation": self.runtime.incarnation,
-                "backend": self.runtime.backend.name, "num_blocks": self.shape.num_blocks}
+                "backend": self.runtime.backend.name, "num_blocks": self.shape.num_blocks,
+                "metrics": self.runtime.metrics_url}
 
     async def _handle(self, msg: m.Message) -> m.Message:
         receiver = self.runtime.receiver
         if isinstance(msg, m.AllocRequest):
+            if msg.senders < 1:
+                raise ControlRejected("bad_request", f"senders must be >= 1, got {msg.senders}")
             ids = self.allocator.allocate(msg.num_blocks, msg.contiguous)
             if ids is None:
                 raise ControlRejected("no_space", f"{msg.num_blocks} blocks asked, {self.allocator.free} free")
             token = msg.token or secrets.token_hex(16)
             try:
                 receiver.register(msg.transfer_id, ids, token=token, on_release=self.allocator.release,
-                                  sender_control=msg.sender_control)
+                                  sender_control=msg.sender_control, senders=msg.senders)
             except ConfigError as exc:
                 self.allocator.release(ids)
                 raise ControlRejected("token", str(exc)) from None

@@ -36,11 +36,15 @@ DEFAULT_LAYER_MS = 3.0
 DEFAULT_AUTO_MIN_TOKENS = 16
 
 
+SCENARIO_REQUESTS = {"transfer": 7, "faults": 0, "scale": 1000, "soak": 10000}   # --requests by default
+
+
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     d = KVShape()
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
     p.add_argument("--prompt-tokens", type=int, default=2048)
-    p.add_argument("--requests", type=int, default=7, help="measured requests per mode")
+    p.add_argument("--requests", type=int, default=None,
+                   help="measured requests per mode (transfer, default 7); transfers in all (scale: 1000, soak: 10000)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured requests per mode")
     p.add_argument("--layer-ms", type=float, default=DEFAULT_LAYER_MS,
                    help="simulated compute per layer (ms) at --prompt-tokens")
@@ -65,19 +69,36 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="sweep prompt length, layer count and block size; writes sweep.csv and sweep.png")
     from .sweep import add_sweep_args
     add_sweep_args(p)
-    p.add_argument("--scenario", default="transfer", choices=["transfer", "faults"],
-                   help="transfer: the modes side by side; faults: peer faults against real processes")
+    p.add_argument("--scenario", default="transfer", choices=list(SCENARIO_REQUESTS),
+                   help="transfer: the modes side by side; faults: peer faults against real processes; "
+                        "scale: concurrent transfers between P and D rank processes (TP mapping); "
+                        "soak: many transfers with faults injected, memory and latency over time")
+    g = p.add_argument_group("scale and soak")
+    g.add_argument("--prefill-ranks", type=int, default=2, help="scale: P tensor-parallel rank processes")
+    g.add_argument("--decode-ranks", type=int, default=4, help="scale and soak: D rank (node) processes")
+    g.add_argument("--kv-layout", default="HND", choices=["HND", "NHD"],
+                   help="scale: block layout; NHD splits each head slice into one write per token")
+    g.add_argument("--fault-rate", type=float, default=0.05,
+                   help="soak: fraction of transfers that get a fault (kill, freeze, refuse, drop DONE)")
 
 
 def run_bench(args: argparse.Namespace) -> int:
     for key, value in BENCH_ENV.items():
         os.environ.setdefault(key, value)
+    if args.requests is None:
+        args.requests = SCENARIO_REQUESTS[args.scenario]
     import torch
 
     torch.set_num_threads(1)  # the simulated compute is one thread, on one core (bench/cpus.py)
     if args.scenario == "faults":
         from .faults import run_faults
         return run_faults(args)
+    if args.scenario == "scale":
+        from .scale import run_scale
+        return run_scale(args)
+    if args.scenario == "soak":
+        from .soak import run_soak
+        return run_soak(args)
     # Before any thread or child exists: they inherit the host CPUs, the forward takes the device one.
     args.device_cpus, args.host_cpus = cpus.plan(getattr(args, "pin", True))
     cpus.pin_this_thread(args.host_cpus)

@@ -20,7 +20,7 @@ BENCH_ENV = {**ENGINE_ENV, "MC_FORCE_TCP": "1"}
 def shape_flags(shape: KVShape) -> list[str]:
     return ["--num-layers", str(shape.num_layers), "--num-blocks", str(shape.num_blocks),
             "--block-size", str(shape.block_size), "--kv-heads", str(shape.kv_heads),
-            "--head-dim", str(shape.head_dim), "--dtype", shape.dtype]
+            "--head-dim", str(shape.head_dim), "--dtype", shape.dtype, "--kv-layout", shape.layout]
 
 
 class NodeProcess:

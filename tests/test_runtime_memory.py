@@ -151,17 +151,20 @@ def test_forward_thread_calls_return_at_once(pd, small_shape):
 
 # --- failures end in a terminal state on both sides -----------------------------------------------------
 
-def test_f05_backend_failure_is_reported_to_d(pd, small_shape):
-    """Fragility 5: a failed transfer still tells D (FAILED), so D does not wait forever."""
+def test_f05_backend_failure_is_reported_to_d(pd, small_shape, caplog):
+    """Fragility 5: a failed transfer still tells D (FAILED), so D does not wait forever; both sides log it by id."""
     p, d, pc = pd
     rep = alloc(p, d, "bad", 6, False)
     d.runtime.backend.faults.fail = True
+    caplog.set_level("WARNING", logger="aiolayer")
     run_step(p, 0, [spec(d, "bad", [1, 2, 3, 4, 5, 6], rep)], small_shape.num_layers)
     out = p.sender.wait("bad", 10)
     assert not out.ok
     assert "injected failure" in out.reason
     st = status_when(p, d, "bad", "failed")
     assert st.state == "failed"
+    logged = {r.name for r in caplog.records if "transfer bad " in r.getMessage() and "injected failure" in r.getMessage()}
+    assert logged >= {"aiolayer.runtime.sender", "aiolayer.runtime.receiver"}, caplog.text
     assert "P reported" in st.reason and "injected failure" in st.reason
     # D may free the blocks of a failed transfer (its timer was settled by FAILED)
     assert isinstance(p.request(d.control_endpoint, m.ReleaseRequest(transfer_id="bad")), m.Ack)

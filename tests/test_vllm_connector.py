@@ -287,3 +287,32 @@ def test_d_publishes_its_registration_and_gives_up_if_nobody_takes_it(engines, s
             _steps_until(d, lambda: "d-5" not in d.scheduler.requests, limit=FAST["fence_grace"] + 5)
     finally:
         hub.close()
+
+
+def test_connector_stats_report_the_transfer_and_feed_prometheus(engines):
+    """vLLM's stats path: the worker's deltas, aggregated across workers, observed into Prometheus."""
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+    from aiolayer_vllm.connector import AiolayerConnector
+
+    d = engines("kv_consumer", "d-stats")
+    p = engines("kv_producer", "p-stats")
+    prompt = list(range(5, 69))                        # 64 tokens: 2 blocks of 32
+    d.add("d-6", prompt, 2, {"aiolayer": {"transfer_id": "t6", "token": tok("t6"),
+                                          "prefill_control": p.runtime.control_endpoint}})
+    d.step()
+    _run_prefill(p, d, "t6", prompt)
+    _steps_until(d, lambda: d.runtime.receiver.outcome_counts["finished"] == 1)
+    _steps_until(p, lambda: p.runtime.sender.outcome_counts["finished"] == 1)
+    sent, received = p.worker.get_kv_connector_stats(), d.worker.get_kv_connector_stats()
+    assert sent.data["sends_finished"] == 1 and sent.data["bytes_sent"] > 0
+    assert received.data["receives_finished"] == 1 and received.data["bytes_received"] == sent.data["bytes_sent"]
+    assert p.worker.get_kv_connector_stats() is None          # within the interval: nothing new to say
+    total = AiolayerConnector.build_kv_connector_stats(sent.data).aggregate(
+        AiolayerConnector.build_kv_connector_stats(received.data))
+    assert total.reduce()["bytes_sent"] == sent.data["bytes_sent"] and not total.is_empty()
+    prom = AiolayerConnector.build_prom_metrics(p.config, {Counter: Counter, Gauge: Gauge, Histogram: Histogram},
+                                                ["engine"], {0: ["0"]})
+    prom.observe(total.reduce(), engine_idx=0)
+    assert REGISTRY.get_sample_value("vllm:aiolayer_bytes_sent_total", {"engine": "0"}) == sent.data["bytes_sent"]
+    assert REGISTRY.get_sample_value("vllm:aiolayer_receives_finished_total", {"engine": "0"}) == 1

@@ -91,6 +91,11 @@ class MooncakeBackend:
     def quarantined(self) -> int:
         return len(self._quarantine)
 
+    @property
+    def inflight(self) -> int:
+        """Submitted runs not yet settled."""
+        return len(self._inflight)
+
     async def open(self, spawn) -> None:
         for key, value in ENGINE_ENV.items():
             os.environ.setdefault(key, value)

@@ -45,6 +45,12 @@ class LayoutReply(_Msg, tag="layout"):
     block_bytes: int
     num_blocks: int
     layers: list[LayerRegion]
+    # Head geometry of each block, so that P can write head slices (TP ranks of different sizes):
+    # 0 / "" = not published, and then P writes whole blocks only.
+    kv_heads: int = 0          # local KV heads per block
+    block_size: int = 0        # tokens per block
+    head_bytes: int = 0        # head_dim * dtype bytes
+    kv_layout: str = ""        # "NHD" or "HND" (protocol.plan.HeadGeometry)
 
 
 # --- transfer outcome (P tells D) ----------------------------------------------------------------
@@ -84,6 +90,7 @@ class AllocRequest(_Msg, tag="alloc"):
     sender_control: str = ""   # P's control endpoint: whom D tells to stop on abort or deadline
     token: str = ""            # the transfer's secret; "" = the node mints one and returns it
     drop_done: bool = False    # fault injection (bench/tests): D never answers this transfer's DONE
+    senders: int = 1           # P ranks writing disjoint head slices: D ends it once each said DONE/FAILED
 
 
 class AbortRequest(_Msg, tag="abort_req"):

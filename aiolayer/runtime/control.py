@@ -171,6 +171,8 @@ class ControlClient:
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
         self.late_replies = 0
+        self.results: collections.Counter[str] = collections.Counter()   # ok / timeout / rejected / error
+        self.last_ok: bool | None = None                                  # the peer's health, as last seen
 
     async def start(self, spawn: Spawn) -> None:
         sock = shared_context().socket(zmq.DEALER)
@@ -212,12 +214,22 @@ class ControlClient:
                 await self._sock.send_multipart([m.pack_request_id(rid), m.encode(msg)])
                 reply = await fut
         except TimeoutError:
+            self._note("timeout", False)
             raise ControlTimeout("control_call", timeout, f"{type(msg).__name__} to {self.endpoint}") from None
+        except (ControlError, zmq.ZMQError):
+            self._note("error", False)
+            raise
         finally:
             self._pending.pop(rid, None)
         if isinstance(reply, m.Nack):
+            self._note("rejected", True)   # it answered: the peer is up, it said no
             raise ControlRejected(reply.code, reply.reason)
+        self._note("ok", True)
         return reply
+
+    def _note(self, result: str, up: bool) -> None:
+        self.results[result] += 1
+        self.last_ok = up
 
     async def call_with_retries(self, msg: m.Message, deadline_s: float) -> m.Message:
         """For idempotent requests: retry on timeout with jittered back-off, all within ``deadline_s``."""
@@ -266,6 +278,10 @@ class ControlPeers:
             await client.start(self._spawn)
             self._clients[endpoint] = client
         return client
+
+    def health(self) -> dict[str, tuple[bool | None, dict[str, int]]]:
+        """Per peer endpoint: (answered the last call, call results by kind)."""
+        return {ep: (c.last_ok, dict(c.results)) for ep, c in list(self._clients.items())}
 
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), {}

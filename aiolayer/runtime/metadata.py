@@ -31,6 +31,10 @@ class RemoteLayout(msgspec.Struct, frozen=True):
     num_blocks: int
     k_base: np.ndarray     # int64 per layer
     v_base: np.ndarray
+    kv_heads: int = 0      # head geometry (LayoutReply): 0 / "" = not published, whole blocks only
+    block_size: int = 0
+    head_bytes: int = 0
+    kv_layout: str = ""
 
     @property
     def num_layers(self) -> int:
@@ -40,7 +44,8 @@ class RemoteLayout(msgspec.Struct, frozen=True):
     def from_reply(cls, endpoint: str, reply: m.LayoutReply) -> "RemoteLayout":
         return cls(endpoint, reply.engine_id, reply.incarnation, reply.session, reply.block_bytes,
                    reply.num_blocks, np.array([r.k_base for r in reply.layers], dtype=np.int64),
-                   np.array([r.v_base for r in reply.layers], dtype=np.int64))
+                   np.array([r.v_base for r in reply.layers], dtype=np.int64),
+                   reply.kv_heads, reply.block_size, reply.head_bytes, reply.kv_layout)
 
 
 class LayoutCache:
@@ -51,6 +56,7 @@ class LayoutCache:
         self.requester = requester
         self._entries: dict[str, asyncio.Future] = {}
         self.fetches: collections.Counter[str] = collections.Counter()   # per endpoint
+        self.deadlines_expired = 0
 
     def prefetch(self, endpoint: str, credentials: tuple[str, str]) -> asyncio.Future:
         """Start fetching ``endpoint``'s layout unless a fetch is cached or running.
@@ -89,6 +95,7 @@ class LayoutCache:
                 client = await self.peers.get(endpoint)
                 reply = await client.call_with_retries(request, limit)
         except TimeoutError:
+            self.deadlines_expired += 1
             raise DeadlineExceeded("layout_fetch", limit, endpoint) from None
         except ControlError as exc:
             raise MetadataError(f"layout of {endpoint} unavailable: {exc}") from exc

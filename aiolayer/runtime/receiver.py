@@ -12,8 +12,8 @@ stay in flight. Only then is the failure published and may the blocks be release
 
 Authentication: each registration holds the transfer's token; DONE, FAILED, an abort request, a
 lookup or a layout request must present it (``authorize``). Refusals raise ``ControlRejected``
-with code ``auth`` and are counted in ``rejected``; an early DONE whose token does not match the
-registration is dropped and counted too.
+with code ``auth`` (the control server counts its Nacks by code); an early DONE whose token does
+not match the registration gets no Nack, so it is counted here, in ``rejected["early_auth"]``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Received(msgspec.Struct, kw_only=True):
 
 class _Entry:
     __slots__ = ("transfer_id", "token", "block_ids", "first_block", "state", "sender", "sender_control",
-                 "timer", "on_release", "fence")
+                 "timer", "on_release", "fence", "senders", "heard")
 
     def __init__(self, transfer_id: str, token: str, block_ids: list[int], on_release, sender_control: str,
                  first_block: int) -> None:
@@ -64,6 +64,8 @@ class _Entry:
         self.timer: asyncio.TimerHandle | None = None
         self.on_release = on_release
         self.fence: asyncio.Future | None = None
+        self.senders = 1                        # P ranks that each send their DONE/FAILED (head slices)
+        self.heard: dict[str, m.Message] = {}   # senders > 1: each one's word, by sender, until all spoke
 
 
 class Receiver:
@@ -72,16 +74,18 @@ class Receiver:
         # An engine that owns the blocks itself (vLLM) needs no entry once the result is out.
         self.forget_settled = forget_settled
         self._entries: dict[str, _Entry] = {}
-        # (transfer id, token) -> (DONE/FAILED, expiry): keyed by token too, so a stranger's early
-        # DONE cannot take the place of the real one
-        self._early: dict[tuple[str, str], tuple[m.Message, float]] = {}
+        # (transfer id, token, sender) -> (DONE/FAILED, expiry): keyed by token too, so a stranger's
+        # early DONE cannot take the place of the real one, and by sender, so k senders are all kept
+        self._early: dict[tuple[str, str, str], tuple[m.Message, float]] = {}
         self._results: collections.deque[Received] = collections.deque()
         self._spawn = None
         self._stop_sender: StopSender | None = None
         self.duplicates = 0
         self.deadlines_expired = 0
         self.aborts = 0
-        self.rejected: collections.Counter[str] = collections.Counter()   # refused messages, by reason
+        self.rejected: collections.Counter[str] = collections.Counter()   # dropped without a Nack, by reason
+        self.outcome_counts: collections.Counter[str] = collections.Counter()
+        self.bytes_received = 0
 
     def bind(self, spawn, stop_sender: StopSender) -> None:
         """Give the receiver its task owner and the way to tell a P to stop (from the runtime)."""
@@ -91,16 +95,22 @@ class Receiver:
     # --- on the loop ---------------------------------------------------------------------------
 
     def register(self, transfer_id: str, block_ids: list[int], *, token: str, on_release=None,
-                 deadline_s: float | None = None, sender_control: str = "", first_block: int = 0) -> None:
+                 deadline_s: float | None = None, sender_control: str = "", first_block: int = 0,
+                 senders: int = 1) -> None:
         """Register before publishing the block ids; ``on_release(block_ids)`` frees them later.
 
         ``token`` is the transfer's secret: only a peer that presents it may end the transfer.
+        ``senders`` > 1: that many P ranks (distinct engine ids) write disjoint head slices of the
+        blocks; the transfer ends once every one of them said DONE or FAILED (or by its deadline).
         """
         if len(token) < MIN_TOKEN_CHARS:
             raise ConfigError(f"transfer {transfer_id}: a token of at least {MIN_TOKEN_CHARS} characters is required")
+        if isinstance(senders, bool) or not isinstance(senders, int) or senders < 1:
+            raise ConfigError(f"transfer {transfer_id}: senders must be a positive integer, got {senders!r}")
         if transfer_id in self._entries:
             raise ControlRejected("duplicate", f"transfer {transfer_id} is already registered")
         entry = _Entry(transfer_id, token, block_ids, on_release, sender_control, first_block)
+        entry.senders = senders
         self._entries[transfer_id] = entry
         limit = self.timeouts.receive if deadline_s is None else deadline_s
         entry.timer = asyncio.get_running_loop().call_later(limit, self._expire, transfer_id)
@@ -111,7 +121,6 @@ class Receiver:
         """The registered transfer, if ``token`` is its own; else refused (code ``auth``) and counted."""
         entry = self._entries.get(transfer_id)
         if entry is None or not hmac.compare_digest(entry.token.encode(), token.encode()):
-            self.rejected["auth"] += 1
             log.warning("transfer %s: %s refused: no such transfer or wrong token", transfer_id, what)
             raise ControlRejected("auth", f"{what}: no transfer {transfer_id} with this token")
         return entry
@@ -123,7 +132,11 @@ class Receiver:
             self._keep_early(msg)
             return m.Ack(detail="kept until registration")
         entry = self.authorize(tid, msg.token, type(msg).__name__)
-        if entry.sender and entry.sender != msg.sender:
+        if entry.senders > 1:
+            msg = self._gather(entry, msg)
+            if msg is None:
+                return m.Ack(detail=f"{len(entry.heard)} of {entry.senders} senders reported")
+        elif entry.sender and entry.sender != msg.sender:
             raise ControlRejected("sender", f"transfer {tid} belongs to another sender")
         event = "done" if isinstance(msg, m.Done) else "failed"
         reason = "" if event == "done" else f"P reported: {msg.reason}"
@@ -137,8 +150,29 @@ class Receiver:
             self.duplicates += 1
             return m.Ack(detail=f"already {entry.state.state.value}")
         entry.sender = msg.sender
+        if event == "done":
+            self.bytes_received += msg.bytes
         self._settle(entry)
         return m.Ack(detail=entry.state.state.value)
+
+    def _gather(self, entry: _Entry, msg: m.Message) -> m.Message | None:
+        """Several senders: hold each one's DONE/FAILED until all spoke (the blocks stay fenced while
+        any may still write), then one word for all: the first FAILED, else a DONE with every
+        sender's bytes. None: still waiting."""
+        if msg.sender not in entry.heard and len(entry.heard) >= entry.senders:
+            raise ControlRejected("sender", f"transfer {entry.transfer_id} already heard its {entry.senders} senders")
+        if entry.state.terminal:
+            return msg   # late (after a deadline) or repeated: the state machine acks it as a duplicate
+        if msg.sender in entry.heard:
+            self.duplicates += 1
+            return None
+        entry.heard[msg.sender] = msg
+        if len(entry.heard) < entry.senders:
+            return None
+        failed = [word for word in entry.heard.values() if isinstance(word, m.Failed)]
+        if failed:
+            return failed[0]
+        return msgspec.structs.replace(msg, bytes=sum(word.bytes for word in entry.heard.values()))
 
     def abort(self, transfer_id: str, reason: str, token: str | None = None) -> str:
         """Give up a transfer: P is told to stop; the blocks stay fenced until it is quiet.
@@ -209,9 +243,8 @@ class Receiver:
             if expiry < now:
                 del self._early[key]
         if len(self._early) >= MAX_EARLY:
-            self.rejected["early_full"] += 1
             raise ControlRejected("busy", f"{MAX_EARLY} messages already wait for their registration")
-        key = (msg.transfer_id, msg.token)
+        key = (msg.transfer_id, msg.token, msg.sender)
         if key not in self._early:  # first word wins, like on a registered transfer
             self._early[key] = (msg, now + self.timeouts.receive)
 
@@ -222,9 +255,13 @@ class Receiver:
         for key in keys:
             msg, _ = self._early.pop(key)
             if hmac.compare_digest(key[1].encode(), entry.token.encode()):
-                self.handle(msg)
+                try:
+                    self.handle(msg)
+                except ControlRejected as exc:   # e.g. a second sender of a one-sender transfer
+                    self.rejected[f"early_{exc.code}"] += 1
+                    log.warning("transfer %s: early %s refused: %s", tid, type(msg).__name__, exc.reason)
             else:
-                self.rejected["auth"] += 1
+                self.rejected["early_auth"] += 1
                 log.warning("transfer %s: early %s with a wrong token dropped", tid, type(msg).__name__)
 
     def _settle(self, entry: _Entry) -> None:
@@ -235,6 +272,9 @@ class Receiver:
             entry.fence.cancel()
             entry.fence = None
         ok = entry.state.state is State.FINISHED
+        self.outcome_counts["finished" if ok else "failed"] += 1
+        if not ok:
+            log.warning("transfer %s failed at D: %s", entry.transfer_id, entry.state.reason)
         self._results.append(Received(transfer_id=entry.transfer_id, ok=ok, reason=entry.state.reason,
                                       finished_s=time.perf_counter()))
         if self.forget_settled:

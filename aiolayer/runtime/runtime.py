@@ -17,12 +17,14 @@ from ..backends import make_backend
 from ..config import NodeConfig, Timeouts
 from ..errors import BridgeClosed, ControlError, ControlRejected, DeadlineExceeded, RuntimeStateError
 from ..protocol import messages as m
+from ..protocol.plan import HeadGeometry
 from .bridge import LayerBridge
 from .control import ControlPeers, ControlServer
 from .loop import LoopThread
 from .metadata import LayoutCache
+from .metrics import MetricsServer, render, snapshot
 from .receiver import Receiver
-from .sender import Sender
+from .sender import Sender, check_geometry
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ class Runtime:
         self.sender: Sender | None = None
         self.layout_reply: m.LayoutReply | None = None
         self.control_endpoint = ""
+        self.metrics_server: MetricsServer | None = None
+        self.metrics_url = ""
         self._started = False
         self._closed = False
         self.loop_thread.on_exit(self._on_loop_exit)
@@ -81,6 +85,10 @@ class Runtime:
         self.server = ControlServer(self.node.control_host, self.node.control_port, self._handle,
                                     max_frame_bytes=self.node.max_frame_bytes)
         self.control_endpoint = await self.server.start(spawn)
+        if self.node.metrics_port >= 0:
+            self.metrics_server = MetricsServer(self.node.control_host, self.node.metrics_port, self._scrape,
+                                                self.timeouts.control_call)
+            self.metrics_url = await self.metrics_server.start()
 
     def stop(self) -> None:
         """Bounded: closes sockets, unregisters memory and ends the loop thread."""
@@ -98,6 +106,8 @@ class Runtime:
         self._closed = True
         cleanup = self.timeouts.cleanup
         steps = []
+        if self.metrics_server is not None:
+            steps.append(self.metrics_server.close())
         if self.server is not None:
             steps.append(self.server.close())
         if self.peers is not None:
@@ -127,28 +137,37 @@ class Runtime:
     # --- D side: publish the local KV layout -------------------------------------------------
 
     def publish_layout(self, k_base: list[int], v_base: list[int], block_bytes: int, num_blocks: int,
-                       register: bool = True) -> None:
+                       register: bool = True, *, kv_heads: int = 0, geometry: HeadGeometry | None = None) -> None:
         """Make this process's KV caches the target of peers' writes (D), or their source (P).
 
         Per layer, block ``b`` of K is at ``k_base + b * block_bytes``, likewise for V. Where one
         tensor holds both (each block K and V together, vLLM's CPU layout), pass 0 as V bases.
 
+        ``kv_heads`` and ``geometry`` (tokens per block, bytes per head, NHD/HND) describe a block's
+        local heads; with them, peers of another TP size can write or be written head slices
+        (``TransferSpec.route``). Without them only whole blocks move.
+
         ``register=False`` publishes without registering the memory with the backend, so every
         write to it is refused: a fault-injection switch for tests and ``bench --scenario faults``.
         """
-        self.loop_thread.call(self._register_layout(k_base, v_base, block_bytes, num_blocks, register),
+        check_geometry(block_bytes, kv_heads, geometry, v_base)
+        self.loop_thread.call(self._register_layout(k_base, v_base, block_bytes, num_blocks, register,
+                                                    kv_heads, geometry),
                               timeout=self.timeouts.shutdown)
 
-    async def _register_layout(self, k_base, v_base, block_bytes: int, num_blocks: int, register: bool) -> None:
+    async def _register_layout(self, k_base, v_base, block_bytes: int, num_blocks: int, register: bool,
+                               kv_heads: int = 0, geometry: HeadGeometry | None = None) -> None:
         span = num_blocks * block_bytes
         for base in list(k_base) + list(v_base) if register else ():
             if base:   # a V base of 0: K and V share one tensor per layer
                 self.backend.register(int(base), span)
-        self.sender.set_local_layout(k_base, v_base, block_bytes, num_blocks)
+        self.sender.set_local_layout(k_base, v_base, block_bytes, num_blocks, kv_heads, geometry)
+        geo = {} if geometry is None else dict(kv_heads=kv_heads, block_size=geometry.block_size,
+                                               head_bytes=geometry.head_bytes, kv_layout=geometry.layout)
         self.layout_reply = m.LayoutReply(
             engine_id=self.node.engine_id, incarnation=self.incarnation, session=self.backend.session,
             block_bytes=block_bytes, num_blocks=num_blocks,
-            layers=[m.LayerRegion(int(k), int(v)) for k, v in zip(k_base, v_base)])
+            layers=[m.LayerRegion(int(k), int(v)) for k, v in zip(k_base, v_base)], **geo)
 
     # --- control-plane routing -----------------------------------------------------------------
 
@@ -185,6 +204,21 @@ class Runtime:
         if self.extra_handler is not None:
             return await self.extra_handler(msg)
         raise ControlRejected("unknown", f"{type(msg).__name__} is not served here")
+
+    # --- metrics ---------------------------------------------------------------------------------
+
+    async def _scrape(self) -> bytes:
+        return render(snapshot(self))
+
+    def metrics_snapshot(self) -> dict:
+        """Every figure of the metrics as plain data, taken on the loop (from any other thread)."""
+        async def take() -> dict:
+            return snapshot(self)
+        return self.loop_thread.call(take(), timeout=self.timeouts.control_call)
+
+    def metrics_text(self) -> str:
+        """The Prometheus text exposition, as ``GET /metrics`` serves it."""
+        return self.loop_thread.call(self._scrape(), timeout=self.timeouts.control_call).decode()
 
     # --- synchronous helpers for non-loop threads (tools, tests, the benchmark) ---------------
 

@@ -29,8 +29,10 @@ from ..config import Timeouts
 from ..errors import (AiolayerError, ConfigError, ControlRejected, DeadlineExceeded, LayoutMismatch,
                       RuntimeStateError, TransferTimeout)
 from ..protocol import messages as m
-from ..protocol.plan import BlockRuns, check_block_bounds, merge_runs, run_addresses
+from ..protocol.plan import (BlockRuns, HeadGeometry, RankRoute, check_block_bounds, merge_runs, run_addresses,
+                             slice_addresses)
 from ..protocol.state import State, sender_transfer
+from ..stats import LatencyHistogram
 from .bridge import LayerBridge
 from .control import ControlPeers
 from .events import record_event, wait_event
@@ -50,6 +52,9 @@ class TransferSpec(msgspec.Struct, frozen=True, kw_only=True):
     dst_incarnation: str          # D's incarnation the blocks were allocated on: never write to another
     token: str                    # the transfer's secret: D accepts our layout request and DONE only with it
     layerwise: bool = True        # False: hold every layer and write them all after the last one
+    # Head slice: copy the route's heads of every block (P and D ranks of other TP sizes, see
+    # protocol.plan.map_ranks); both sides must have published their head geometry. None: whole blocks.
+    route: RankRoute | None = None
 
     def __post_init__(self) -> None:
         if not self.dst_incarnation:
@@ -81,18 +86,36 @@ class LocalLayout(msgspec.Struct, frozen=True):
     v_base: np.ndarray
     block_bytes: int
     num_blocks: int
+    heads: int = 0                          # local KV heads per block (0: geometry not published)
+    geometry: HeadGeometry | None = None    # what a head slice needs: tokens per block, head bytes, layout
 
     @property
     def num_layers(self) -> int:
         return int(self.k_base.shape[0])
 
 
+def check_geometry(block_bytes: int, kv_heads: int, geometry: HeadGeometry | None, v_base) -> None:
+    """A published head geometry must describe the blocks exactly; ``ConfigError`` otherwise."""
+    if geometry is None:
+        if kv_heads:
+            raise ConfigError("kv_heads given without its geometry (block_size, head_bytes, layout)")
+        return
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, (int, np.integer)) or kv_heads < 1:
+        raise ConfigError(f"kv_heads must be a positive integer with a geometry, got {kv_heads!r}")
+    if kv_heads * geometry.block_size * geometry.head_bytes != block_bytes:
+        raise ConfigError(f"{kv_heads} heads x {geometry.block_size} tokens x {geometry.head_bytes} bytes "
+                          f"is not the block size {block_bytes}")
+    if any(int(v) == 0 for v in v_base):
+        raise ConfigError("a head geometry needs K and V in separate tensors (no V base of 0)")
+
+
 class _Request:
-    __slots__ = ("spec", "runs", "layers", "state", "timings", "bytes", "aborted", "pending", "quiet")
+    __slots__ = ("spec", "runs", "spans", "layers", "state", "timings", "bytes", "aborted", "pending", "quiet")
 
     def __init__(self, spec: TransferSpec, runs: BlockRuns) -> None:
         self.spec = spec
         self.runs = runs
+        self.spans: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None   # head slice, from layer bases
         self.layers: asyncio.Queue = asyncio.Queue()   # (layer, event, handed) items; None = abort
         self.state = sender_transfer()
         self.timings: list[LayerTiming] = []
@@ -129,12 +152,19 @@ class Sender:
         self.active = 0
         self.fence_timeouts = 0
         self.rejected_aborts = 0                      # Abort frames without the transfer's token
+        # for metrics (read on the loop): outcomes, bytes written, deadlines hit, hand-off latency
+        self.outcome_counts: collections.Counter[str] = collections.Counter()
+        self.bytes_sent = 0
+        self.deadlines: collections.Counter[str] = collections.Counter()
+        self.handoff = LatencyHistogram()
 
     # --- forward-thread API (never blocks) -------------------------------------------------
 
-    def set_local_layout(self, k_base, v_base, block_bytes: int, num_blocks: int) -> None:
+    def set_local_layout(self, k_base, v_base, block_bytes: int, num_blocks: int, heads: int = 0,
+                         geometry: HeadGeometry | None = None) -> None:
+        check_geometry(block_bytes, heads, geometry, v_base)
         self.local = LocalLayout(np.asarray(k_base, dtype=np.int64), np.asarray(v_base, dtype=np.int64),
-                                 block_bytes, num_blocks)
+                                 block_bytes, num_blocks, heads, geometry)
 
     def begin_step(self, step: int, specs: list[TransferSpec]) -> None:
         if self.local is None:
@@ -201,6 +231,7 @@ class Sender:
         kind = item[0]
         if kind == "layer":
             _, step, layer, event, handed = item
+            self.handoff.observe(time.perf_counter() - handed)
             for req in self._steps.get(step, ()):
                 req.layers.put_nowait((layer, event, handed))
         elif kind == "step":
@@ -275,13 +306,35 @@ class Sender:
 
     def _check_layout(self, req: _Request, layout) -> None:
         local = self.local
-        if layout.num_layers != local.num_layers or layout.block_bytes != local.block_bytes:
+        sliced = req.spec.route is not None   # then block sizes differ legitimately: the geometry must match
+        if layout.num_layers != local.num_layers or (not sliced and layout.block_bytes != local.block_bytes):
             raise LayoutMismatch(
                 f"D has {layout.num_layers} layers of {layout.block_bytes}-byte blocks, "
                 f"P has {local.num_layers} of {local.block_bytes}")
         if bool((layout.v_base == 0).any()) != bool((local.v_base == 0).any()):
             raise LayoutMismatch("one side keeps K and V in separate tensors, the other in one")
         check_block_bounds(req.spec.dst_blocks, layout.num_blocks, "destination")
+        if sliced:
+            req.spans = self._route_spans(req, layout)
+
+    def _route_spans(self, req: _Request, layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The route's byte spans relative to each layer's bases: computed once per request."""
+        local, route = self.local, req.spec.route
+        geom = local.geometry
+        if geom is None or not layout.kv_heads:
+            side = "P" if geom is None else "D"
+            raise LayoutMismatch(f"a head-slice route needs both sides' head geometry; {side} published none")
+        theirs = (layout.block_size, layout.head_bytes, layout.kv_layout)
+        if theirs != (geom.block_size, geom.head_bytes, geom.layout):
+            raise LayoutMismatch(f"D's blocks are (tokens, head bytes, layout) {theirs}, P's "
+                                 f"{(geom.block_size, geom.head_bytes, geom.layout)}")
+        if layout.block_bytes != layout.kv_heads * geom.block_size * geom.head_bytes:
+            raise LayoutMismatch(f"D's {layout.block_bytes}-byte blocks do not hold {layout.kv_heads} heads "
+                                 f"of {geom.block_size} x {geom.head_bytes} bytes")
+        try:
+            return slice_addresses(req.runs, 0, 0, local.heads, layout.kv_heads, route, geom)
+        except ValueError as exc:
+            raise LayoutMismatch(f"route {route}: {exc}") from None
 
     async def _stream_layers(self, req: _Request, layout) -> tuple[float, str]:
         """Submit each layer as it arrives; returns (time all writes settled, failure reason)."""
@@ -300,9 +353,11 @@ class Sender:
                     layer, event, handed = item
                     await wait_event(event, t.layer_event)
                 except TimeoutError:
+                    self.deadlines["layer_gap"] += 1
                     reason = f"layer_gap: no next layer within {t.layer_gap:g}s"
                     break
                 except DeadlineExceeded as exc:
+                    self.deadlines[exc.phase] += 1
                     reason = str(exc)
                     break
                 if any(w.done() and w.result() for w in writes):
@@ -326,14 +381,20 @@ class Sender:
         planes = [(local.k_base, layout.k_base)]
         if local.v_base[layer]:   # 0: K and V share each block (one plane), as on vLLM's CPU backend
             planes.append((local.v_base, layout.v_base))
-        src, dst, lengths = zip(*(run_addresses(req.runs, int(mine[layer]), int(theirs[layer]), bb)
-                                  for mine, theirs in planes))
+        if req.spans is not None:   # a head slice: spans precomputed per request, offset by this layer's bases
+            rel_src, rel_dst, rel_len = req.spans
+            src, dst, lengths = zip(*((rel_src + int(mine[layer]), rel_dst + int(theirs[layer]), rel_len)
+                                      for mine, theirs in planes))
+        else:
+            src, dst, lengths = zip(*(run_addresses(req.runs, int(mine[layer]), int(theirs[layer]), bb)
+                                      for mine, theirs in planes))
         lengths = np.concatenate(lengths)
         submitted = time.perf_counter()
         try:
             await self.backend.write(layout.session, np.concatenate(src), np.concatenate(dst), lengths,
                                      self.timeouts.layer_write)
         except TransferTimeout as exc:
+            self.deadlines["layer_write"] += 1
             req.pending.extend(exc.pending)
             return f"layer {layer}: {type(exc).__name__}: {exc}"
         except AiolayerError as exc:
@@ -380,6 +441,10 @@ class Sender:
         else:
             req.state.apply("done_acked")
         now = time.perf_counter()
+        self.outcome_counts["finished" if req.state.state is State.FINISHED else "failed"] += 1
+        self.bytes_sent += req.bytes
+        if reason:
+            log.warning("transfer %s failed: %s", req.spec.transfer_id, req.state.reason)
         pending = [f for f in req.pending if not f.done()]
         outcome = Outcome(transfer_id=req.spec.transfer_id, ok=req.state.state is State.FINISHED,
                           reason=req.state.reason, bytes=req.bytes, finished_s=now,

@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from .config import from_extra_config
 from .metadata import AiolayerMetadata
 from .scheduler import SchedulerSide
+from .stats import AiolayerPromMetrics, AiolayerStats
 from .worker import WorkerSide
 
 
@@ -80,6 +81,19 @@ class AiolayerConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+
+    # --- stats (worker side reports, vLLM aggregates and exports) -------------------------------
+
+    def get_kv_connector_stats(self) -> AiolayerStats | None:
+        return self._worker.stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> AiolayerStats:
+        return AiolayerStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> AiolayerPromMetrics:
+        return AiolayerPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # --- scheduler side ------------------------------------------------------------------------
 

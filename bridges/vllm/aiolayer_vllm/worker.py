@@ -11,12 +11,15 @@ import asyncio
 import collections
 import logging
 import re
+import time
 
 from aiolayer import Runtime, TransferSpec
 from aiolayer.errors import AiolayerError, ConfigError
+from aiolayer.runtime.metrics import snapshot
 
 from .config import BridgeConfig
 from .metadata import AiolayerMetadata, RecvReq
+from .stats import AiolayerStats, delta, totals
 
 log = logging.getLogger(__name__)
 _LAYER_NUMBER = re.compile(r"\.(\d+)\.")
@@ -79,6 +82,8 @@ class WorkerSide:
         self._released: set[str] = set()                  # P: ... whose sends are quiet
         self._finished: set[str] = set()                  # P: ... that vLLM reported finished
         self._load_errors: set[int] = set()
+        self._reported: dict[str, float] = {}             # the totals of the last stats report
+        self._reported_at = 0.0
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -217,6 +222,16 @@ class WorkerSide:
         for planes in self._views.values():
             for plane in planes:
                 plane.index_fill_(0, idx, 0)
+
+    def stats(self, min_interval_s: float = 1.0) -> AiolayerStats | None:
+        """What changed since the last report, at most once per ``min_interval_s`` (no loop wait)."""
+        now = time.monotonic()
+        if self.runtime is None or now - self._reported_at < min_interval_s:
+            return None
+        current = totals(snapshot(self.runtime))
+        stats = AiolayerStats(data=delta(current, self._reported))
+        self._reported, self._reported_at = current, now
+        return None if stats.is_empty() else stats
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

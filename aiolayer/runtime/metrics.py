@@ -1,0 +1,172 @@
+"""Prometheus metrics of one Runtime: a snapshot taken on the loop, rendered in the text format, served over HTTP.
+
+``snapshot`` runs on the loop thread (where every counter is written), so a scrape sees one
+consistent state without locks. ``MetricsServer`` is a minimal HTTP/1.0 endpoint on the same loop,
+owned by the runtime's TaskGroup: ``GET /metrics`` only, bounded reads, every connection closed.
+The vLLM connector publishes the same snapshot through its ``KVConnectorStats``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from .. import compat
+from ..errors import ControlError
+
+log = logging.getLogger(__name__)
+MAX_REQUEST_HEAD = 8192
+
+
+def snapshot(rt) -> dict:
+    """Every figure the metrics expose, as plain data.
+
+    On the loop thread it is exact. From another thread (the vLLM connector's stats, which must not
+    wait for the loop) each figure is read whole, which is safe under the GIL, but two figures may
+    be a few microseconds apart.
+    """
+    sender, receiver, server = rt.sender, rt.receiver, rt.server
+    backend = rt.backend
+    deadlines = dict(sender.deadlines) if sender else {}
+    deadlines["receive"] = receiver.deadlines_expired
+    deadlines["layout_fetch"] = rt.layouts.deadlines_expired if rt.layouts else 0
+    peers = rt.peers.health() if rt.peers else {}
+    deadlines["control_call"] = sum(results.get("timeout", 0) for _, results in peers.values())
+    rejected = dict(server.nacks) if server else {}
+    for reason, n in receiver.rejected.items():
+        rejected[reason] = rejected.get(reason, 0) + n
+    return {
+        "engine_id": rt.node.engine_id,
+        "bytes_sent": sender.bytes_sent if sender else 0,
+        "bytes_received": receiver.bytes_received,
+        "transfers": {("send", k): v for k, v in (sender.outcome_counts if sender else {}).items()}
+        | {("receive", k): v for k, v in receiver.outcome_counts.items()},
+        "handoff": (sender.handoff.cumulative(), sender.handoff.sum) if sender else ([], 0.0),
+        "queues": {"bridge": len(rt.bridge), "sending": sender.active if sender else 0,
+                   "receiving": receiver.pending, "writes_in_flight": getattr(backend, "inflight", 0),
+                   "writes_quarantined": backend.quarantined},
+        "peers": peers,
+        "deadlines": deadlines,
+        "rejected": rejected,
+        "frames": server.frames_received if server else 0,
+        "fence_timeouts": sender.fence_timeouts if sender else 0,
+    }
+
+
+class _SnapshotCollector:
+    def __init__(self, snap: dict) -> None:
+        self.snap = snap
+
+    def collect(self):
+        s = self.snap
+        yield _counter("aiolayer_bytes_sent", "bytes P wrote into D's KV cache", s["bytes_sent"])
+        yield _counter("aiolayer_bytes_received", "bytes D received, as reported by P's DONE", s["bytes_received"])
+        yield _counter("aiolayer_transfers", "transfers that reached a terminal state", None,
+                       ["role", "outcome"], [([r, o], v) for (r, o), v in sorted(s["transfers"].items())])
+        buckets, total = s["handoff"]
+        hist = HistogramMetricFamily("aiolayer_bridge_handoff_seconds",
+                                     "forward thread hand-off to the loop picking the layer up")
+        if buckets:
+            hist.add_metric([], [(_le(b), n) for b, n in buckets], sum_value=total)
+        yield hist
+        queues = GaugeMetricFamily("aiolayer_queue_depth", "items waiting or in progress", labels=["queue"])
+        for name, depth in s["queues"].items():
+            queues.add_metric([name], depth)
+        yield queues
+        up = GaugeMetricFamily("aiolayer_peer_up", "1 if the peer answered our last control call",
+                               labels=["peer"])
+        calls = CounterMetricFamily("aiolayer_peer_calls", "control calls to a peer, by result",
+                                    labels=["peer", "result"])
+        for peer, (last_ok, results) in sorted(s["peers"].items()):
+            if last_ok is not None:
+                up.add_metric([peer], int(last_ok))
+            for result, n in sorted(results.items()):
+                calls.add_metric([peer, result], n)
+        yield up
+        yield calls
+        yield _counter("aiolayer_deadline_expiries", "waits that ran past their Timeouts deadline", None,
+                       ["phase"], [([k], v) for k, v in sorted(s["deadlines"].items())])
+        yield _counter("aiolayer_control_rejected", "control frames refused (Nack code, or dropped unanswered)",
+                       None, ["code"], [([k], v) for k, v in sorted(s["rejected"].items())])
+        yield _counter("aiolayer_control_frames", "control frames received", s["frames"])
+        yield _counter("aiolayer_fence_timeouts", "timed-out writes still unresolved after the quarantine",
+                       s["fence_timeouts"])
+
+
+def _counter(name: str, doc: str, value, labels=None, samples=()):
+    fam = CounterMetricFamily(name, doc, labels=labels)
+    if labels is None:
+        fam.add_metric([], value)
+    for label_values, v in samples:
+        fam.add_metric(label_values, v)
+    return fam
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)
+
+
+def render(snap: dict) -> bytes:
+    """The Prometheus text exposition of a snapshot."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_SnapshotCollector(snap))
+    return generate_latest(registry)
+
+
+class MetricsServer:
+    """``GET /metrics`` on ``host:port`` (0 = a free port), served on the runtime's loop."""
+
+    def __init__(self, host: str, port: int, scrape, read_timeout: float) -> None:
+        self.host, self.port = host, port
+        self.scrape = scrape              # coroutine function -> bytes, run on the loop
+        self.read_timeout = read_timeout
+        self.scrapes = 0
+        self._server: asyncio.base_events.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    async def start(self) -> str:
+        try:
+            self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        except OSError as exc:
+            raise ControlError(f"cannot bind the metrics endpoint on {self.host}:{self.port}: {exc}") from exc
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.url
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with compat.timeout(self.read_timeout):
+                head = await reader.readuntil(b"\r\n\r\n")
+            status, body = await self._answer(head)
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            status, body = "400 Bad Request", b"bad request\n"
+        try:
+            writer.write(f"HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\n"
+                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+            async with compat.timeout(self.read_timeout):
+                await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass   # the scraper went away: nothing to tell it
+        finally:
+            writer.close()
+
+    async def _answer(self, head: bytes) -> tuple[str, bytes]:
+        if len(head) > MAX_REQUEST_HEAD:
+            return "431 Request Header Fields Too Large", b"request head too large\n"
+        parts = head.split(b"\r\n", 1)[0].split()
+        if len(parts) < 2 or parts[0] != b"GET":
+            return "405 Method Not Allowed", b"only GET /metrics\n"
+        if parts[1].split(b"?", 1)[0] != b"/metrics":
+            return "404 Not Found", b"only GET /metrics\n"
+        self.scrapes += 1
+        return "200 OK", await self.scrape()
