@@ -31,6 +31,7 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True):
     shutdown: float = 5.0            # whole runtime stop
     cleanup: float = 1.0             # each awaited clean-up step
     backend_close: float = 5.0       # unregister memory and destroy the transfer engine
+    peer_idle: float = 60.0          # a control client unused this long is closed when a new peer comes
 
     def __post_init__(self) -> None:
         for name in self.__struct_fields__:

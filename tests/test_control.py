@@ -360,6 +360,27 @@ async def test_peers_reuse_clients_and_close_all(server, spawn, closer):
     assert open_sockets() == before - 1
 
 
+async def test_peers_close_idle_clients_of_departed_peers_and_keep_their_counts(server, spawn, closer):
+    """A long-lived P whose D peers restart on new ports must not keep a socket per departed peer."""
+    peers = ControlPeers(Timeouts(peer_idle=0.5, control_call=0.1), spawn)
+    closer(peers)
+    gone = await peers.get(f"tcp://127.0.0.1:{free_port()}")     # nobody there: its call times out
+    with pytest.raises(ControlTimeout):
+        await gone.call(m.StatusRequest(transfer_id="x"))
+    live = await peers.get(server.endpoint)
+    await live.call(m.StatusRequest(transfer_id="y"))
+    sockets = open_sockets()
+    await asyncio.sleep(0.6)
+    await peers.get(server.endpoint)                            # a known peer: nothing is evicted
+    assert len(peers) == 2
+    await peers.get(f"tcp://127.0.0.1:{free_port()}")           # a new peer: both idle clients go
+    assert len(peers) == 1 and peers.evicted == 2
+    assert open_sockets() == sockets - 1
+    assert peers.totals()["timeout"] == 1 and peers.totals()["ok"] == 1
+    fresh = await peers.get(server.endpoint)                    # a departed peer that comes back: new client
+    assert fresh is not live and (await fresh.call(m.StatusRequest(transfer_id="z"))).transfer_id == "z"
+
+
 async def test_everything_closed_leaves_no_socket(spawn):
     handler = EchoHandler()
     srv = ControlServer("127.0.0.1", 0, handler)

@@ -10,7 +10,7 @@ import pytest
 
 from aiolayer import TransferSpec, Timeouts
 from aiolayer.backends import memory
-from aiolayer.errors import ControlRejected, DeadlineExceeded, RuntimeStateError
+from aiolayer.errors import ControlRejected, DeadlineExceeded, MetadataError, RuntimeStateError
 from aiolayer.kvcache import PagedKVCache, checksums
 from aiolayer.protocol import messages as m
 from aiolayer.runtime.control import open_sockets
@@ -416,3 +416,22 @@ def test_f09_source_released_only_after_every_write_settled(memory_runtime, memo
     assert out.ok and out.source_released and len(out.layers) == small_shape.num_layers
     assert max(t.landed_s for t in out.layers) <= released_at   # no write was still reading the source
     assert status(p, d, "held").state == "finished"
+
+
+def test_layout_fetch_refused_for_a_stale_token_does_not_fail_the_valid_transfers(pd):
+    """D restarted on the same port: transfers allocated on the old one share a fetch with new ones."""
+    import asyncio
+
+    p, d, pc = pd
+    valid = [alloc(p, d, f"new-{i}", 1, True) for i in range(2)]
+    stale = ("gone-with-the-old-incarnation", "s" * 32)
+
+    async def fetch_all():
+        waiters = [p.layouts.get(d.control_endpoint, stale)]
+        waiters += [p.layouts.get(d.control_endpoint, (r.transfer_id, r.token)) for r in valid]
+        return await asyncio.gather(*waiters, return_exceptions=True)
+
+    results = p.loop_thread.call(fetch_all(), timeout=10)
+    assert isinstance(results[0], MetadataError) and "auth" in str(results[0]), results[0]
+    assert all(getattr(r, "engine_id", None) == "d" for r in results[1:]), results
+    assert p.layouts.fetches[d.control_endpoint] <= 1 + len(valid)

@@ -29,6 +29,9 @@ ENGINE_ENV = {
 _INVALID_IDS = (0, -1, (1 << 64) - 1)
 # uvloop timers tick in whole milliseconds: a shorter sleep returns at once and would spin a core.
 _POLL_IDLE_S = 0.001
+# Timed-out writes only need to be seen ending, not fast: checking a backlog of them every tick
+# would keep a core busy (a refusing peer's backlog drains at ~5 writes per second).
+_QUARANTINE_POLL_S = 0.05
 
 
 def validate_metadata_server(value: str) -> str:
@@ -75,6 +78,7 @@ class MooncakeBackend:
         self._inflight: dict[int, _Inflight] = {}
         self._quarantine: dict[int, asyncio.Future] = {}   # timed out, may still land: id -> settled
         self._wake: asyncio.Event | None = None
+        self._quarantine_due = 0.0
         self._poller: asyncio.Task | None = None
         self.runs_submitted = 0
         self.bytes_submitted = 0
@@ -181,7 +185,14 @@ class MooncakeBackend:
                 self._wake.clear()
                 await self._wake.wait()
             progressed = self._check_all(loop.time())
-            await asyncio.sleep(0 if progressed else _POLL_IDLE_S)
+            if progressed or self._inflight:
+                await asyncio.sleep(0 if progressed else _POLL_IDLE_S)
+            else:   # only quarantined writes left: look rarely, but a new write wakes us at once
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), _QUARANTINE_POLL_S)
+                except asyncio.TimeoutError:
+                    pass
 
     def _check_all(self, now: float) -> bool:
         check = self._engine.transfer_check_status
@@ -203,12 +214,17 @@ class MooncakeBackend:
                 self._quarantine[bid] = settled
                 item.future.set_exception(TransferTimeout(
                     "layer_write", item.timeout, "write still pending; remote region unknown", pending=[settled]))
+        if self._quarantine and now >= self._quarantine_due:
+            self._quarantine_due = now + _QUARANTINE_POLL_S
+            self._check_quarantine(check)
+        return progressed
+
+    def _check_quarantine(self, check) -> None:
         for bid, settled in list(self._quarantine.items()):
             if check(bid) in (1, -1):
                 del self._quarantine[bid]
                 if not settled.done():
                     settled.set_result(None)
-        return progressed
 
     async def close(self) -> None:
         if self._poller is not None:

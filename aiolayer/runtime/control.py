@@ -14,6 +14,7 @@ import collections
 import itertools
 import logging
 import random
+import time
 from typing import Awaitable, Callable
 
 import zmq
@@ -173,6 +174,11 @@ class ControlClient:
         self.late_replies = 0
         self.results: collections.Counter[str] = collections.Counter()   # ok / timeout / rejected / error
         self.last_ok: bool | None = None                                  # the peer's health, as last seen
+        self.last_used = time.monotonic()
+
+    @property
+    def idle(self) -> bool:
+        return not self._pending
 
     async def start(self, spawn: Spawn) -> None:
         sock = shared_context().socket(zmq.DEALER)
@@ -207,6 +213,7 @@ class ControlClient:
             raise RuntimeStateError(f"control client to {self.endpoint} is not started")
         timeout = self.timeouts.control_call if timeout is None else timeout
         rid = next(self._ids)
+        self.last_used = time.monotonic()
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         try:
@@ -264,24 +271,51 @@ class ControlClient:
 
 
 class ControlPeers:
-    """Started clients keyed by endpoint, created on first use, all closed together."""
+    """Started clients keyed by endpoint, created on first use, all closed together.
+
+    Peers come and go (a restarted D listens on a new port): a client idle for ``peer_idle`` is closed
+    when a new peer is added, so a long-lived P does not keep a reconnecting socket and a reader
+    task per departed peer. Its call counts stay in ``totals``.
+    """
 
     def __init__(self, timeouts: Timeouts, spawn: Spawn) -> None:
         self.timeouts = timeouts
         self._spawn = spawn
         self._clients: dict[str, ControlClient] = {}
+        self._retired: collections.Counter[str] = collections.Counter()   # results of closed clients
+        self.evicted = 0
 
     async def get(self, endpoint: str) -> ControlClient:
         client = self._clients.get(endpoint)
         if client is None:
+            await self._evict_idle()
             client = ControlClient(endpoint, self.timeouts)
             await client.start(self._spawn)
             self._clients[endpoint] = client
         return client
 
+    async def _evict_idle(self) -> None:
+        cutoff = time.monotonic() - self.timeouts.peer_idle
+        stale = [ep for ep, c in self._clients.items() if c.idle and c.last_used < cutoff]
+        for ep in stale:   # out of the table first: nobody can pick it up while it closes
+            client = self._clients.pop(ep)
+            self._retired.update(client.results)
+            self.evicted += 1
+            await client.close()
+
     def health(self) -> dict[str, tuple[bool | None, dict[str, int]]]:
-        """Per peer endpoint: (answered the last call, call results by kind)."""
+        """Per current peer endpoint: (answered the last call, call results by kind)."""
         return {ep: (c.last_ok, dict(c.results)) for ep, c in list(self._clients.items())}
+
+    def totals(self) -> collections.Counter[str]:
+        """Call results by kind over every client this process had, closed ones included."""
+        out = collections.Counter(self._retired)
+        for client in list(self._clients.values()):
+            out.update(client.results)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._clients)
 
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), {}

@@ -4,19 +4,24 @@ A fetch runs on the loop as soon as a step names a new peer; every request to th
 the same future. A failed fetch fails the requests that awaited it once; the next new request
 fetches again. A layout from another incarnation than the one a transfer was allocated on is
 refused (``StaleLayout``): a restarted D never receives writes at its old addresses.
+
+A fetch presents the token of the transfer that started it. If D refuses that one (its transfer is
+unknown there, e.g. D restarted on the same port), a waiting transfer with other credentials
+fetches once more with its own rather than failing on another's token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import weakref
 
 import msgspec
 import numpy as np
 
 from .. import compat
 from ..config import Timeouts
-from ..errors import ControlError, DeadlineExceeded, MetadataError, StaleLayout
+from ..errors import ControlError, ControlRejected, DeadlineExceeded, MetadataError, StaleLayout
 from ..protocol import messages as m
 from .control import ControlPeers
 from .loop import spawn_future
@@ -55,6 +60,8 @@ class LayoutCache:
         self.timeouts = timeouts
         self.requester = requester
         self._entries: dict[str, asyncio.Future] = {}
+        # what each fetch presented; weak, so a fetch forgotten by the cache takes its entry along
+        self._credentials: weakref.WeakKeyDictionary[asyncio.Future, tuple[str, str]] = weakref.WeakKeyDictionary()
         self.fetches: collections.Counter[str] = collections.Counter()   # per endpoint
         self.deadlines_expired = 0
 
@@ -70,11 +77,12 @@ class LayoutCache:
         fut = spawn_future(self._spawn, self._fetch(endpoint, credentials), name=f"layout-fetch {endpoint}")
         fut.add_done_callback(_consume_exception)
         self._entries[endpoint] = fut
+        self._credentials[fut] = credentials
         return fut
 
     async def get(self, endpoint: str, credentials: tuple[str, str], incarnation: str = "") -> RemoteLayout:
         """The layout of ``endpoint``; refetched once if it is not of ``incarnation``."""
-        layout = await asyncio.shield(self.prefetch(endpoint, credentials))
+        layout = await self._shared(endpoint, credentials)
         if incarnation and layout.incarnation != incarnation:
             self.invalidate(endpoint)
             layout = await asyncio.shield(self.prefetch(endpoint, credentials))
@@ -82,6 +90,23 @@ class LayoutCache:
                 raise StaleLayout(f"{endpoint} is incarnation {layout.incarnation}, transfer was "
                                   f"allocated on {incarnation}")
         return layout
+
+    async def _shared(self, endpoint: str, credentials: tuple[str, str]) -> RemoteLayout:
+        """The shared fetch; if D refused the token it presented and that was not ours, our own."""
+        fut = self.prefetch(endpoint, credentials)
+        try:
+            return await asyncio.shield(fut)
+        except MetadataError as exc:
+            if not _refused(exc) or self._credentials.get(fut, credentials) == credentials:
+                raise
+        if self._entries.get(endpoint) is fut:
+            self.invalidate(endpoint)
+        again = self.prefetch(endpoint, credentials)
+        if not again.done() and self._credentials.get(again) != credentials:
+            # another waiter's retry with its own token, which may be as stale: fetch with ours
+            again = spawn_future(self._spawn, self._fetch(endpoint, credentials), name=f"layout-fetch {endpoint}")
+            again.add_done_callback(_consume_exception)
+        return await asyncio.shield(again)
 
     def invalidate(self, endpoint: str) -> None:
         self._entries.pop(endpoint, None)
@@ -107,6 +132,11 @@ class LayoutCache:
         for fut in self._entries.values():
             fut.cancel()
         self._entries.clear()
+
+
+def _refused(exc: BaseException | None) -> bool:
+    """A fetch D refused for its credentials (the transfer is not, or no longer, registered there)."""
+    return isinstance(exc, MetadataError) and isinstance(exc.__cause__, ControlRejected) and exc.__cause__.code == "auth"
 
 
 def _consume_exception(fut: asyncio.Future) -> None:

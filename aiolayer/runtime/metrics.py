@@ -34,7 +34,7 @@ def snapshot(rt) -> dict:
     deadlines["receive"] = receiver.deadlines_expired
     deadlines["layout_fetch"] = rt.layouts.deadlines_expired if rt.layouts else 0
     peers = rt.peers.health() if rt.peers else {}
-    deadlines["control_call"] = sum(results.get("timeout", 0) for _, results in peers.values())
+    deadlines["control_call"] = rt.peers.totals()["timeout"] if rt.peers else 0
     rejected = dict(server.nacks) if server else {}
     for reason, n in receiver.rejected.items():
         rejected[reason] = rejected.get(reason, 0) + n
@@ -46,6 +46,7 @@ def snapshot(rt) -> dict:
         | {("receive", k): v for k, v in receiver.outcome_counts.items()},
         "handoff": (sender.handoff.cumulative(), sender.handoff.sum) if sender else ([], 0.0),
         "queues": {"bridge": len(rt.bridge), "sending": sender.active if sender else 0,
+                   "peers": len(rt.peers) if rt.peers else 0,
                    "receiving": receiver.pending, "writes_in_flight": getattr(backend, "inflight", 0),
                    "writes_quarantined": backend.quarantined},
         "peers": peers,

@@ -469,13 +469,16 @@ class Sender:
         limit = self.timeouts.quarantine
         done, still = await asyncio.wait(pending, timeout=limit)
         if still:
-            # Never hand back memory a write may still read: these blocks stay held, loudly.
+            # Never hand back memory a write may still read: these blocks stay held, loudly, until the
+            # backend sees those writes end (Mooncake drains refused writes to one peer at ~5 per second).
             self.fence_timeouts += 1
             log.error("transfer %s: %d writes still unresolved after %gs; its source blocks stay held",
                       req.spec.transfer_id, len(still), limit)
             req.quiet.set()
             self._live.pop(req.spec.transfer_id, None)
-            return
+            await asyncio.wait(still)
+            if any(f.cancelled() for f in still):   # the backend closed: nobody knows, keep them held
+                return
         self._release(req)
 
     def _fail_unstarted(self, reason: str) -> None:
