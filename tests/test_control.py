@@ -381,6 +381,18 @@ async def test_peers_close_idle_clients_of_departed_peers_and_keep_their_counts(
     assert fresh is not live and (await fresh.call(m.StatusRequest(transfer_id="z"))).transfer_id == "z"
 
 
+async def test_concurrent_new_peers_while_evicting_neither_fail_nor_duplicate(server, spawn, closer):
+    peers = ControlPeers(Timeouts(peer_idle=0.05), spawn)
+    closer(peers)
+    for _ in range(5):
+        await peers.get(f"tcp://127.0.0.1:{free_port()}")
+    await asyncio.sleep(0.1)                                    # all five are stale now
+    endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(4)] * 2
+    clients = await asyncio.gather(*(peers.get(ep) for ep in endpoints))
+    assert peers.evicted == 5 and len(peers) == 4
+    assert all(clients[i] is clients[i + 4] for i in range(4))  # one client per endpoint
+
+
 async def test_everything_closed_leaves_no_socket(spawn):
     handler = EchoHandler()
     srv = ControlServer("127.0.0.1", 0, handler)

@@ -289,16 +289,18 @@ class ControlPeers:
         client = self._clients.get(endpoint)
         if client is None:
             await self._evict_idle()
+            client = self._clients.get(endpoint)   # another caller may have added it meanwhile
+        if client is None:
             client = ControlClient(endpoint, self.timeouts)
-            await client.start(self._spawn)
+            await client.start(self._spawn)        # no suspension inside: no second client can race in
             self._clients[endpoint] = client
         return client
 
     async def _evict_idle(self) -> None:
         cutoff = time.monotonic() - self.timeouts.peer_idle
-        stale = [ep for ep, c in self._clients.items() if c.idle and c.last_used < cutoff]
-        for ep in stale:   # out of the table first: nobody can pick it up while it closes
-            client = self._clients.pop(ep)
+        # all out of the table before the first await: nobody picks one up, no other eviction sees it
+        stale = [self._clients.pop(ep) for ep, c in list(self._clients.items()) if c.idle and c.last_used < cutoff]
+        for client in stale:
             self._retired.update(client.results)
             self.evicted += 1
             await client.close()
