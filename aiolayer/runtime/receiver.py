@@ -121,7 +121,8 @@ class Receiver:
         """The registered transfer, if ``token`` is its own; else refused (code ``auth``) and counted."""
         entry = self._entries.get(transfer_id)
         if entry is None or not hmac.compare_digest(entry.token.encode(), token.encode()):
-            log.warning("transfer %s: %s refused: no such transfer or wrong token", transfer_id, what)
+            # counted in the metrics (Nack code auth); info, not warning: a stranger must not flood the log
+            log.info("transfer %s: %s refused: no such transfer or wrong token", transfer_id, what)
             raise ControlRejected("auth", f"{what}: no transfer {transfer_id} with this token")
         return entry
 
