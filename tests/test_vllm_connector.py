@@ -307,7 +307,7 @@ def test_connector_stats_report_the_transfer_and_feed_prometheus(engines):
     sent, received = p.worker.get_kv_connector_stats(), d.worker.get_kv_connector_stats()
     assert sent.data["sends_finished"] == 1 and sent.data["bytes_sent"] > 0
     assert received.data["receives_finished"] == 1 and received.data["bytes_received"] == sent.data["bytes_sent"]
-    assert p.worker.get_kv_connector_stats() is None          # within the interval: nothing new to say
+    assert p.worker.get_kv_connector_stats() is None          # nothing new since: nothing to ship
     total = AiolayerConnector.build_kv_connector_stats(sent.data).aggregate(
         AiolayerConnector.build_kv_connector_stats(received.data))
     assert total.reduce()["bytes_sent"] == sent.data["bytes_sent"] and not total.is_empty()

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.servers import VllmServer, completion, free_port, running  # noqa: E402
+from e2e.servers import VllmServer, completion, free_port, running, scrape_metrics  # noqa: E402
 from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir  # noqa: E402
 from helpers_node import MC_ENV  # noqa: E402
 
@@ -96,3 +96,24 @@ def test_negative_control_zeroed_kv_changes_the_tokens(cluster):
         zeroed, _ = disaggregated(cluster, "dz", prompt)
         changed += zeroed.token_ids != baseline.token_ids
     assert changed >= 3, "the tokens did not depend on the transferred KV"
+
+
+def _total(server, name: str) -> float:
+    return sum(value for _, value in scrape_metrics(server).get(name, []))
+
+
+def test_connector_stats_reach_vllms_own_metrics(cluster):
+    """The connector's figures travel vLLM's stats path into each server's /metrics (vllm:aiolayer_*)."""
+    sent_before = _total(cluster["p"], "vllm:aiolayer_sends_finished_total")
+    got_before = _total(cluster["d"], "vllm:aiolayer_receives_finished_total")
+    disaggregated(cluster, "d", SAMPLE_PROMPTS[0])
+    deadline = time.monotonic() + 20
+    while True:
+        sent = _total(cluster["p"], "vllm:aiolayer_sends_finished_total")
+        got = _total(cluster["d"], "vllm:aiolayer_receives_finished_total")
+        if sent > sent_before and got > got_before:
+            break
+        assert time.monotonic() < deadline, (sent_before, sent, got_before, got)
+        time.sleep(0.2)
+    assert _total(cluster["p"], "vllm:aiolayer_bytes_sent_total") > 0
+    assert _total(cluster["d"], "vllm:aiolayer_bytes_received_total") > 0

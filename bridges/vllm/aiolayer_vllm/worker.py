@@ -223,8 +223,11 @@ class WorkerSide:
             for plane in planes:
                 plane.index_fill_(0, idx, 0)
 
-    def stats(self, min_interval_s: float = 1.0) -> AiolayerStats | None:
-        """What changed since the last report, at most once per ``min_interval_s`` (no loop wait)."""
+    def stats(self, min_interval_s: float = 0.0) -> AiolayerStats | None:
+        """What changed since the last report (None: nothing), read without waiting for the loop.
+
+        vLLM asks after every step; the step that reports a transfer finished also carries its count.
+        """
         now = time.monotonic()
         if self.runtime is None or now - self._reported_at < min_interval_s:
             return None
