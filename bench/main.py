@@ -87,6 +87,10 @@ def run_bench(args: argparse.Namespace) -> int:
         os.environ.setdefault(key, value)
     if args.requests is None:
         args.requests = SCENARIO_REQUESTS[args.scenario]
+    problem = scenario_arg_problem(args)
+    if problem:
+        print(f"aiolayer bench: {problem}", file=sys.stderr)
+        return 2
     import torch
 
     torch.set_num_threads(1)  # the simulated compute is one thread, on one core (bench/cpus.py)
@@ -123,6 +127,25 @@ def run_bench(args: argparse.Namespace) -> int:
         path = plot_timeline(report, out / "timeline.png")
         print(f"wrote {path}")
     return 0 if report["verified"] else 1
+
+
+def scenario_arg_problem(args) -> str:
+    """What is wrong with the scale/soak arguments, in words ("" when nothing)."""
+    if args.scenario not in ("scale", "soak"):
+        return ""
+    if args.requests < 1:
+        return f"--requests must be >= 1, got {args.requests}"
+    if not 0.0 <= args.fault_rate <= 1.0:
+        return f"--fault-rate must be within [0, 1], got {args.fault_rate}"
+    if args.decode_ranks < 1 or (args.scenario == "scale" and args.prefill_ranks < 1):
+        return "--prefill-ranks and --decode-ranks must be >= 1"
+    if args.scenario == "scale":
+        from aiolayer.protocol.plan import map_ranks
+        try:
+            map_ranks(args.kv_heads, args.prefill_ranks, args.decode_ranks)
+        except ValueError as exc:
+            return f"--kv-heads {args.kv_heads} with {args.prefill_ranks} P and {args.decode_ranks} D ranks: {exc}"
+    return ""
 
 
 def parse_modes(args) -> list[str] | None:

@@ -74,3 +74,16 @@ def test_sweep_writes_csv_json_and_png(tmp_path):
 def test_unknown_mode_is_refused(tmp_path):
     proc = _bench("--modes", "layerwise,nope", "--out", str(tmp_path), timeout=30)
     assert proc.returncode == 2 and "unknown mode" in proc.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--scenario", "soak", "--fault-rate", "1.5"], "--fault-rate"),
+    (["--scenario", "soak", "--requests", "0"], "--requests"),
+    (["--scenario", "scale", "--prefill-ranks", "0"], "--prefill-ranks"),
+    (["--scenario", "scale", "--prefill-ranks", "3", "--decode-ranks", "4"], "do not split evenly"),
+])
+def test_scale_and_soak_refuse_bad_arguments_with_a_message(args, words):
+    proc = subprocess.run([sys.executable, "-m", "aiolayer", "bench", *args], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
