@@ -306,6 +306,7 @@ def test_connector_stats_report_the_transfer_and_feed_prometheus(engines):
     _steps_until(p, lambda: p.runtime.sender.outcome_counts["finished"] == 1)
     sent, received = p.worker.get_kv_connector_stats(), d.worker.get_kv_connector_stats()
     assert sent.data["sends_finished"] == 1 and sent.data["bytes_sent"] > 0
+    assert 0 < sent.data["handoff_p99_s"] <= 1.0               # P's layers went through the bridge
     assert received.data["receives_finished"] == 1 and received.data["bytes_received"] == sent.data["bytes_sent"]
     assert p.worker.get_kv_connector_stats() is None          # nothing new since: nothing to ship
     total = AiolayerConnector.build_kv_connector_stats(sent.data).aggregate(

@@ -45,6 +45,7 @@ def snapshot(rt) -> dict:
         "transfers": {("send", k): v for k, v in (sender.outcome_counts if sender else {}).items()}
         | {("receive", k): v for k, v in receiver.outcome_counts.items()},
         "handoff": (sender.handoff.cumulative(), sender.handoff.sum) if sender else ([], 0.0),
+        "handoff_p99_s": sender.handoff.quantile(0.99) if sender else 0.0,   # a bucket's upper bound
         "queues": {"bridge": len(rt.bridge), "sending": sender.active if sender else 0,
                    "peers": len(rt.peers) if rt.peers else 0,
                    "receiving": receiver.pending, "writes_in_flight": getattr(backend, "inflight", 0),
