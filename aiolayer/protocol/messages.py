@@ -12,6 +12,7 @@ ends nothing (``Nack`` code ``auth``, counted).
 
 from __future__ import annotations
 
+import hmac
 import struct
 from typing import Union
 
@@ -189,6 +190,11 @@ def decode(payload: bytes) -> Message:
     if msg.v != PROTOCOL_VERSION:
         raise DecodeFailure("version", f"protocol version {msg.v} unsupported; this side speaks {PROTOCOL_VERSION}")
     return msg
+
+
+def same_token(presented: str, expected: str) -> bool:
+    """Whether a presented transfer token is the expected one, in constant time (no timing oracle)."""
+    return hmac.compare_digest(presented.encode(), expected.encode())
 
 
 def pack_request_id(rid: int) -> bytes:

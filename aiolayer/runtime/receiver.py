@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hmac
 import logging
 import time
 from typing import Awaitable, Callable
@@ -120,7 +119,7 @@ class Receiver:
     def authorize(self, transfer_id: str, token: str, what: str) -> _Entry:
         """The registered transfer, if ``token`` is its own; else refused (code ``auth``) and counted."""
         entry = self._entries.get(transfer_id)
-        if entry is None or not hmac.compare_digest(entry.token.encode(), token.encode()):
+        if entry is None or not m.same_token(token, entry.token):
             # counted in the metrics (Nack code auth); info, not warning: a stranger must not flood the log
             log.info("transfer %s: %s refused: no such transfer or wrong token", transfer_id, what)
             raise ControlRejected("auth", f"{what}: no transfer {transfer_id} with this token")
@@ -255,7 +254,7 @@ class Receiver:
         keys = [key for key in self._early if key[0] == tid]
         for key in keys:
             msg, _ = self._early.pop(key)
-            if hmac.compare_digest(key[1].encode(), entry.token.encode()):
+            if m.same_token(key[1], entry.token):
                 try:
                     self.handle(msg)
                 except ControlRejected as exc:   # e.g. a second sender of a one-sender transfer

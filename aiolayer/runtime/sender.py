@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import hmac
 import logging
 import time
 
@@ -151,7 +150,6 @@ class Sender:
         self._spawn = None
         self.active = 0
         self.fence_timeouts = 0
-        self.rejected_aborts = 0                      # Abort frames without the transfer's token
         # for metrics (read on the loop): outcomes, bytes written, deadlines hit, hand-off latency
         self.outcome_counts: collections.Counter[str] = collections.Counter()
         self.bytes_sent = 0
@@ -270,8 +268,7 @@ class Sender:
                 raise ControlRejected("busy", f"{MAX_EARLY_ABORTS} early aborts pending")
             self._aborted_early[(transfer_id, token)] = now + self.timeouts.receive  # unknown or already quiet
             return "stopped"
-        if not _same_token(token, req.spec.token):
-            self.rejected_aborts += 1
+        if not m.same_token(token, req.spec.token):
             log.warning("transfer %s: abort with a wrong token refused", transfer_id)
             raise ControlRejected("auth", f"abort: no transfer {transfer_id} with this token")
         req.abort(reason)
@@ -487,10 +484,6 @@ class Sender:
         for tid, fut in list(self._waiters.items()):
             if not fut.done():
                 fut.set_result(Outcome(transfer_id=tid, ok=False, reason=reason, finished_s=time.perf_counter()))
-
-
-def _same_token(a: str, b: str) -> bool:
-    return hmac.compare_digest(a.encode(), b.encode())
 
 
 def _drain(queue: collections.deque) -> list:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import hmac
 import logging
 
 import httpx
@@ -17,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from aiolayer.config import Timeouts
+from aiolayer.protocol import messages as m
 from aiolayer.runtime.control import ControlPeers
 
 from .flow import Exchange, ExchangeError, ProxyTimeouts
@@ -69,7 +69,7 @@ class ProxyState:
         if exchange is None:
             return JSONResponse({"error": {"message": f"unknown transfer {tid}", "type": "unknown_transfer"}}, 404)
         token = body.get("token")
-        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), exchange.token.encode()):
+        if not isinstance(token, str) or not m.same_token(token, exchange.token):
             self.rejected_registrations += 1   # only the D we sent the token to may redirect P's writes
             return JSONResponse({"error": {"message": f"wrong token for transfer {tid}", "type": "auth"}}, 403)
         if not exchange.registered.done():
