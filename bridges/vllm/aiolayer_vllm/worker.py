@@ -11,7 +11,6 @@ import asyncio
 import collections
 import logging
 import re
-import time
 
 from aiolayer import Runtime, TransferSpec
 from aiolayer.errors import AiolayerError, ConfigError
@@ -83,7 +82,6 @@ class WorkerSide:
         self._finished: set[str] = set()                  # P: ... that vLLM reported finished
         self._load_errors: set[int] = set()
         self._reported: dict[str, float] = {}             # the totals of the last stats report
-        self._reported_at = 0.0
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -223,17 +221,16 @@ class WorkerSide:
             for plane in planes:
                 plane.index_fill_(0, idx, 0)
 
-    def stats(self, min_interval_s: float = 0.0) -> AiolayerStats | None:
+    def stats(self) -> AiolayerStats | None:
         """What changed since the last report (None: nothing), read without waiting for the loop.
 
         vLLM asks after every step; the step that reports a transfer finished also carries its count.
         """
-        now = time.monotonic()
-        if self.runtime is None or now - self._reported_at < min_interval_s:
+        if self.runtime is None:
             return None
         current = totals(snapshot(self.runtime))
         stats = AiolayerStats(data=delta(current, self._reported))
-        self._reported, self._reported_at = current, now
+        self._reported = current
         return None if stats.is_empty() else stats
 
     def load_errors(self) -> set[int]:
