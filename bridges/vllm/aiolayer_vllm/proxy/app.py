@@ -110,6 +110,10 @@ class ProxyState:
             self.outcomes["client_disconnect"] += 1
             await asyncio.shield(exchange.abort_decode("client disconnected"))
             raise
+        except Exception as exc:  # noqa: BLE001 - a bug still ends in a JSON error and frees D's blocks
+            log.exception("transfer %s: proxy failure", exchange.transfer_id)
+            await exchange.abort_decode("proxy failure")
+            return self._error(ExchangeError(500, "internal_error", f"proxy failure: {type(exc).__name__}: {exc}"))
         finally:
             if not streaming:
                 await exchange.close()

@@ -108,7 +108,10 @@ class Exchange:
         client, t = self.state.client, self.state.timeouts
         try:
             reply = await client.post(self.prefill.url + self.path, json=self.p_body(reg), timeout=t.prefill_s)
-        except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure of the call to P is P's failure
+            if not isinstance(exc, (httpx.HTTPError, asyncio.TimeoutError)):
+                # e.g. httpcore/anyio raising AttributeError when P dies mid-connect
+                log.warning("transfer %s: the HTTP client failed unexpectedly calling P: %r", self.transfer_id, exc)
             await self.abort_decode(f"prefill failed: {type(exc).__name__}")
             raise ExchangeError(502, "prefill_error", f"P failed: {type(exc).__name__}: {exc}") from None
         if reply.status_code != 200:
