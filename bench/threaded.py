@@ -1,6 +1,6 @@
 """The `threaded` baseline: a faithful model of the thread-and-blocking-socket connector aiolayer replaces.
 
-What it keeps from that design (notes/seed-fragilities.md), because users run it today:
+What it keeps from that design (docs/seed-fragilities.md), because users run it today:
 - ``layer_ready`` (its ``save_kv_layer``) runs on the forward thread; on the first layer of a request
   to a peer whose layout is not cached it asks D for the layout on a blocking ZMQ REQ socket
   (cached by peer, never invalidated), then puts the layer on a ``queue.Queue``;

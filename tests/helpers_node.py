@@ -29,7 +29,7 @@ import pytest
 
 from aiolayer.config import KVShape
 
-# Mooncake settings for every process that creates an engine (notes/mooncake.md).
+# Mooncake settings for every process that creates an engine (docs/mooncake.md).
 MC_ENV = {
     "MC_FORCE_TCP": "1",
     "MC_TRANSFER_TIMEOUT": "5",

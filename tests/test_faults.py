@@ -2,7 +2,7 @@
 
 Each test runs one scenario of ``aiolayer bench --scenario faults`` (bench/faults.py) on a shared
 harness: P in this process, a healthy decode node kept for the module, a faulty node per test.
-Names say which item of notes/seed-fragilities.md the test shows impossible (fNN).
+Names say which item of docs/seed-fragilities.md the test shows impossible (fNN).
 """
 
 from __future__ import annotations
