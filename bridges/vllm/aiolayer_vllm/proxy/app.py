@@ -1,7 +1,8 @@
 """The proxy's FastAPI app: OpenAI routes through the D-first flow, registration, health, metrics.
 
-The app owns its tasks (health watcher, each decode call) and closes them at shutdown; request
-tables are freed in ``finally`` blocks, cancellation included.
+The app owns its tasks (health watcher, each decode call) and closes them at shutdown. Each OpenAI
+request is one ASGI call that owns its exchange from the pick to the last byte relayed, so its
+``finally`` frees the request table, the backend leases and D's call whichever way it ends.
 """
 
 from __future__ import annotations
@@ -9,21 +10,27 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import logging
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.requests import ClientDisconnect
 
 from aiolayer.config import Timeouts
 from aiolayer.protocol import messages as m
 from aiolayer.runtime.control import ControlPeers
 
-from .flow import Exchange, ExchangeError, ProxyTimeouts
+from .flow import Exchange, ExchangeError, ProxyTimeouts, check_body
 from .pool import NoBackend, Pool
 
 log = logging.getLogger(__name__)
 REGISTER_PATH = "/internal/aiolayer/registered"
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the answer was complete."""
 
 
 class ProxyState:
@@ -51,6 +58,8 @@ class ProxyState:
         self.spawn(self.pool.watch_health(self.client), "health")
 
     async def stop(self) -> None:
+        for exchange in list(self.pending.values()):   # normally none: each request's frame closed its own
+            await exchange.close()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -78,79 +87,118 @@ class ProxyState:
 
     # --- the OpenAI routes ------------------------------------------------------------------------
 
-    async def serve(self, request: Request, path: str) -> Response:
+    async def serve(self, scope, receive, send, path: str) -> None:
+        """One OpenAI request, served as a plain ASGI app so that one frame owns the whole exchange:
+        its ``finally`` closes it (table entry, leases, D's call) however the request ends."""
         try:
-            body = await request.json()
-        except ValueError:
-            return self._error(ExchangeError(400, "invalid_request", "body is not JSON"))
-        if not isinstance(body, dict):
-            return self._error(ExchangeError(400, "invalid_request", "body must be a JSON object"))
+            body = await Request(scope, receive).json()
+        except ClientDisconnect:
+            self.outcomes["client_disconnect"] += 1
+            return
+        except ValueError:   # not JSON, not UTF-8
+            return await self._answer(self._error(ExchangeError(400, "invalid_request", "body is not JSON")),
+                                      scope, receive, send)
         try:
+            check_body(body)
             prefill, decode = self.pool.pick("prefill"), self.pool.pick("decode")
+        except ExchangeError as exc:
+            return await self._answer(self._error(exc), scope, receive, send)
         except NoBackend as exc:
-            return self._error(ExchangeError(503, "no_backend", str(exc)))
-        exchange = Exchange(self, path, body, prefill, decode)
-        self.pending[exchange.transfer_id] = exchange
-        streaming = False
+            return await self._answer(self._error(ExchangeError(503, "no_backend", str(exc))), scope, receive, send)
+        exchange = Exchange(self, path, body, prefill, decode)   # leases both
         try:
-            with self.pool.lease(prefill), self.pool.lease(decode):
-                d_resp = await self._unless_disconnected(request, exchange.run_until_decode())
-                if exchange.stream and d_resp.status_code == 200:
-                    streaming = True
-                    return StreamingResponse(self._relay(exchange, d_resp), status_code=200,
-                                             media_type=d_resp.headers.get("content-type", "text/event-stream"))
-                self.outcomes["ok" if d_resp.status_code == 200 else "decode_http_error"] += 1
-                content = await d_resp.aread()
-                return Response(content, status_code=d_resp.status_code,
-                                media_type=d_resp.headers.get("content-type", "application/json"))
+            self.pending[exchange.transfer_id] = exchange
+            response = await self._exchange(exchange, receive, send)
+        finally:
+            await exchange.close()
+        if response is not None:
+            await self._answer(response, scope, receive, send)
+
+    async def _exchange(self, exchange: Exchange, receive, send) -> Response | None:
+        """Run the exchange; the answer still to send, or None once streamed (or nobody is listening)."""
+        try:
+            d_resp = await self._unless_disconnected(receive, exchange.run_until_decode())
+            if exchange.stream and d_resp.status_code == 200:
+                outcome = await self._unless_disconnected(receive, self._relay(exchange, d_resp, send))
+                self.outcomes[outcome] += 1
+                if outcome != "ok":
+                    await exchange.abort_decode(outcome)
+                return None
+            content = await d_resp.aread()
+            self.outcomes["ok" if d_resp.status_code == 200 else "decode_http_error"] += 1
+            return Response(content, status_code=d_resp.status_code,
+                            media_type=d_resp.headers.get("content-type", "application/json"))
         except ExchangeError as exc:
             await exchange.abort_decode(exc.kind)
             return self._error(exc)
-        except asyncio.CancelledError:
-            self.outcomes["client_disconnect"] += 1
-            await asyncio.shield(exchange.abort_decode("client disconnected"))
+        except ClientGone:
+            self.outcomes[exchange.outcome or "client_disconnect"] += 1
+            if exchange.outcome != "ok":
+                await exchange.abort_decode("client disconnected")
+            return None
+        except asyncio.CancelledError:   # the server is stopping
+            self.outcomes["cancelled"] += 1
+            await asyncio.shield(self.spawn(exchange.abort_decode("proxy stopping"), f"abort {exchange.transfer_id}"))
             raise
         except Exception as exc:  # noqa: BLE001 - a bug still ends in a JSON error and frees D's blocks
             log.exception("transfer %s: proxy failure", exchange.transfer_id)
             await exchange.abort_decode("proxy failure")
+            if exchange.relaying:   # the status line is out: the client sees the stream end early
+                self.outcomes["internal_error"] += 1
+                return None
             return self._error(ExchangeError(500, "internal_error", f"proxy failure: {type(exc).__name__}: {exc}"))
-        finally:
-            if not streaming:
-                await exchange.close()
 
-    async def _relay(self, exchange: Exchange, d_resp: httpx.Response):
-        """Stream D's bytes; a client that goes away cancels this, which closes D's call."""
-        outcome = "client_disconnect"
+    async def _relay(self, exchange: Exchange, d_resp: httpx.Response, send) -> str:
+        """Stream D's answer; D failing after the status line is an SSE error event. Returns the outcome."""
+        ctype = d_resp.headers.get("content-type", "text/event-stream").encode("latin-1")
         try:
-            async for chunk in d_resp.aiter_raw():
-                if b"data: [DONE]" in chunk:
-                    outcome = "ok"   # the client may close as soon as it has the end marker
-                yield chunk
-            outcome = "ok"
-        finally:
-            self.outcomes[outcome] += 1
-            await exchange.close()
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype)]})
+            exchange.relaying = True
+            tail, outcome = b"", "ok"
+            try:
+                async for chunk in d_resp.aiter_bytes():
+                    if b"data: [DONE]" in chunk:
+                        exchange.outcome = "ok"   # the client may close as soon as it has the end marker
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except OSError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - D (or a proxy bug) failed after the status line
+                outcome = "decode_error" if isinstance(exc, httpx.HTTPError) else "internal_error"
+                if outcome == "internal_error":
+                    log.exception("transfer %s: proxy failure mid-stream", exchange.transfer_id)
+                error = ExchangeError(502, outcome, f"D's stream failed: {type(exc).__name__}: {exc}")
+                tail = b"data: " + json.dumps(error.body()).encode() + b"\n\n"   # what vLLM sends mid-stream
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+            return outcome
+        except OSError:   # the server could not write to the client: it is gone
+            raise ClientGone() from None
 
-    async def _unless_disconnected(self, request: Request, work):
+    async def _unless_disconnected(self, receive, work):
         """Run ``work``; if the client disconnects first, cancel it (and so the engines' requests)."""
-        task = asyncio.ensure_future(work)
+        task = self.spawn(work, "exchange step")
 
         async def watch() -> None:
             # After the body was read, the server's next ASGI message is the client's disconnect.
-            while (await request.receive())["type"] != "http.disconnect":
+            while (await receive())["type"] != "http.disconnect":
                 pass
 
-        watcher = asyncio.ensure_future(watch())
+        watcher = self.spawn(watch(), "disconnect watch")
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-                raise asyncio.CancelledError("client disconnected")
+                raise ClientGone()
             return task.result()
         finally:
             watcher.cancel()
             task.cancel()
+
+    async def _answer(self, response: Response, scope, receive, send) -> None:
+        try:
+            await response(scope, receive, send)
+        except OSError:   # the client is gone; the outcome is already counted
+            pass
 
     def _error(self, exc: ExchangeError) -> JSONResponse:
         self.outcomes[exc.kind] += 1
@@ -170,6 +218,16 @@ class ProxyState:
         return "\n".join(lines) + "\n"
 
 
+class _OpenAIRoute:
+    """A raw ASGI endpoint (not request -> response): the exchange must outlive a returned response."""
+
+    def __init__(self, state: ProxyState, path: str) -> None:
+        self.state, self.path = state, path
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.state.serve(scope, receive, send, self.path)
+
+
 def create_app(pool: Pool, public_url: str, timeouts: ProxyTimeouts | None = None) -> FastAPI:
     state = ProxyState(pool, public_url, timeouts or ProxyTimeouts())
 
@@ -184,13 +242,8 @@ def create_app(pool: Pool, public_url: str, timeouts: ProxyTimeouts | None = Non
     app = FastAPI(title="aiolayer D-first proxy", lifespan=lifespan)
     app.state.proxy = state
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await state.serve(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await state.serve(request, "/v1/chat/completions")
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        app.router.add_route(path, _OpenAIRoute(state, path), methods=["POST"])
 
     @app.post(REGISTER_PATH)
     async def registered(request: Request) -> JSONResponse:

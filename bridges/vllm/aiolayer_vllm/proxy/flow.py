@@ -3,7 +3,8 @@
 Each step has its own deadline (``ProxyTimeouts``); every failure ends in a JSON error for the
 client and, where D already holds blocks, an ``AbortRequest`` to D so it frees them only once P is
 quiet. Closing an HTTP call to vLLM aborts that request inside vLLM, so cancelling the exchange
-(client gone, deadline) drops the request on both engines.
+(client gone, deadline) drops the request on both engines. The exchange leases its P until P's
+prefill answered and its D until ``close``, which its owner runs in a ``finally``.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from dataclasses import dataclass
 import httpx
 
 from aiolayer import compat
-from aiolayer.errors import AiolayerError
+from aiolayer.errors import AiolayerError, ControlRejected
 from aiolayer.protocol import messages as m
 
-from .pool import Backend
+from .pool import Backend, Lease
 
 log = logging.getLogger(__name__)
 
@@ -42,19 +43,47 @@ class ExchangeError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
 
 
+def check_body(body) -> None:
+    """Refuse, at the boundary, a request the D-first flow cannot serve correctly (400, nothing sent)."""
+    if not isinstance(body, dict):
+        raise ExchangeError(400, "invalid_request", "body must be a JSON object")
+    if body.get("kv_transfer_params") is not None:
+        # refused rather than dropped: a client that means to steer the transfer should learn it cannot
+        raise ExchangeError(400, "invalid_request",
+                            "kv_transfer_params is set by the proxy, which owns the KV transfer: leave it out")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise ExchangeError(400, "invalid_request", "stream must be true or false")
+    for key in ("n", "best_of"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ExchangeError(400, "invalid_request", f"{key} must be an integer")
+        if value > 1:
+            # vLLM's parallel samples share the request's kv_transfer_params, so they would share one transfer
+            raise ExchangeError(400, "invalid_request",
+                                f"{key} > 1 is not supported through the disaggregated proxy: send {value} requests")
+    if body.get("use_beam_search"):
+        raise ExchangeError(400, "invalid_request", "beam search is not supported through the disaggregated proxy")
+
+
 class Exchange:
-    """Drives one request through D then P; ``close`` always runs (``finally``)."""
+    """Drives one request through D then P; its owner runs ``close`` in a ``finally``."""
 
     def __init__(self, state, path: str, body: dict, prefill: Backend, decode: Backend) -> None:
         self.state, self.path, self.body = state, path, body
         self.prefill, self.decode = prefill, decode
+        self.p_lease, self.d_lease = Lease(prefill), Lease(decode)
         self.transfer_id = uuid.uuid4().hex
         self.token = secrets.token_hex(16)   # only this transfer's D and P learn it
-        self.stream = bool(body.get("stream"))
+        self.stream = body.get("stream") is True
         self.registered: asyncio.Future = asyncio.get_running_loop().create_future()
         self.d_task: asyncio.Task | None = None
         self.d_response: httpx.Response | None = None
         self.aborted_d = False
+        self.relaying = False       # D's status line went to the client: errors now go in the stream
+        self.outcome = ""           # "ok" once the client has D's end marker
+        self._closing: asyncio.Task | None = None
 
     def d_body(self) -> dict:
         params = {"transfer_id": self.transfer_id, "token": self.token, "prefill_control": self.prefill.control,
@@ -114,6 +143,8 @@ class Exchange:
                 log.warning("transfer %s: the HTTP client failed unexpectedly calling P: %r", self.transfer_id, exc)
             await self.abort_decode(f"prefill failed: {type(exc).__name__}")
             raise ExchangeError(502, "prefill_error", f"P failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            self.p_lease.release()   # P's part of the request ends with its answer
         if reply.status_code != 200:
             await self.abort_decode(f"prefill answered HTTP {reply.status_code}")
             raise ExchangeError(502, "prefill_error", f"P answered HTTP {reply.status_code}: {reply.text[:300]}")
@@ -136,13 +167,34 @@ class Exchange:
             await client.call(m.AbortRequest(transfer_id=self.transfer_id, reason=reason, token=self.token),
                               timeout=self.state.timeouts.abort_s)
         except AiolayerError as exc:
-            log.warning("transfer %s: D was not told to abort: %s", self.transfer_id, exc)
+            if isinstance(exc, ControlRejected) and exc.code == "unknown_transfer":   # D ended it: nothing to free
+                log.debug("transfer %s: D no longer knows it: %s", self.transfer_id, exc)
+            else:
+                log.warning("transfer %s: D was not told to abort: %s", self.transfer_id, exc)
 
     async def close(self) -> None:
-        """Drop everything this exchange holds: the registration slot, D's call (vLLM aborts it)."""
+        """Drop everything this exchange holds: its table entry, its leases, D's call (vLLM aborts it).
+
+        Idempotent; closing D's call runs as an owned task, so it completes even if the caller is cancelled.
+        """
         self.state.pending.pop(self.transfer_id, None)
-        if self.d_task is not None and not self.d_task.done():
-            self.d_task.cancel()
+        self.p_lease.release()
+        try:
+            if self._closing is None:
+                self._closing = self.state.spawn(self._close_decode(), f"close {self.transfer_id}")
+            await asyncio.shield(self._closing)
+        finally:
+            self.d_lease.release()
+
+    async def _close_decode(self) -> None:
+        response = self.d_response
+        if self.d_task is not None:
+            self.d_task.cancel()   # no-op once it answered
             await asyncio.gather(self.d_task, return_exceptions=True)
-        if self.d_response is not None:
-            await self.d_response.aclose()
+            if response is None and not self.d_task.cancelled() and self.d_task.exception() is None:
+                response = self.d_task.result()   # D answered but the exchange ended before taking it
+        if response is not None:
+            try:
+                await response.aclose()
+            except Exception as exc:  # noqa: BLE001 - the connection is dropped either way
+                log.debug("transfer %s: closing D's response: %r", self.transfer_id, exc)

@@ -1,14 +1,14 @@
 """Backends (vLLM servers with their aiolayer control endpoints), least-outstanding choice, health.
 
 A backend that fails its health check is taken out of rotation and put back when it answers
-again. ``outstanding`` counts requests in flight; it is decremented in ``finally`` blocks, so a
-cancelled request never leaks a count.
+again. ``outstanding`` counts the requests a backend is working on: a ``Lease`` holds it from the
+pick until that engine's part ends (P: its prefill answered; D: its answer relayed or closed), and
+is released exactly once, from ``finally`` blocks, so no way a request ends can leak a count.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -40,6 +40,27 @@ class NoBackend(Exception):
     pass
 
 
+class Lease:
+    """One request's hold on a backend, counted in its ``outstanding`` until ``release`` (idempotent)."""
+
+    __slots__ = ("backend", "_held")
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._held = True
+        backend.outstanding += 1
+        backend.served += 1
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.backend.outstanding -= 1
+
+
 @dataclass
 class Pool:
     prefill: list[Backend]
@@ -53,15 +74,6 @@ class Pool:
         if not candidates:
             raise NoBackend(f"no healthy {role} backend")
         return min(candidates, key=lambda b: (b.outstanding, b.served))
-
-    @contextlib.contextmanager
-    def lease(self, backend: Backend):
-        backend.outstanding += 1
-        backend.served += 1
-        try:
-            yield backend
-        finally:
-            backend.outstanding -= 1
 
     @property
     def all(self) -> list[Backend]:

@@ -1,0 +1,381 @@
+"""Issue 11, the proxy's part (findings 7 and 13), against ``aiolayer proxy`` as a real process.
+
+The engines are small fake vLLM servers (uvicorn in threads of this process, real sockets): D takes
+``kv_transfer_params``, POSTs its registration to the proxy's ``notify_url`` as the connector does,
+sends its status line at once and streams SSE chunks once P prefilled; P answers the prefill. Each
+has a real aiolayer control socket, so the proxy's ``AbortRequest`` to D is observed, not assumed.
+The proxy's state is read only from its ``/metrics`` and ``/health``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+import httpx  # noqa: E402
+import uvicorn  # noqa: E402
+from starlette.applications import Starlette  # noqa: E402
+from starlette.responses import JSONResponse, StreamingResponse  # noqa: E402
+from starlette.routing import Route  # noqa: E402
+
+from aiolayer.protocol import messages as m  # noqa: E402
+from aiolayer.runtime.control import ControlServer  # noqa: E402
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _wait_for(check, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
+        time.sleep(0.02)
+
+
+class Hub:
+    """What the fake engines share across their threads: which transfers P prefilled, test switches."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: dict[str, threading.Event] = {}
+
+    def event(self, name: str) -> threading.Event:
+        with self._lock:
+            return self._events.setdefault(name, threading.Event())
+
+
+class FakeEngine:
+    """A vLLM-like OpenAI server (role "prefill" or "decode") with an aiolayer control socket."""
+
+    def __init__(self, role: str, name: str, hub: Hub) -> None:
+        self.role, self.name, self.hub = role, name, hub
+        self.requests: list[dict] = []        # bodies received on the OpenAI routes
+        self.streams: dict[str, str] = {}     # D: transfer id -> open | completed | closed
+        self.aborts: list[str] = []           # D: transfer ids the proxy told to abort
+        self.gate = threading.Event()         # P: answers prefills only while set
+        self.gate.set()
+        self.control = ""
+        self._tasks: set[asyncio.Task] = set()
+        routes = [Route("/health", self._health), Route("/v1/completions", self._serve, methods=["POST"]),
+                  Route("/v1/chat/completions", self._serve, methods=["POST"])]
+        app = Starlette(routes=routes, lifespan=self._lifespan)
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=1))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+
+    def start(self) -> "FakeEngine":
+        self._thread.start()
+        _wait_for(lambda: self._server.started and self.control, 30, f"{self.name} started")
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+        self._sock.close()
+
+    def saw(self, transfer_id: str) -> bool:
+        return any(b["kv_transfer_params"]["aiolayer"]["transfer_id"] == transfer_id for b in self.requests)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app):
+        async def on_control(msg: m.Message) -> m.Message:
+            if isinstance(msg, m.AbortRequest):
+                self.aborts.append(msg.transfer_id)
+            return m.Ack(detail="aborting")
+
+        server = ControlServer("127.0.0.1", 0, on_control)
+        self.control = await server.start(asyncio.get_running_loop().create_task)
+        try:
+            yield
+        finally:
+            await server.close()
+
+    async def _health(self, request):
+        return JSONResponse({})
+
+    async def _serve(self, request):
+        body = await request.json()
+        self.requests.append(body)
+        params = body["kv_transfer_params"]["aiolayer"]
+        fake = body.get("fake", {})
+        if self.role == "prefill":
+            while not self.gate.is_set():
+                await asyncio.sleep(0.01)
+            self.hub.event("prefilled " + params["transfer_id"]).set()
+            return JSONResponse({"choices": [{"text": "p"}], "usage": {"completion_tokens": 1}})
+        if fake.get("register", True):   # the connector's worker POSTs it while the request is parked
+            task = asyncio.get_running_loop().create_task(self._register(params))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        if body.get("stream"):   # vLLM sends its status line at once and the tokens as they come
+            return StreamingResponse(self._stream(params["transfer_id"], fake), media_type="text/event-stream")
+        await self._prefilled(params["transfer_id"])
+        return JSONResponse({"choices": [{"text": f"{self.name}: done"}], "engine": self.name})
+
+    async def _register(self, params: dict) -> None:
+        body = {"transfer_id": params["transfer_id"], "token": params["token"], "block_ids": [3, 4],
+                "first_block": 0, "incarnation": f"{self.name}-1", "decode_control": self.control}
+        async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
+            await client.post(params["notify_url"], json=body)
+
+    async def _prefilled(self, transfer_id: str) -> None:
+        flag = self.hub.event("prefilled " + transfer_id)
+        deadline = time.monotonic() + 30
+        while not flag.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    async def _stream(self, transfer_id: str, fake: dict):
+        self.streams[transfer_id] = "open"
+        try:
+            await self._prefilled(transfer_id)
+            await asyncio.sleep(fake.get("hold_s", 0))   # D's first token comes late
+            until = self.hub.event(fake["until"]) if "until" in fake else None
+            for i in range(fake.get("chunks", 3)):
+                if until is not None and until.is_set():
+                    break
+                if i == fake.get("fail_at"):
+                    raise RuntimeError("D died mid-stream")   # uvicorn drops the connection mid-body
+                yield f"data: {json.dumps({'choices': [{'text': f'{self.name}-{i}'}]})}\n\n"
+                await asyncio.sleep(fake.get("interval_s", 0))
+            yield "data: [DONE]\n\n"
+            self.streams[transfer_id] = "completed"
+        finally:
+            if self.streams[transfer_id] == "open":
+                self.streams[transfer_id] = "closed"
+
+
+class ProxyProcess:
+    def __init__(self, prefill: list[FakeEngine], decode: list[FakeEngine]) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "aiolayer", "proxy", "--port", str(self.port),
+               "--prefill", *(f"{e.url},{e.control}" for e in prefill),
+               "--decode", *(f"{e.url},{e.control}" for e in decode), "--health-interval", "0.2",
+               "--registration-timeout", "5", "--prefill-timeout", "10", "--request-timeout", "30"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        _wait_for(lambda: self.proc.poll() is not None or self._healthy(), 60, "the proxy answered /health")
+        assert self.proc.poll() is None, self.proc.stderr.read().decode(errors="replace")[-3000:]
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=1, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def outstanding(self) -> dict[str, int]:
+        backends = httpx.get(self.url + "/health", timeout=5, trust_env=False).json()["backends"]
+        return {b["url"]: b["outstanding"] for b in backends}
+
+    def pending(self) -> int:
+        for line in httpx.get(self.url + "/metrics", timeout=5, trust_env=False).text.splitlines():
+            if line.startswith("aiolayer_proxy_pending_transfers "):
+                return int(float(line.split()[1]))
+        raise AssertionError("no aiolayer_proxy_pending_transfers in /metrics")
+
+    def idle(self) -> bool:
+        return self.pending() == 0 and not any(self.outstanding().values())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    """One P, two Ds and the proxy, shared: each test starts and ends with the proxy idle."""
+    hub = Hub()
+    engines = [FakeEngine("prefill", "p", hub), FakeEngine("decode", "d1", hub), FakeEngine("decode", "d2", hub)]
+    try:
+        for e in engines:
+            e.start()
+        proxy = ProxyProcess(engines[:1], engines[1:])
+        try:
+            yield {"hub": hub, "p": engines[0], "d1": engines[1], "d2": engines[2], "proxy": proxy}
+        finally:
+            proxy.stop()
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def _client() -> httpx.Client:
+    return httpx.Client(timeout=30, trust_env=False)
+
+
+def _last_transfer(engine: FakeEngine) -> str:
+    return engine.requests[-1]["kv_transfer_params"]["aiolayer"]["transfer_id"]
+
+
+def test_f11_13_least_outstanding_picks_the_idle_d_while_another_streams(stack):
+    """The lease on D lasts the whole stream: short requests go to the idle D, not the streaming one."""
+    proxy, p, d1, d2, hub = stack["proxy"], stack["p"], stack["d1"], stack["d2"], stack["hub"]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    seen = {e.name: len(e.requests) for e in (d1, d2)}
+    long_body = {"prompt": "long", "stream": True, "fake": {"chunks": 2000, "interval_s": 0.02, "until": "long"}}
+    with _client() as client, client.stream("POST", proxy.url + "/v1/completions", json=long_body) as long:
+        assert long.status_code == 200
+        lines = long.iter_lines()
+        assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")   # decoding
+        streaming = d1 if len(d1.requests) > seen["d1"] else d2
+        idle = d2 if streaming is d1 else d1
+        # P's part ended with its answer; D's lasts while it streams
+        assert proxy.outstanding() == {p.url: 0, streaming.url: 1, idle.url: 0}
+        for i in range(4):
+            r = client.post(proxy.url + "/v1/completions", json={"prompt": f"short {i}", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["engine"] == idle.name, (i, r.text)
+        assert len(streaming.requests) == seen[streaming.name] + 1
+        hub.event("long").set()
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    assert streaming.streams[_last_transfer(streaming)] == "completed"
+    _wait_for(proxy.idle, 10, "every lease released after the stream ended")
+
+
+def _raw_stream_request(proxy: ProxyProcess, body: dict) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+def _decode_of(stack, transfer_id: str) -> FakeEngine:
+    return next(d for d in (stack["d1"], stack["d2"]) if d.saw(transfer_id))
+
+
+def test_f11_13_client_gone_before_the_first_chunk_releases_table_leases_and_ds_stream(stack):
+    proxy, p = stack["proxy"], stack["p"]
+    body = {"prompt": "slow first token", "stream": True, "fake": {"hold_s": 60, "chunks": 2}}
+    # (a) the client has D's status line, D holds its first token: D stays leased until the client leaves
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    sock = _raw_stream_request(proxy, body)
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    tid = _last_transfer(p)
+    d = _decode_of(stack, tid)
+    assert proxy.outstanding()[d.url] == 1 and proxy.pending() == 1
+    sock.close()
+    _wait_for(lambda: proxy.idle() and d.streams.get(tid) == "closed", 10, "released after the client left")
+    assert tid in d.aborts
+
+    # (b) the client leaves while P's answer arrives: the proxy (frozen meanwhile, as under load) sees both
+    # at once, and the exchange completes before its disconnect watcher runs
+    p.gate.clear()
+    try:
+        sock = _raw_stream_request(proxy, body)
+        _wait_for(lambda: len(p.requests) and _last_transfer(p) != tid, 10, "P got the prefill")
+        tid = _last_transfer(p)
+        d = _decode_of(stack, tid)
+        os.kill(proxy.proc.pid, signal.SIGSTOP)
+        try:
+            p.gate.set()
+            sock.close()
+            _wait_for(lambda: stack["hub"].event("prefilled " + tid).is_set(), 10, "P answered")
+            time.sleep(0.3)
+        finally:
+            os.kill(proxy.proc.pid, signal.SIGCONT)
+    finally:
+        p.gate.set()
+    _wait_for(lambda: proxy.idle() and d.streams.get(tid) == "closed", 10,
+              f"released after the client left (pending {proxy.pending()}, {proxy.outstanding()}, {d.streams})")
+
+
+def test_f11_13_d_failing_mid_stream_ends_in_an_error_event_and_an_abort(stack):
+    proxy = stack["proxy"]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    body = {"prompt": "doomed", "stream": True, "fake": {"chunks": 5, "fail_at": 2}}
+    with _client() as client, client.stream("POST", proxy.url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert len(events) == 3 and "[DONE]" not in events[-1], events
+    error = json.loads(events[-1][len("data: "):])["error"]
+    assert error["type"] == "decode_error" and error["code"] == 502, error
+    tid = _last_transfer(stack["p"])
+    _wait_for(proxy.idle, 10, "every lease released")
+    assert tid in _decode_of(stack, tid).aborts
+
+
+def test_f11_13_ds_stream_is_closed_when_the_exchange_fails_after_its_status_line(stack):
+    """D answered its status line but never registered: the 504 closes D's call (vLLM then aborts it)."""
+    proxy = stack["proxy"]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    body = {"prompt": "lost", "stream": True, "fake": {"register": False}}
+    with _client() as client:
+        r = client.post(proxy.url + "/v1/completions", json=body)
+    assert r.status_code == 504 and r.json()["error"]["type"] == "registration_timeout", r.text
+    d = next(d for d in (stack["d1"], stack["d2"]) if d.requests and d.requests[-1]["prompt"] == "lost")
+    tid = _last_transfer(d)
+    _wait_for(lambda: proxy.idle() and d.streams.get(tid) == "closed", 10, f"D's stream closed: {d.streams}")
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": "x", "n": 2}, "n > 1"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of > 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, "n > 1"),
+    ("/v1/completions", {"prompt": "x", "n": "2"}, "n must be an integer"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "n": 1}, "beam search"),
+]
+
+
+def test_f11_7_parallel_samples_are_refused_with_a_400_before_any_engine_sees_them(stack):
+    proxy, engines = stack["proxy"], [stack["p"], stack["d1"], stack["d2"]]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    seen = [len(e.requests) for e in engines]
+    with _client() as client:
+        for path, body, message in BAD_REQUESTS:
+            r = client.post(proxy.url + path, json=body)
+            assert r.status_code == 400, (body, r.text)
+            error = r.json()["error"]
+            assert error["type"] == "invalid_request" and error["code"] == 400 and message in error["message"]
+        assert [len(e.requests) for e in engines] == seen, "a refused request reached an engine"
+        assert proxy.idle()
+        ok = client.post(proxy.url + "/v1/completions", json={"prompt": "x", "n": 1, "best_of": 1})
+        assert ok.status_code == 200, ok.text
+
+
+def test_f11_7_bad_bodies_are_a_400_and_affect_nothing_else(stack):
+    proxy, hub = stack["proxy"], stack["hub"]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    bad = [(json.dumps({"prompt": "x", "kv_transfer_params": {"aiolayer": {"transfer_id": "mine"}}}),
+            "kv_transfer_params"),
+           (json.dumps({"prompt": "x", "stream": "false"}), "stream must be true or false"),
+           (json.dumps({"prompt": "x", "stream": 1}), "stream must be true or false"),
+           (json.dumps(["prompt", "x"]), "JSON object"), ("{", "not JSON"), (b"\xff\xfe", "not JSON")]
+    body = {"prompt": "bystander", "stream": True, "fake": {"chunks": 2000, "interval_s": 0.02, "until": "bystander"}}
+    with _client() as client, client.stream("POST", proxy.url + "/v1/completions", json=body) as bystander:
+        lines = bystander.iter_lines()
+        assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
+        seen = [len(e.requests) for e in (stack["p"], stack["d1"], stack["d2"])]
+        for content, message in bad:
+            r = client.post(proxy.url + "/v1/completions", content=content,
+                            headers={"content-type": "application/json"})
+            assert r.status_code == 400 and message in r.json()["error"]["message"], (content, r.text)
+            assert r.json()["error"]["type"] == "invalid_request"
+        assert [len(e.requests) for e in (stack["p"], stack["d1"], stack["d2"])] == seen
+        hub.event("bystander").set()
+        assert [line for line in lines if line][-1] == "data: [DONE]"   # the stream in flight went on untouched
+    ok = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x", "stream": False}, timeout=30, trust_env=False)
+    assert ok.status_code == 200, ok.text
+    _wait_for(proxy.idle, 10, "every lease released")
