@@ -1,4 +1,5 @@
-"""Command line: ``aiolayer node`` (a standalone D node), ``bench`` (the benchmark), ``proxy`` (D-first proxy)."""
+"""Command line: ``aiolayer node`` (a standalone D node) and the subcommands other packages register
+(``bench``, the benchmark; ``proxy``, the vLLM bridge's D-first proxy) through ``aiolayer.commands``."""
 
 from __future__ import annotations
 
@@ -9,8 +10,42 @@ import signal
 import sys
 import threading
 
+from importlib.metadata import entry_points
+from typing import Callable, NamedTuple
+
 from .config import KVShape, NodeConfig, Timeouts
 from .errors import AiolayerError
+
+# Subcommands other packages add (the benchmark, the vLLM bridge's proxy): the core names none of them.
+COMMAND_GROUP = "aiolayer.commands"
+ELSEWHERE = {"proxy": "the D-first proxy comes with the vLLM bridge: pip install ./bridges/vllm (aiolayer-vllm)"}
+
+
+class Command(NamedTuple):
+    """What an ``aiolayer.commands`` entry point names: ``aiolayer NAME`` adds and runs it."""
+
+    help: str
+    add_args: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def command_plugins() -> dict[str, tuple[Command | None, BaseException | None]]:
+    """Every registered subcommand, loaded; one that fails to load is kept with its error."""
+    found: dict[str, tuple[Command | None, BaseException | None]] = {}
+    for point in entry_points(group=COMMAND_GROUP):
+        try:
+            found[point.name] = (point.load(), None)
+        except Exception as exc:  # noqa: BLE001 - reported when that command is run, others still work
+            found[point.name] = (None, exc)
+    return found
+
+
+def add_command(sub, name: str, found: tuple[Command | None, BaseException | None]):
+    command, error = found
+    parser = sub.add_parser(name, help=command.help if command else f"(not available: {error})")
+    if command is not None:
+        command.add_args(parser)
+    return found
 
 
 def add_shape_args(p: argparse.ArgumentParser, num_blocks: int = 512) -> None:
@@ -86,23 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     add_shape_args(node)
     add_node_args(node)
 
-    bench = sub.add_parser("bench", help="the layer-wise transfer benchmark")
-    try:  # the benchmark is optional: `aiolayer node` must not depend on it being importable
-        from aiolayer_bench.main import add_bench_args
-    except ImportError as exc:
-        bench_error: ImportError | None = exc
-    else:
-        bench_error = None
-        add_bench_args(bench)
-
-    proxy = sub.add_parser("proxy", help="the D-first proxy in front of vLLM P and D servers (needs aiolayer-vllm)")
-    try:
-        from aiolayer_vllm.proxy.server import add_proxy_args
-    except ImportError as exc:
-        proxy_error: ImportError | None = exc
-    else:
-        proxy_error = None
-        add_proxy_args(proxy)
+    commands = {name: add_command(sub, name, found) for name, found in command_plugins().items()}
+    for name, hint in ELSEWHERE.items():
+        if name not in commands:
+            commands[name] = add_command(sub, name, (None, ImportError(hint)))
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
@@ -110,18 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "node":
             return run_node(args)
-        if args.command == "proxy":
-            if proxy_error is not None:
-                print(f"aiolayer proxy needs the vLLM bridge (pip install ./bridges/vllm): {proxy_error}",
-                      file=sys.stderr)
-                return 2
-            from aiolayer_vllm.proxy.server import run_proxy
-            return run_proxy(args)
-        if bench_error is not None:
-            print(f"aiolayer bench is not available: {bench_error}", file=sys.stderr)
+        command, error = commands[args.command]
+        if error is not None:
+            print(f"aiolayer {args.command} is not available: {error}", file=sys.stderr)
             return 2
-        from aiolayer_bench.main import run_bench
-        return run_bench(args)
+        return command.run(args)
     except AiolayerError as exc:
         print(f"aiolayer: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

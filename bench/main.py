@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from aiolayer.cli import Command
 from aiolayer.config import KVShape
 
 from . import cpus
@@ -208,3 +209,6 @@ def _progress_text(mode: str, rnd: int, args, sample: dict) -> str:
     tag = " (warm-up)" if rnd < args.warmup else ""
     ok = "" if sample["verified"] else " NOT VERIFIED"
     return f"{mode} {rnd + 1}/{args.warmup + args.requests} {what}{tag}{ok}"
+
+
+COMMAND = Command("the layer-wise transfer benchmark", add_bench_args, run_bench)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from aiolayer.cli import Command
+
 from .flow import ProxyTimeouts
 from .pool import Backend, Pool
 
@@ -37,3 +39,6 @@ def run_proxy(args: argparse.Namespace) -> int:
     app = create_app(pool, args.public_url or f"http://{args.host}:{args.port}", timeouts)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0
+
+
+COMMAND = Command("the D-first proxy in front of vLLM P and D servers", add_proxy_args, run_proxy)
