@@ -102,6 +102,15 @@ class TransferTimeout(TransferError, DeadlineExceeded):
         self.pending = list(pending)
 
 
+class WriteRefused(BackendError):
+    """The backend refused a run part-way through a write call, while runs it had already
+    submitted may still land: ``pending`` as in ``TransferTimeout`` (hold the source until they settle)."""
+
+    def __init__(self, detail: str, pending=()) -> None:
+        super().__init__(detail)
+        self.pending = list(pending)
+
+
 class TransferFailed(TransferError):
     """A transfer reached the failed state; ``reason`` says why."""
 

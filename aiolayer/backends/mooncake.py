@@ -5,6 +5,10 @@ Every run is submitted as its own single-request batch (``transfer_submit_write`
 is done. One poller task checks all in-flight ids without blocking and resolves their futures;
 Mooncake's own blocking waiters (which spin a core) are never called. The first write to a new
 target opens its segment, a network handshake, so it is submitted from a worker thread.
+
+Every exception ``write`` raises carries, in ``pending``, a future for each run that may still
+land (``TransferTimeout``, ``WriteRefused``): a thread cannot be cancelled, so a submit that
+outlives its deadline is adopted when it returns and watched like any timed-out run.
 """
 
 from __future__ import annotations
@@ -12,15 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 
 import numpy as np
 
-from ..errors import BackendError, ConfigError, TransferTimeout
+from ..errors import BackendError, ConfigError, TransferTimeout, WriteRefused
 
 log = logging.getLogger(__name__)
 
-# Set in every process before an engine exists (notes/mooncake.md: "queue-full" beyond ~2,048).
+# Set in every process before an engine exists (docs/mooncake.md: "queue-full" beyond ~2,048).
 ENGINE_ENV = {
     "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
     "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
@@ -77,6 +80,7 @@ class MooncakeBackend:
         self._opened_targets: set[str] = set()
         self._inflight: dict[int, _Inflight] = {}
         self._quarantine: dict[int, asyncio.Future] = {}   # timed out, may still land: id -> settled
+        self._opening: set[asyncio.Future] = set()          # settled of submits still running in a thread
         self._wake: asyncio.Event | None = None
         self._quarantine_due = 0.0
         self._poller: asyncio.Task | None = None
@@ -93,7 +97,7 @@ class MooncakeBackend:
 
     @property
     def quarantined(self) -> int:
-        return len(self._quarantine)
+        return len(self._quarantine) + len(self._opening)
 
     @property
     def inflight(self) -> int:
@@ -135,12 +139,7 @@ class MooncakeBackend:
         runs = list(zip(src.tolist(), dst.tolist(), lengths.tolist()))
         futures: list[asyncio.Future] = []
         if target not in self._opened_targets and runs:
-            first = runs.pop(0)
-            try:
-                bid = await asyncio.wait_for(asyncio.to_thread(self._submit, target, *first), timeout)
-            except asyncio.TimeoutError:
-                raise TransferTimeout("layer_write", timeout, f"opening the segment of {target}") from None
-            self._opened_targets.add(target)
+            bid = await self._open_target(target, runs.pop(0), timeout, loop)
             futures.append(self._track(bid, deadline, timeout, loop))
         refused: BackendError | None = None
         for run in runs:
@@ -152,16 +151,56 @@ class MooncakeBackend:
         self._wake.set()
         # Settle everything already submitted before reporting, so the caller may trust its fence.
         results = await asyncio.gather(*futures, return_exceptions=True)
-        if refused is not None:
-            raise refused
         failures = [r for r in results if isinstance(r, BaseException)]
         timeouts = [r for r in failures if isinstance(r, TransferTimeout)]
+        pending = [f for t in timeouts for f in t.pending]
+        if refused is not None:
+            if not pending:
+                raise refused
+            raise WriteRefused(f"{refused}; {len(timeouts)} runs submitted before it still pending", pending)
         if timeouts:
-            pending = [f for t in timeouts for f in t.pending]
             raise TransferTimeout("layer_write", timeout, f"{len(timeouts)} of {len(results)} runs to {target} "
                                   "still pending; remote region unknown", pending=pending)
         if failures:
             raise failures[0]
+
+    async def _open_target(self, target: str, run: tuple[int, int, int], timeout: float, loop) -> int:
+        """Submit the first run to a new target from a worker thread (opening its segment is a
+        handshake that blocks, e.g. while the peer is stopped). Past ``timeout`` the thread still
+        runs and its submit may still happen: ``TransferTimeout`` hands a future that settles when
+        that submit was refused or its batch ended."""
+        submit = loop.run_in_executor(None, self._submit, target, *run)
+        settled = None
+        try:
+            await asyncio.wait({submit}, timeout=timeout)
+        finally:
+            if not submit.done():
+                settled = self._adopt_late(submit, loop)
+        if settled is not None:
+            raise TransferTimeout("layer_write", timeout, f"opening the segment of {target}; the submit "
+                                  "may still happen", pending=[settled])
+        bid = submit.result()   # BackendError if refused: nothing was submitted
+        self._opened_targets.add(target)
+        return bid
+
+    def _adopt_late(self, submit: asyncio.Future, loop) -> asyncio.Future:
+        settled = loop.create_future()
+        self._opening.add(settled)
+
+        def adopt(fut: asyncio.Future) -> None:
+            self._opening.discard(settled)
+            if settled.done():   # the backend closed meanwhile
+                return
+            if fut.cancelled():   # the loop gave up on the thread: whether it submitted is unknown
+                settled.cancel()
+            elif fut.exception() is not None:   # refused: nothing was submitted
+                settled.set_result(None)
+            else:
+                self._quarantine[fut.result()] = settled
+                self._wake.set()
+
+        submit.add_done_callback(adopt)
+        return settled
 
     def _submit(self, target: str, src: int, dst: int, length: int) -> int:
         bid = self._engine.transfer_submit_write(target, src, dst, length)
@@ -235,9 +274,10 @@ class MooncakeBackend:
             if not item.future.done():
                 item.future.set_exception(BackendError("backend closed with the write in flight"))
         self._inflight.clear()
-        for settled in self._quarantine.values():
+        for settled in [*self._quarantine.values(), *self._opening]:
             settled.cancel()
         self._quarantine.clear()
+        self._opening.clear()
         if self._engine is not None:
             for addr in list(self._regions):
                 try:

@@ -7,126 +7,45 @@ waits for every write to settle and tells D: DONE, or FAILED with the reason.
 
 Fencing: a transfer id appears in ``pop_released`` only once no write reading its source blocks
 can still be in flight. Usually that is when its outcome is published; after a write timed out
-(the data may still land, notes/mooncake.md) it is when the backend saw that write end. D may
-ask P to stop a transfer (``abort``): no layer is submitted after that, and the reply waits for the
-writes already in flight.
+(the data may still land, docs/mooncake.md) it is when the backend saw that write end. D may
+ask P to stop a transfer (``abort``), and P's engine may ``cancel`` one (it preempted the request):
+no layer is submitted after that. ``stopped`` (the reply to D's abort) and FAILED both tell D that
+no write of the transfer can land any more, so both wait until that is true; while a timed-out
+write is unresolved D's abort gets Nack ``settling``, and if that lasts past ``quarantine`` D is
+told nothing: its own deadline and fence take over, and P keeps the source held, loudly.
+
+One transfer's trouble stays its own: a bad spec, or any error in its coroutines (each ``guarded``),
+ends that transfer with a failed outcome and never reaches the runtime's TaskGroup.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import logging
 import time
 
-import msgspec
 import numpy as np
 
 from .. import compat
 from ..config import Timeouts
-from ..errors import (AiolayerError, ConfigError, ControlRejected, DeadlineExceeded, LayoutMismatch,
-                      RuntimeStateError, TransferTimeout)
+from ..errors import AiolayerError, ControlRejected, DeadlineExceeded, RuntimeStateError, TransferTimeout
 from ..protocol import messages as m
-from ..protocol.plan import (BlockRuns, HeadGeometry, RankRoute, check_block_bounds, merge_runs, run_addresses,
-                             slice_addresses)
-from ..protocol.state import State, sender_transfer
+from ..protocol.plan import HeadGeometry, check_block_bounds, merge_runs
+from ..protocol.state import State
 from ..stats import LatencyHistogram
 from .bridge import LayerBridge
 from .control import ControlPeers
 from .events import record_event, wait_event
+from .fence import MAX_EARLY_ABORTS, EarlyAborts, Request, guarded
 from .metadata import LayoutCache
+from .results import Results
+from .spec import (LayerTiming, LocalLayout, Outcome, TransferSpec, check_geometry, check_layout, check_spec,
+                   layer_runs)
 
+__all__ = ["MAX_EARLY_ABORTS", "LayerTiming", "LocalLayout", "Outcome", "Sender", "TransferSpec", "check_geometry"]
 log = logging.getLogger(__name__)
-MAX_EARLY_ABORTS = 4096   # aborts kept for transfers not started yet: a stranger cannot grow it further
-
-
-class TransferSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """One request's transfer: our source blocks -> D's destination blocks."""
-
-    transfer_id: str
-    peer: str                     # D's control endpoint
-    src_blocks: list[int]
-    dst_blocks: list[int]
-    dst_incarnation: str          # D's incarnation the blocks were allocated on: never write to another
-    token: str                    # the transfer's secret: D accepts our layout request and DONE only with it
-    layerwise: bool = True        # False: hold every layer and write them all after the last one
-    # Head slice: copy the route's heads of every block (P and D ranks of other TP sizes, see
-    # protocol.plan.map_ranks); both sides must have published their head geometry. None: whole blocks.
-    route: RankRoute | None = None
-
-    def __post_init__(self) -> None:
-        if not self.dst_incarnation:
-            raise ConfigError(f"transfer {self.transfer_id}: dst_incarnation is required (D's AllocReply)")
-        if not self.token:
-            raise ConfigError(f"transfer {self.transfer_id}: token is required (minted with the transfer)")
-
-
-class LayerTiming(msgspec.Struct, array_like=True):
-    layer: int
-    handed_s: float               # perf_counter when the forward thread handed it over
-    submitted_s: float
-    landed_s: float
-
-
-class Outcome(msgspec.Struct, kw_only=True):
-    transfer_id: str
-    ok: bool
-    reason: str = ""
-    bytes: int = 0
-    finished_s: float = 0.0       # perf_counter when DONE was acknowledged (or the failure decided)
-    writes_settled_s: float = 0.0
-    source_released: bool = True  # False: a timed-out write may still read the source (see pop_released)
-    layers: list[LayerTiming] = []
-
-
-class LocalLayout(msgspec.Struct, frozen=True):
-    k_base: np.ndarray
-    v_base: np.ndarray
-    block_bytes: int
-    num_blocks: int
-    heads: int = 0                          # local KV heads per block (0: geometry not published)
-    geometry: HeadGeometry | None = None    # what a head slice needs: tokens per block, head bytes, layout
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.k_base.shape[0])
-
-
-def check_geometry(block_bytes: int, kv_heads: int, geometry: HeadGeometry | None, v_base) -> None:
-    """A published head geometry must describe the blocks exactly; ``ConfigError`` otherwise."""
-    if geometry is None:
-        if kv_heads:
-            raise ConfigError("kv_heads given without its geometry (block_size, head_bytes, layout)")
-        return
-    if isinstance(kv_heads, bool) or not isinstance(kv_heads, (int, np.integer)) or kv_heads < 1:
-        raise ConfigError(f"kv_heads must be a positive integer with a geometry, got {kv_heads!r}")
-    if kv_heads * geometry.block_size * geometry.head_bytes != block_bytes:
-        raise ConfigError(f"{kv_heads} heads x {geometry.block_size} tokens x {geometry.head_bytes} bytes "
-                          f"is not the block size {block_bytes}")
-    if any(int(v) == 0 for v in v_base):
-        raise ConfigError("a head geometry needs K and V in separate tensors (no V base of 0)")
-
-
-class _Request:
-    __slots__ = ("spec", "runs", "spans", "layers", "state", "timings", "bytes", "aborted", "pending", "quiet")
-
-    def __init__(self, spec: TransferSpec, runs: BlockRuns) -> None:
-        self.spec = spec
-        self.runs = runs
-        self.spans: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None   # head slice, from layer bases
-        self.layers: asyncio.Queue = asyncio.Queue()   # (layer, event, handed) items; None = abort
-        self.state = sender_transfer()
-        self.timings: list[LayerTiming] = []
-        self.bytes = 0
-        self.aborted = ""                              # D's reason, once D asked us to stop
-        self.pending: list[asyncio.Future] = []        # timed-out writes that may still land
-        self.quiet = asyncio.Event()                   # set once no write of ours can be in flight
-
-    def abort(self, reason: str) -> None:
-        if not self.aborted:
-            self.aborted = reason or "aborted by D"
-            self.layers.put_nowait(None)
+_NO_RUNS = merge_runs([], [])
 
 
 class Sender:
@@ -139,14 +58,16 @@ class Sender:
         self.layouts = layouts
         self.timeouts = timeouts
         self.local: LocalLayout | None = None
-        self._steps: dict[int, list[_Request]] = {}
-        self._waiters: dict[str, concurrent.futures.Future] = {}
-        self._outcomes: collections.deque[Outcome] = collections.deque()
-        self._released: collections.deque[str] = collections.deque()
-        self._live: dict[str, _Request] = {}          # until its writes are quiet
+        self._steps: dict[int, list[Request]] = {}
+        self.results = Results()
+        r = self.results   # the same containers under their old names (the soak report sizes them)
+        self._waiters, self._outcomes, self._released = r.waiters, r.outcomes, r.released
+        self._live: dict[str, Request] = {}          # until its writes are quiet
+        # ids ``cancel`` was called for (any thread; a bounded deque: appends and ``in`` are atomic)
+        self._cancelled: collections.deque[str] = collections.deque(maxlen=MAX_EARLY_ABORTS)
         # abort before the step came, by (transfer id, token): refuse the step then; keyed by token
         # too, so a stranger's abort can neither stop the transfer nor shadow the real abort
-        self._aborted_early: dict[tuple[str, str], float] = {}
+        self._aborted_early = EarlyAborts()
         self._spawn = None
         self.active = 0
         self.fence_timeouts = 0
@@ -165,16 +86,15 @@ class Sender:
                                  block_bytes, num_blocks, heads, geometry)
 
     def begin_step(self, step: int, specs: list[TransferSpec]) -> None:
+        """Hand a step's transfers to the loop. A bad spec fails that transfer there, never here."""
         if self.local is None:
             raise RuntimeStateError("register the KV caches before the first step")
-        added = [spec.transfer_id for spec in specs if spec.transfer_id not in self._waiters]
-        for tid in added:  # before the put: the loop may publish the outcome at once
-            self._waiters[tid] = concurrent.futures.Future()
+        specs = list(specs)
+        added = self.results.expect(specs)   # before the put: the loop may publish an outcome at once
         try:
             self.bridge.put(("step", step, specs, time.perf_counter()))
         except RuntimeStateError:
-            for tid in added:
-                self._waiters.pop(tid, None)
+            self.results.forget(added)
             raise
 
     def layer_ready(self, step: int, layer: int) -> None:
@@ -183,31 +103,35 @@ class Sender:
     def end_step(self, step: int) -> None:
         self.bridge.put(("end", step))
 
+    def cancel(self, transfer_id: str, reason: str) -> None:
+        """Stop a send from any thread (our engine preempted its request): no layer is submitted
+        after this, its outcome is a failure, D gets FAILED once its writes are quiet (never DONE),
+        and its id comes out of ``pop_released`` only then. Unknown or finished ids are ignored.
+
+        The bridge item stops the transfer in order (after its step); the id also goes straight to
+        a deque that the loop checks before any DONE, so no DONE is decided after this returned,
+        even while the item waits in the bridge. Never raises."""
+        if not isinstance(transfer_id, str) or self.bridge.closed:
+            return   # the sender is gone: every unpublished outcome already failed (``_fail_unstarted``)
+        self._cancelled.append(transfer_id)
+        try:
+            self.bridge.put(("cancel", transfer_id, str(reason)))
+        except RuntimeStateError:
+            log.error("transfer %s: cancel not queued (bridge full); it can still not end in DONE", transfer_id)
+
     # --- results (any thread) ----------------------------------------------------------------
 
     def pop_outcomes(self) -> list[Outcome]:
         """Outcomes published since the last call; popping one also forgets its ``wait`` slot."""
-        outcomes = _drain(self._outcomes)
-        for outcome in outcomes:
-            self._waiters.pop(outcome.transfer_id, None)
-        return outcomes
+        return self.results.pop_outcomes()
 
     def pop_released(self) -> list[str]:
         """Transfer ids whose source blocks no write can still read: safe to reuse now."""
-        return _drain(self._released)
+        return self.results.pop_released()
 
     def wait(self, transfer_id: str, timeout: float) -> Outcome:
         """Block until the transfer's outcome is known (never call this from the forward thread)."""
-        fut = self._waiters.get(transfer_id)
-        if fut is None:
-            raise KeyError(transfer_id)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise DeadlineExceeded("wait", timeout, f"transfer {transfer_id}") from None
-        finally:
-            if fut.done():
-                self._waiters.pop(transfer_id, None)
+        return self.results.wait(transfer_id, timeout)
 
     # --- the loop side -----------------------------------------------------------------------
 
@@ -220,7 +144,10 @@ class Sender:
                 if not batch:
                     return
                 for item in batch:
-                    self._dispatch(item)
+                    try:
+                        self._dispatch(item)
+                    except Exception:  # noqa: BLE001 - one bad item must not end the sender
+                        log.exception("sender: bridge item %.200r dropped", item)
         finally:
             self.bridge.close("sender stopped")
             self._fail_unstarted("sender stopped")
@@ -234,39 +161,75 @@ class Sender:
                 req.layers.put_nowait((layer, event, handed))
         elif kind == "step":
             _, step, specs, _handed = item
-            self._steps[step] = [self._start_request(spec) for spec in specs]
+            started = [self._start_request(spec) for spec in specs]
+            self._steps[step] = [req for req in started if req is not None]
         elif kind == "end":
             self._steps.pop(item[1], None)
+        elif kind == "cancel":
+            self._cancel(item[1], item[2])
 
-    def _start_request(self, spec: TransferSpec) -> _Request:
+    def _start_request(self, spec: TransferSpec) -> Request | None:
+        """Start one transfer (None: not started). Never raises: whatever is wrong with this spec
+        fails this transfer only, with a visible outcome, and the step's others go on."""
+        tid = getattr(spec, "transfer_id", None)
+        if isinstance(tid, str) and tid in self._live:
+            # its outcome and release belong to the live one: nothing may be published under its id
+            log.error("transfer %s: started again while live; the second start is ignored", tid)
+            self.outcome_counts["duplicate"] += 1
+            return None
         try:
+            check_spec(spec)
             check_block_bounds(spec.src_blocks, self.local.num_blocks, "source")
-            req = _Request(spec, merge_runs(spec.src_blocks, spec.dst_blocks))
-        except ValueError as exc:
-            req = _Request(spec, merge_runs([], []))
-            self._spawn(self._finish(req, str(exc), None), name=f"fail {spec.transfer_id}")
+            runs = merge_runs(spec.src_blocks, spec.dst_blocks)
+        except Exception as exc:  # noqa: BLE001 - ValueError, OverflowError (ids >= 2**63), TypeError...
+            return self._refuse(spec, f"invalid transfer spec: {type(exc).__name__}: {exc}")
+        req = Request(spec, runs)
+        if self._aborted_early.take((tid, spec.token), time.monotonic()):
+            self._spawn(self._finish(req, "aborted by D before it started", None), name=f"fail {tid}")
             return req
-        if self._aborted_early.pop((spec.transfer_id, spec.token), None) is not None:
-            self._spawn(self._finish(req, "aborted by D before it started", None), name=f"fail {spec.transfer_id}")
-            return req
-        self._live[spec.transfer_id] = req
-        self.layouts.prefetch(spec.peer, (spec.transfer_id, spec.token))
+        try:
+            self.layouts.prefetch(spec.peer, (tid, spec.token))
+        except Exception as exc:  # noqa: BLE001 - e.g. an endpoint the control plane cannot parse
+            return self._refuse(spec, f"layout prefetch failed: {type(exc).__name__}: {exc}")
+        self._live[tid] = req
         self.active += 1
-        self._spawn(self._run_request(req), name=f"send {spec.transfer_id}")
+        self._spawn(self._run_request(req), name=f"send {tid}")
         return req
 
-    async def abort(self, transfer_id: str, reason: str, token: str) -> str:
-        """D asks us to stop: submit nothing more, and return once no write is in flight.
+    def _refuse(self, spec, reason: str) -> None:
+        """A transfer that cannot start: its outcome at once; FAILED to D if the spec can address it."""
+        tid = getattr(spec, "transfer_id", None)
+        if not isinstance(spec, TransferSpec) or not isinstance(tid, str):
+            log.error("sender: transfer %.100r refused: %s", tid, reason)
+            self.outcome_counts["failed"] += 1
+            self.results.publish(Outcome(transfer_id=str(tid)[:200], ok=False, reason=reason,
+                                         finished_s=time.perf_counter()))
+            return None
+        req = Request(spec, _NO_RUNS)
+        self._publish(req, reason, None)
+        try:
+            check_spec(spec)
+        except ValueError:
+            return None   # no endpoint or token to reach D with: its own deadline ends the transfer there
+        self._spawn(self._finish(req, reason, None), name=f"fail {tid}")
+        return None
 
-        Only with the transfer's token: a stranger cannot stop another's transfer.
+    def _cancel(self, transfer_id: str, reason: str) -> None:
+        req = self._live.get(transfer_id)
+        if req is not None and not req.state.terminal:   # else unknown or ended: nothing to stop
+            log.warning("transfer %s cancelled by the engine: %s", transfer_id, reason)
+            req.abort(reason[:500], by_p=True)
+
+    async def abort(self, transfer_id: str, reason: str, token: str) -> str:
+        """D asks us to stop: submit nothing more, and return once no write can still land.
+
+        Only with the transfer's token: a stranger cannot stop another's transfer. Writes still
+        unresolved after ``layer_write``: Nack ``settling`` (D keeps its fence).
         """
         req = self._live.get(transfer_id)
-        if req is None:
+        if req is None:   # not started yet, or already quiet: make sure it never starts
             now = time.monotonic()
-            self._aborted_early = {k: e for k, e in self._aborted_early.items() if e > now}
-            if len(self._aborted_early) >= MAX_EARLY_ABORTS:
-                raise ControlRejected("busy", f"{MAX_EARLY_ABORTS} early aborts pending")
-            self._aborted_early[(transfer_id, token)] = now + self.timeouts.receive  # unknown or already quiet
+            self._aborted_early.add((transfer_id, token), now + self.timeouts.receive, now)
             return "stopped"
         if not m.same_token(token, req.spec.token):
             log.warning("transfer %s: abort with a wrong token refused", transfer_id)
@@ -278,17 +241,18 @@ class Sender:
             raise ControlRejected("settling", f"writes of {transfer_id} are still in flight") from None
         return "stopped"
 
-    async def _run_request(self, req: _Request) -> None:
+    @guarded
+    async def _run_request(self, req: Request) -> None:
         reason = ""
         settled = None
         try:
             layout = await self.layouts.get(req.spec.peer, (req.spec.transfer_id, req.spec.token),
                                             req.spec.dst_incarnation)
-            self._check_layout(req, layout)
+            req.spans = check_layout(self.local, req.spec, req.runs, layout)
             req.state.apply("layout_ready")
             settled, reason = await self._stream_layers(req, layout)
         except asyncio.CancelledError:
-            self._publish(req, "runtime stopped", None)
+            self._publish_safely(req, "runtime stopped")
             raise
         except AiolayerError as exc:
             reason = f"{type(exc).__name__}: {exc}"
@@ -301,39 +265,7 @@ class Sender:
             self.layouts.invalidate(req.spec.peer)  # the peer may have restarted: fetch afresh next time
         await self._finish(req, reason, settled)
 
-    def _check_layout(self, req: _Request, layout) -> None:
-        local = self.local
-        sliced = req.spec.route is not None   # then block sizes differ legitimately: the geometry must match
-        if layout.num_layers != local.num_layers or (not sliced and layout.block_bytes != local.block_bytes):
-            raise LayoutMismatch(
-                f"D has {layout.num_layers} layers of {layout.block_bytes}-byte blocks, "
-                f"P has {local.num_layers} of {local.block_bytes}")
-        if bool((layout.v_base == 0).any()) != bool((local.v_base == 0).any()):
-            raise LayoutMismatch("one side keeps K and V in separate tensors, the other in one")
-        check_block_bounds(req.spec.dst_blocks, layout.num_blocks, "destination")
-        if sliced:
-            req.spans = self._route_spans(req, layout)
-
-    def _route_spans(self, req: _Request, layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The route's byte spans relative to each layer's bases: computed once per request."""
-        local, route = self.local, req.spec.route
-        geom = local.geometry
-        if geom is None or not layout.kv_heads:
-            side = "P" if geom is None else "D"
-            raise LayoutMismatch(f"a head-slice route needs both sides' head geometry; {side} published none")
-        theirs = (layout.block_size, layout.head_bytes, layout.kv_layout)
-        if theirs != (geom.block_size, geom.head_bytes, geom.layout):
-            raise LayoutMismatch(f"D's blocks are (tokens, head bytes, layout) {theirs}, P's "
-                                 f"{(geom.block_size, geom.head_bytes, geom.layout)}")
-        if layout.block_bytes != layout.kv_heads * geom.block_size * geom.head_bytes:
-            raise LayoutMismatch(f"D's {layout.block_bytes}-byte blocks do not hold {layout.kv_heads} heads "
-                                 f"of {geom.block_size} x {geom.head_bytes} bytes")
-        try:
-            return slice_addresses(req.runs, 0, 0, local.heads, layout.kv_heads, route, geom)
-        except ValueError as exc:
-            raise LayoutMismatch(f"route {route}: {exc}") from None
-
-    async def _stream_layers(self, req: _Request, layout) -> tuple[float, str]:
+    async def _stream_layers(self, req: Request, layout) -> tuple[float, str]:
         """Submit each layer as it arrives; returns (time all writes settled, failure reason)."""
         local, t = self.local, self.timeouts
         writes: list[asyncio.Task] = []
@@ -357,8 +289,8 @@ class Sender:
                     self.deadlines[exc.phase] += 1
                     reason = str(exc)
                     break
-                if any(w.done() and w.result() for w in writes):
-                    break  # a write failed already: submit no more layers
+                if req.aborted or any(w.done() and w.result() for w in writes):
+                    break  # stopped, or a write failed already: submit no more layers
                 held.append((layer, handed))
                 if req.spec.layerwise or index == local.num_layers - 1:
                     for layer, handed in held:
@@ -368,51 +300,49 @@ class Sender:
         errors = [w.result() for w in writes if w.result()]
         return settled, req.aborted or reason or (errors[0] if errors else "")
 
-    async def _write_layer(self, req: _Request, layout, layer: int, handed: float) -> str:
+    async def _write_layer(self, req: Request, layout, layer: int, handed: float) -> str:
         """One layer's K and V runs; returns "" on success or the failure reason (never raises).
 
-        A timed-out write leaves its settle futures in ``req.pending`` for the fence.
+        Runs that may still land after a failed write (``exc.pending``) go to ``req.pending`` for the fence.
         """
-        local = self.local
-        bb = local.block_bytes
-        planes = [(local.k_base, layout.k_base)]
-        if local.v_base[layer]:   # 0: K and V share each block (one plane), as on vLLM's CPU backend
-            planes.append((local.v_base, layout.v_base))
-        if req.spans is not None:   # a head slice: spans precomputed per request, offset by this layer's bases
-            rel_src, rel_dst, rel_len = req.spans
-            src, dst, lengths = zip(*((rel_src + int(mine[layer]), rel_dst + int(theirs[layer]), rel_len)
-                                      for mine, theirs in planes))
-        else:
-            src, dst, lengths = zip(*(run_addresses(req.runs, int(mine[layer]), int(theirs[layer]), bb)
-                                      for mine, theirs in planes))
-        lengths = np.concatenate(lengths)
-        submitted = time.perf_counter()
         try:
-            await self.backend.write(layout.session, np.concatenate(src), np.concatenate(dst), lengths,
-                                     self.timeouts.layer_write)
-        except TransferTimeout as exc:
-            self.deadlines["layer_write"] += 1
-            req.pending.extend(exc.pending)
-            return f"layer {layer}: {type(exc).__name__}: {exc}"
-        except AiolayerError as exc:
+            src, dst, lengths = layer_runs(self.local, req.runs, req.spans, layout, layer)
+            submitted = time.perf_counter()
+            await self.backend.write(layout.session, src, dst, lengths, self.timeouts.layer_write)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a backend bug too: the transfer fails, its siblings go on
+            req.pending.extend(getattr(exc, "pending", ()))
+            if isinstance(exc, TransferTimeout):
+                self.deadlines["layer_write"] += 1
+            elif not isinstance(exc, AiolayerError):
+                log.exception("transfer %s: layer %d write raised", req.spec.transfer_id, layer)
             return f"layer {layer}: {type(exc).__name__}: {exc}"
         req.timings.append(LayerTiming(layer, handed, submitted, time.perf_counter()))
         req.bytes += int(lengths.sum())
         return ""
 
-    async def _finish(self, req: _Request, reason: str, settled: float | None) -> None:
+    @guarded
+    async def _finish(self, req: Request, reason: str, settled: float | None) -> None:
         """Success: DONE acknowledged by D, then the outcome. Failure: the outcome at once, then
-        FAILED to D once our writes are quiet, so D may reuse its blocks when it reads it."""
+        FAILED to D once our writes are quiet, so D may reuse its blocks when it reads it; never
+        while one may still land (D's own deadline and fence take over then)."""
         spec = req.spec
+        if not reason and not req.aborted and spec.transfer_id in self._cancelled:
+            req.abort("cancelled by P", by_p=True)   # its bridge item is still on the way
+        reason = reason or req.aborted   # stopped after its last write settled: still no DONE
         if reason:
             self._publish(req, reason, settled)
             try:
                 await asyncio.wait_for(req.quiet.wait(), self.timeouts.quarantine + self.timeouts.cleanup)
             except asyncio.TimeoutError:
-                pass  # still unresolved: D's own deadline and fence take over
+                log.error("transfer %s: writes still unresolved; D is not told (its deadline and fence "
+                          "take over)", spec.transfer_id)
+                return
+            if req.aborted and not req.by_p:
+                return   # D asked us to stop: it learns we are quiet from its Abort's reply
             msg = m.Failed(transfer_id=spec.transfer_id, sender=self.engine_id, reason=reason[:500], token=spec.token)
-            if req.quiet.is_set() and not req.aborted:
-                await self._tell_d(spec, msg)
+            await self._tell_d(spec, msg)
             return
         req.state.apply("all_layers_written")
         msg = m.Done(transfer_id=spec.transfer_id, sender=self.engine_id, incarnation=spec.dst_incarnation,
@@ -421,16 +351,18 @@ class Sender:
         self._publish(req, f"DONE not delivered: {error}" if error else "", settled)
 
     async def _tell_d(self, spec: TransferSpec, msg: m.Message) -> str:
-        """Deliver DONE/FAILED with bounded retries; returns "" or what went wrong."""
+        """Deliver DONE/FAILED with bounded retries; returns "" or what went wrong (never raises)."""
         try:
             client = await self.peers.get(spec.peer)
             await client.call_with_retries(msg, self.timeouts.done_delivery)
-        except AiolayerError as exc:
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bad endpoint too: D's own deadline takes over
             log.warning("transfer %s: could not tell D %s: %s", spec.transfer_id, type(msg).__name__, exc)
             return f"{type(exc).__name__}: {exc}"
         return ""
 
-    def _publish(self, req: _Request, reason: str, settled: float | None) -> None:
+    def _publish(self, req: Request, reason: str, settled: float | None) -> None:
         if req.state.terminal:
             return
         if reason:
@@ -442,52 +374,57 @@ class Sender:
         self.bytes_sent += req.bytes
         if reason:
             log.warning("transfer %s failed: %s", req.spec.transfer_id, req.state.reason)
-        pending = [f for f in req.pending if not f.done()]
+        unsettled = [f for f in req.pending if not f.done() or f.cancelled()]   # cancelled: backend closed
         outcome = Outcome(transfer_id=req.spec.transfer_id, ok=req.state.state is State.FINISHED,
                           reason=req.state.reason, bytes=req.bytes, finished_s=now,
-                          writes_settled_s=settled or now, source_released=not pending,
+                          writes_settled_s=settled or now, source_released=not unsettled,
                           layers=sorted(req.timings, key=lambda x: x.layer))
-        self._outcomes.append(outcome)
-        waiter = self._waiters.get(req.spec.transfer_id)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(outcome)
-        if pending:
-            self._spawn(self._release_when_quiet(req, pending), name=f"fence {req.spec.transfer_id}")
+        self.results.publish(outcome)
+        if unsettled:
+            self._spawn(self._release_when_quiet(req, req.pending), name=f"fence {req.spec.transfer_id}")
         else:
             self._release(req)
 
-    def _release(self, req: _Request) -> None:
-        req.quiet.set()
-        self._live.pop(req.spec.transfer_id, None)
-        self._released.append(req.spec.transfer_id)
+    def _publish_safely(self, req: Request, reason: str) -> None:
+        try:
+            self._publish(req, reason, None)
+        except Exception:  # noqa: BLE001 - at shutdown the fence task may not start: the source stays held
+            log.exception("transfer %s: outcome published, source kept held", req.spec.transfer_id)
 
-    async def _release_when_quiet(self, req: _Request, pending: list[asyncio.Future]) -> None:
-        """Hold the source blocks until the backend saw every timed-out write end."""
+    def _fail_after_bug(self, req: Request, reason: str) -> None:
+        """``guarded``'s last resort: the transfer fails visibly; its source is released only if
+        no write of it can be pending (never on a guess)."""
+        self._publish_safely(req, reason)
+        self.results.resolve(Outcome(transfer_id=req.spec.transfer_id, ok=False, reason=reason,
+                                     finished_s=time.perf_counter(), source_released=False))
+
+    def _release(self, req: Request) -> None:
+        tid = req.spec.transfer_id
+        req.quiet.set()
+        if self._live.get(tid) is req:
+            del self._live[tid]
+        self.results.release(tid)
+
+    @guarded
+    async def _release_when_quiet(self, req: Request, pending: list[asyncio.Future]) -> None:
+        """Hold the source blocks (and the transfer live: abort answers ``settling``) until the
+        backend saw every write that may still land end."""
         limit = self.timeouts.quarantine
-        done, still = await asyncio.wait(pending, timeout=limit)
+        _, still = await asyncio.wait(pending, timeout=limit)
         if still:
             # Never hand back memory a write may still read: these blocks stay held, loudly, until the
             # backend sees those writes end (Mooncake drains refused writes to one peer at ~5 per second).
             self.fence_timeouts += 1
             log.error("transfer %s: %d writes still unresolved after %gs; its source blocks stay held",
                       req.spec.transfer_id, len(still), limit)
-            req.quiet.set()
-            self._live.pop(req.spec.transfer_id, None)
             await asyncio.wait(still)
-            if any(f.cancelled() for f in still):   # the backend closed: nobody knows, keep them held
-                return
+        if any(f.cancelled() for f in pending):   # the backend closed: nobody knows, keep them held
+            log.error("transfer %s: backend closed with writes unresolved; source kept held", req.spec.transfer_id)
+            return
         self._release(req)
 
     def _fail_unstarted(self, reason: str) -> None:
-        for req in list(self._live.values()):
-            req.quiet.set()
-        for tid, fut in list(self._waiters.items()):
-            if not fut.done():
-                fut.set_result(Outcome(transfer_id=tid, ok=False, reason=reason, finished_s=time.perf_counter()))
+        """The sender stops: every outcome not yet published fails. Live transfers stay live (not
+        quiet): their writes may still land, so D's abort keeps getting ``settling``."""
+        self.results.fail_unpublished(reason, self._live)
 
-
-def _drain(queue: collections.deque) -> list:
-    out = []
-    while queue:
-        out.append(queue.popleft())
-    return out

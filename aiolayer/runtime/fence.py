@@ -1,0 +1,99 @@
+"""The sender's per-transfer state and fencing helpers: the early-abort table, the coroutine guard.
+
+Early aborts: D may ask P to stop a transfer before P's step for it came (``Abort`` for an id P
+does not know). P answers ``stopped`` and remembers (transfer id, token) so that the step, when it
+comes, is refused. The Abort is not authenticated (P cannot know the token of a transfer it never
+saw), so the table is bounded; when full, the oldest entry makes room. Refusing instead (Nack
+``busy``, the old design) let a stranger's flood keep every genuine early abort out; evicting,
+a genuine entry lives until ``Timeouts.receive`` or until that many later entries came.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+import numpy as np
+
+from ..protocol.plan import BlockRuns
+from ..protocol.state import sender_transfer
+from .spec import LayerTiming, TransferSpec
+
+log = logging.getLogger(__name__)
+
+MAX_EARLY_ABORTS = 4096
+
+
+class Request:
+    """One transfer on the loop: its queue of layers, its state, and what its fence waits for."""
+
+    __slots__ = ("spec", "runs", "spans", "layers", "state", "timings", "bytes", "aborted", "by_p", "pending",
+                 "quiet")
+
+    def __init__(self, spec: TransferSpec, runs: BlockRuns) -> None:
+        self.spec = spec
+        self.runs = runs
+        self.spans: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None   # head slice, from layer bases
+        self.layers: asyncio.Queue = asyncio.Queue()   # (layer, event, handed) items; None = abort
+        self.state = sender_transfer()
+        self.timings: list[LayerTiming] = []
+        self.bytes = 0
+        self.aborted = ""                              # why we stopped, once D or P's engine said so
+        self.by_p = False                              # our engine cancelled it: D still needs FAILED
+        self.pending: list[asyncio.Future] = []        # timed-out writes that may still land
+        self.quiet = asyncio.Event()                   # set once no write of ours can be in flight
+
+    def abort(self, reason: str, by_p: bool = False) -> None:
+        if not self.aborted:
+            self.aborted = reason or ("cancelled by P" if by_p else "aborted by D")
+            self.by_p = by_p
+            self.layers.put_nowait(None)
+
+
+class EarlyAborts:
+    """(transfer id, token) -> expiry (monotonic seconds), oldest first; bounded by ``capacity``."""
+
+    def __init__(self, capacity: int = MAX_EARLY_ABORTS) -> None:
+        self.capacity = capacity
+        self._entries: dict[tuple[str, str], float] = {}
+        self.evicted = 0       # entries dropped to make room before they expired
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, key: tuple[str, str], expiry: float, now: float) -> None:
+        entries = self._entries
+        entries.pop(key, None)   # a repeat moves to the end: insertion order stays expiry order
+        while entries:   # expired ones are at the front
+            oldest = next(iter(entries))
+            if entries[oldest] > now:
+                break
+            del entries[oldest]
+        while len(entries) >= self.capacity:
+            del entries[next(iter(entries))]
+            self.evicted += 1
+        entries[key] = expiry
+
+    def take(self, key: tuple[str, str], now: float) -> bool:
+        """Whether ``key`` was aborted early (and not expired); forgets it either way."""
+        expiry = self._entries.pop(key, None)
+        return expiry is not None and expiry > now
+
+
+def guarded(method):
+    """For a per-transfer coroutine ``method(self, req, ...)``: any error ends that transfer as a
+    failure (``self._fail_after_bug``) instead of reaching the runtime's TaskGroup, where it would
+    cancel every other transfer. Cancellation still propagates."""
+
+    @functools.wraps(method)
+    async def run(self, req, *args):
+        try:
+            await method(self, req, *args)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug must end this transfer visibly, and only it
+            log.exception("sender bug in %s of transfer %r", method.__name__, getattr(req.spec, "transfer_id", "?"))
+            self._fail_after_bug(req, f"internal error {type(exc).__name__}: {exc}")
+
+    return run

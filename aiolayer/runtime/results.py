@@ -1,0 +1,83 @@
+"""The sender's results, read by other threads: outcomes, ``wait`` slots and released transfer ids.
+
+The loop appends; any thread pops. Deque appends and pops are atomic under the GIL, and each
+item is a finished value (an ``Outcome`` or an id), so a reader never sees one half-made.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import time
+
+from ..errors import DeadlineExceeded
+from .spec import Outcome
+
+
+class Results:
+    def __init__(self) -> None:
+        self.waiters: dict[str, concurrent.futures.Future] = {}
+        self.outcomes: collections.deque[Outcome] = collections.deque()
+        self.released: collections.deque[str] = collections.deque()
+
+    def expect(self, specs: list) -> list[str]:
+        """Make ``wait`` slots for the specs' ids (before they reach the loop); returns the new ones."""
+        ids = {getattr(spec, "transfer_id", None) for spec in specs}
+        added = [tid for tid in ids if isinstance(tid, str) and tid not in self.waiters]
+        for tid in added:
+            self.waiters[tid] = concurrent.futures.Future()
+        return added
+
+    def forget(self, ids: list[str]) -> None:
+        for tid in ids:
+            self.waiters.pop(tid, None)
+
+    def publish(self, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
+        self.resolve(outcome)
+
+    def resolve(self, outcome: Outcome) -> None:
+        """Answer ``wait`` for the outcome's id unless it is answered already."""
+        waiter = self.waiters.get(outcome.transfer_id)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(outcome)
+
+    def release(self, transfer_id: str) -> None:
+        self.released.append(transfer_id)
+
+    def fail_unpublished(self, reason: str, live) -> None:
+        """Every ``wait`` not answered yet gets a failure (the sender stops)."""
+        for tid, fut in list(self.waiters.items()):
+            if not fut.done():
+                fut.set_result(Outcome(transfer_id=tid, ok=False, reason=reason, finished_s=time.perf_counter(),
+                                       source_released=tid not in live))
+
+    # --- any thread -------------------------------------------------------------------------
+
+    def pop_outcomes(self) -> list[Outcome]:
+        outcomes = _drain(self.outcomes)
+        for outcome in outcomes:
+            self.waiters.pop(outcome.transfer_id, None)
+        return outcomes
+
+    def pop_released(self) -> list[str]:
+        return _drain(self.released)
+
+    def wait(self, transfer_id: str, timeout: float) -> Outcome:
+        fut = self.waiters.get(transfer_id)
+        if fut is None:
+            raise KeyError(transfer_id)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise DeadlineExceeded("wait", timeout, f"transfer {transfer_id}") from None
+        finally:
+            if fut.done():
+                self.waiters.pop(transfer_id, None)
+
+
+def _drain(queue: collections.deque) -> list:
+    out = []
+    while queue:
+        out.append(queue.popleft())
+    return out

@@ -1,0 +1,155 @@
+"""What the sender takes and gives: a transfer's spec, its outcome, P's local KV layout and how
+it maps onto D's (checks, per-layer byte runs).
+
+Split off ``sender`` (which re-exports the types) so that the sender holds only the transfer logic.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from ..errors import ConfigError, LayoutMismatch
+from ..protocol.plan import BlockRuns, HeadGeometry, RankRoute, check_block_bounds, run_addresses, slice_addresses
+
+
+class TransferSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One request's transfer: our source blocks -> D's destination blocks."""
+
+    transfer_id: str
+    peer: str                     # D's control endpoint
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    dst_incarnation: str          # D's incarnation the blocks were allocated on: never write to another
+    token: str                    # the transfer's secret: D accepts our layout request and DONE only with it
+    layerwise: bool = True        # False: hold every layer and write them all after the last one
+    # Head slice: copy the route's heads of every block (P and D ranks of other TP sizes, see
+    # protocol.plan.map_ranks); both sides must have published their head geometry. None: whole blocks.
+    route: RankRoute | None = None
+
+    def __post_init__(self) -> None:
+        if not self.dst_incarnation:
+            raise ConfigError(f"transfer {self.transfer_id}: dst_incarnation is required (D's AllocReply)")
+        if not self.token:
+            raise ConfigError(f"transfer {self.transfer_id}: token is required (minted with the transfer)")
+
+
+class LayerTiming(msgspec.Struct, array_like=True):
+    layer: int
+    handed_s: float               # perf_counter when the forward thread handed it over
+    submitted_s: float
+    landed_s: float
+
+
+class Outcome(msgspec.Struct, kw_only=True):
+    transfer_id: str
+    ok: bool
+    reason: str = ""
+    bytes: int = 0
+    finished_s: float = 0.0       # perf_counter when DONE was acknowledged (or the failure decided)
+    writes_settled_s: float = 0.0
+    source_released: bool = True  # False: a timed-out write may still read the source (see pop_released)
+    layers: list[LayerTiming] = []
+
+
+class LocalLayout(msgspec.Struct, frozen=True):
+    k_base: np.ndarray
+    v_base: np.ndarray
+    block_bytes: int
+    num_blocks: int
+    heads: int = 0                          # local KV heads per block (0: geometry not published)
+    geometry: HeadGeometry | None = None    # what a head slice needs: tokens per block, head bytes, layout
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.k_base.shape[0])
+
+
+def check_geometry(block_bytes: int, kv_heads: int, geometry: HeadGeometry | None, v_base) -> None:
+    """A published head geometry must describe the blocks exactly; ``ConfigError`` otherwise."""
+    if geometry is None:
+        if kv_heads:
+            raise ConfigError("kv_heads given without its geometry (block_size, head_bytes, layout)")
+        return
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, (int, np.integer)) or kv_heads < 1:
+        raise ConfigError(f"kv_heads must be a positive integer with a geometry, got {kv_heads!r}")
+    if kv_heads * geometry.block_size * geometry.head_bytes != block_bytes:
+        raise ConfigError(f"{kv_heads} heads x {geometry.block_size} tokens x {geometry.head_bytes} bytes "
+                          f"is not the block size {block_bytes}")
+    if any(int(v) == 0 for v in v_base):
+        raise ConfigError("a head geometry needs K and V in separate tensors (no V base of 0)")
+
+
+def check_spec(spec) -> None:
+    """What the sender needs of a spec before it touches anything; ``ValueError`` otherwise.
+
+    ``TransferSpec`` does not check field types (msgspec does not on construction), and the
+    engine builds specs from request parameters: a wrong type must fail that transfer only.
+    """
+    if not isinstance(spec, TransferSpec):
+        raise ValueError(f"not a TransferSpec: {type(spec).__name__}")
+    for name in ("transfer_id", "peer", "dst_incarnation", "token"):
+        value = getattr(spec, name)
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{name} must be a non-empty string, got {value!r:.80}")
+        if not (value.isascii() if name in ("peer", "token") else _encodable(value)):
+            raise ValueError(f"{name} must be {'ASCII' if name in ('peer', 'token') else 'valid UTF-8'}, "
+                             f"got {value!r:.80}")
+    if spec.route is not None and not isinstance(spec.route, RankRoute):
+        raise ValueError(f"route must be a RankRoute or None, got {type(spec.route).__name__}")
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:   # a lone surrogate: no message could carry it
+        return False
+    return True
+
+
+def check_layout(local: LocalLayout, spec: TransferSpec, runs: BlockRuns, layout):
+    """D's layout must fit ours and the spec's blocks (``LayoutMismatch``, ``ValueError``);
+    returns the head-slice spans of a routed spec (None: whole blocks)."""
+    sliced = spec.route is not None   # then block sizes differ legitimately: the geometry must match
+    if layout.num_layers != local.num_layers or (not sliced and layout.block_bytes != local.block_bytes):
+        raise LayoutMismatch(
+            f"D has {layout.num_layers} layers of {layout.block_bytes}-byte blocks, "
+            f"P has {local.num_layers} of {local.block_bytes}")
+    if bool((layout.v_base == 0).any()) != bool((local.v_base == 0).any()):
+        raise LayoutMismatch("one side keeps K and V in separate tensors, the other in one")
+    check_block_bounds(spec.dst_blocks, layout.num_blocks, "destination")
+    return _route_spans(local, spec.route, runs, layout) if sliced else None
+
+
+def _route_spans(local: LocalLayout, route: RankRoute, runs: BlockRuns, layout):
+    """The route's byte spans relative to each layer's bases: computed once per request."""
+    geom = local.geometry
+    if geom is None or not layout.kv_heads:
+        side = "P" if geom is None else "D"
+        raise LayoutMismatch(f"a head-slice route needs both sides' head geometry; {side} published none")
+    theirs = (layout.block_size, layout.head_bytes, layout.kv_layout)
+    if theirs != (geom.block_size, geom.head_bytes, geom.layout):
+        raise LayoutMismatch(f"D's blocks are (tokens, head bytes, layout) {theirs}, P's "
+                             f"{(geom.block_size, geom.head_bytes, geom.layout)}")
+    if layout.block_bytes != layout.kv_heads * geom.block_size * geom.head_bytes:
+        raise LayoutMismatch(f"D's {layout.block_bytes}-byte blocks do not hold {layout.kv_heads} heads "
+                             f"of {geom.block_size} x {geom.head_bytes} bytes")
+    try:
+        return slice_addresses(runs, 0, 0, local.heads, layout.kv_heads, route, geom)
+    except ValueError as exc:
+        raise LayoutMismatch(f"route {route}: {exc}") from None
+
+
+def layer_runs(local: LocalLayout, runs: BlockRuns, spans, layout, layer: int):
+    """(src, dst, lengths) int64 arrays of one layer's K and V writes."""
+    planes = [(local.k_base, layout.k_base)]
+    if local.v_base[layer]:   # 0: K and V share each block (one plane), as on vLLM's CPU backend
+        planes.append((local.v_base, layout.v_base))
+    if spans is not None:   # a head slice: spans precomputed per request, offset by this layer's bases
+        rel_src, rel_dst, rel_len = spans
+        src, dst, lengths = zip(*((rel_src + int(mine[layer]), rel_dst + int(theirs[layer]), rel_len)
+                                  for mine, theirs in planes))
+    else:
+        src, dst, lengths = zip(*(run_addresses(runs, int(mine[layer]), int(theirs[layer]), local.block_bytes)
+                                  for mine, theirs in planes))
+    return np.concatenate(src), np.concatenate(dst), np.concatenate(lengths)
