@@ -339,7 +339,8 @@ def test_stop_raises_when_a_task_refuses_cancellation():
     assert not lt.alive
 
 
-def test_a_crashing_spawned_task_ends_the_loop_and_reports_it():
+def test_a_crashing_spawned_task_is_logged_and_counted_and_the_loop_goes_on(caplog):
+    """Issue 11 (5): one task's error (one bad request) must not cancel its TaskGroup siblings."""
     lt = LoopThread(name="aiolayer-test-crash")
     exits: list = []
     lt.on_exit(exits.append)
@@ -349,16 +350,18 @@ def test_a_crashing_spawned_task_ends_the_loop_and_reports_it():
         raise RuntimeError("task bug")
 
     async def spawn_crash():
-        lt.spawn(crash(), name="crash")
+        return lt.spawn(crash(), name="crash")
 
-    lt.call(spawn_crash(), timeout=5)
-    lt._thread.join(5)
-    assert not lt.alive
-    assert len(exits) == 1 and exits[0] is not None
-    assert "task bug" in repr(exits[0].exceptions)
+    task = lt.call(spawn_crash(), timeout=5)
+    lt._thread.join(0.2)
+    assert lt.alive and not exits
+    assert lt.task_errors == 1 and task.done() and task.result() is None
+    assert any("'crash'" in r.getMessage() and "task bug" in r.exc_text for r in caplog.records if r.exc_text)
+    assert lt.call(asyncio.sleep(0, result="still serving"), timeout=5) == "still serving"
+    lt.stop(timeout=1)
+    assert exits == [None]
     with pytest.raises(RuntimeStateError):
         lt.submit(asyncio.sleep(0))
-    lt.stop(timeout=1)
 
 
 def test_on_stop_closers_run_even_after_a_crash():
@@ -442,13 +445,21 @@ def test_f17_sender_crash_closes_bridge_and_stop_leaves_nothing(memory_runtime):
     from aiolayer.runtime.control import open_sockets
 
     rt = memory_runtime("p17c")
-    rt.bridge.put(("layer",))                           # malformed item: the sender task crashes
-    rt.loop_thread._thread.join(5)
-    assert not rt.loop_thread.alive
-    with pytest.raises(BridgeClosed):
+
+    async def broken_drain():
+        raise RuntimeError("drain bug")
+
+    rt.bridge.drain = broken_drain                      # fault injection: the sender task itself crashes
+    rt.bridge.put(("end", 0))                           # wakes it; its next drain raises
+    deadline = time.monotonic() + 5
+    while rt.loop_thread.task_errors == 0:
+        assert time.monotonic() < deadline, "the sender task never crashed"
+        time.sleep(0.01)
+    assert rt.loop_thread.alive                         # issue 11 (5): a task's crash is not the runtime's
+    with pytest.raises(BridgeClosed):                   # but the forward thread learns the sender is gone
         rt.sender.layer_ready(0, 0)
     t0 = time.monotonic()
     rt.stop()
     assert time.monotonic() - t0 < 1.0
     assert rt.backend.registered_regions == 0
-    assert open_sockets() == 0                          # the loop closed its sockets as it died
+    assert open_sockets() == 0                          # stop closed every socket

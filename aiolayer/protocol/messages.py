@@ -152,6 +152,10 @@ class Ack(_Msg, tag="ack"):
 
 
 class Nack(_Msg, tag="nack"):
+    """A refusal. Codes about a transfer: "auth" (no such transfer with this token), "settling" (P:
+    a write may still land, ask again), "settled" (D: the id ended recently, a new transfer needs a
+    new id), "ended" (D gave the transfer up: write nothing), "duplicate", "busy"."""
+
     code: str                  # machine-readable: "decode", "version", "unknown", "refused", ...
     reason: str
 

@@ -5,6 +5,9 @@ delimiter is accepted and echoed, so plain REQ clients work too). The server rep
 every frame, valid or not: a handler's reply, or a ``Nack`` with a code and a reason. A client
 matches replies by request id, so a late reply to an abandoned call is dropped, never mistaken for
 the next one. One ZMQ context per process; every socket is closed with linger 0.
+
+A peer endpoint comes from the network or a request: it is checked (``check_endpoint``) before a
+socket exists, and any failure to connect closes the socket and raises ``ControlError``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,20 @@ Spawn = Callable[..., asyncio.Task]
 
 _context: zmq.asyncio.Context | None = None
 _BAD_RID = m.pack_request_id(0)
+_JITTER = random.Random()   # retry jitter: its own generator, never the process's shared one
+MAX_ENDPOINT_CHARS = 256
+
+
+def check_endpoint(endpoint: object) -> str:
+    """``endpoint`` if it can name a ZMQ peer (printable ASCII ``transport://address``), else ControlError."""
+    if not isinstance(endpoint, str):
+        raise ControlError(f"peer endpoint must be a string, got {type(endpoint).__name__}")
+    if not endpoint.isascii() or not endpoint.isprintable() or " " in endpoint:
+        raise ControlError(f"peer endpoint {endpoint!r} must be printable ASCII without spaces")
+    if len(endpoint) > MAX_ENDPOINT_CHARS or "://" not in endpoint:
+        raise ControlError(f"peer endpoint {endpoint[:80]!r} is not transport://address "
+                           f"of at most {MAX_ENDPOINT_CHARS} characters")
+    return endpoint
 
 
 def shared_context() -> zmq.asyncio.Context:
@@ -181,15 +198,16 @@ class ControlClient:
         return not self._pending
 
     async def start(self, spawn: Spawn) -> None:
+        check_endpoint(self.endpoint)
         sock = shared_context().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)      # queue nothing for a peer that is not connected
-        sock.setsockopt(zmq.SNDHWM, 10000)
         try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)      # queue nothing for a peer that is not connected
+            sock.setsockopt(zmq.SNDHWM, 10000)
             sock.connect(self.endpoint)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, UnicodeError, TypeError, ValueError) as exc:
             sock.close(0)
-            raise ControlError(f"cannot connect to {self.endpoint}: {exc}") from exc
+            raise ControlError(f"cannot connect to {self.endpoint!r}: {exc}") from exc
         self._sock = sock
         self._reader = spawn(self._read(), name=f"control-client {self.endpoint}")
 
@@ -252,7 +270,7 @@ class ControlClient:
             except ControlTimeout:
                 if attempt == attempts:
                     raise
-            await asyncio.sleep(min(max(0.0, end - loop.time()), random.uniform(0.01, 0.05) * attempt))
+            await asyncio.sleep(min(max(0.0, end - loop.time()), _JITTER.uniform(0.01, 0.05) * attempt))
         raise ControlTimeout("control_call", deadline_s, f"{type(msg).__name__} to {self.endpoint}, {attempts} attempts")
 
     async def _read(self) -> None:
@@ -286,7 +304,7 @@ class ControlPeers:
         self.evicted = 0
 
     async def get(self, endpoint: str) -> ControlClient:
-        client = self._clients.get(endpoint)
+        client = self._clients.get(check_endpoint(endpoint))
         if client is None:
             await self._evict_idle()
             client = self._clients.get(endpoint)   # another caller may have added it meanwhile

@@ -3,6 +3,10 @@
 Other threads hand coroutines to it with ``submit`` (a concurrent Future comes back) or ``call``
 (wait for the result with a deadline). Tasks started on the loop with ``spawn`` belong to the
 TaskGroup; ``stop`` cancels them and returns within its deadline, whatever they do.
+
+Every spawned task is guarded: an error in one (a bug, a bad request's data) is logged with the
+task's name and counted in ``task_errors``, never raised into the TaskGroup, where it would cancel
+every other task of the runtime (one request must not take the engine down).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class LoopThread:
         self._failure: BaseException | None = None
         self._on_exit: list[Callable[[BaseException | None], None]] = []
         self._on_stop: list[Callable[[], Awaitable[None]]] = []
+        self.task_errors = 0          # spawned tasks that ended with an error (logged, not propagated)
 
     # --- lifecycle (called from any thread but the loop's) -----------------------------------
 
@@ -131,12 +136,25 @@ class LoopThread:
             raise DeadlineExceeded("loop call", timeout) from None
 
     def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task:
-        """Start a task owned by the TaskGroup; only from the loop thread."""
+        """Start a guarded task owned by the TaskGroup; only from the loop thread.
+
+        The task's result is None if ``coro`` raised: the error is logged and counted, not kept.
+        """
         if self._group is None:
             if asyncio.iscoroutine(coro):
                 coro.close()
             raise RuntimeStateError("loop has no task group (not running)")
-        return self._group.create_task(coro, name=name)
+        return self._group.create_task(self._guard(coro, name), name=name)
+
+    async def _guard(self, coro: Awaitable[Any], name: str) -> Any:
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - one task's failure must not cancel its TaskGroup siblings
+            self.task_errors += 1
+            log.exception("aiolayer task %r failed (the runtime goes on)", name)
+            return None
 
     # --- the thread ---------------------------------------------------------------------------
 

@@ -1,30 +1,32 @@
-"""Remote layout cache with prefetch, keyed by peer endpoint and checked by (engine_id, incarnation).
+"""D's layout for each transfer, prefetched with that transfer's own credentials, checked by incarnation.
 
-A fetch runs on the loop as soon as a step names a new peer; every request to that peer awaits
-the same future. A failed fetch fails the requests that awaited it once; the next new request
-fetches again. A layout from another incarnation than the one a transfer was allocated on is
-refused (``StaleLayout``): a restarted D never receives writes at its old addresses.
+A fetch runs on the loop as soon as a step names a transfer; its request awaits the same future
+and consumes it. D shows its layout only to a transfer it registered and that still takes writes
+(its token, ``LayoutRequest``), so every transfer is authorized by D before its first write: a
+transfer D would refuse (a stale dispatch after D ended it and reused its blocks, a wrong token)
+fails here, having written nothing, instead of writing and being refused only at DONE. Sharing one
+fetch per D would skip that check for all but the first transfer.
 
-A fetch presents the token of the transfer that started it. If D refuses that one (its transfer is
-unknown there, e.g. D restarted on the same port), a waiting transfer with other credentials
-fetches once more with its own rather than failing on another's token.
+A layout from another incarnation than the one a transfer was allocated on is refused
+(``StaleLayout``): a restarted D never receives writes at its old addresses.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import weakref
 
 import msgspec
 import numpy as np
 
 from .. import compat
 from ..config import Timeouts
-from ..errors import ControlError, ControlRejected, DeadlineExceeded, MetadataError, StaleLayout
+from ..errors import ControlError, DeadlineExceeded, MetadataError, StaleLayout
 from ..protocol import messages as m
 from .control import ControlPeers
 from .loop import spawn_future
+
+MAX_PREFETCHED = 4096   # fetches waiting for their transfer; a transfer that never came cannot pin more
 
 
 class RemoteLayout(msgspec.Struct, frozen=True):
@@ -59,57 +61,46 @@ class LayoutCache:
         self._spawn = spawn
         self.timeouts = timeouts
         self.requester = requester
-        self._entries: dict[str, asyncio.Future] = {}
-        # what each fetch presented; weak, so a fetch forgotten by the cache takes its entry along
-        self._credentials: weakref.WeakKeyDictionary[asyncio.Future, tuple[str, str]] = weakref.WeakKeyDictionary()
+        # (endpoint, transfer id, token) -> the fetch, until its transfer consumes it (``get``)
+        self._entries: dict[tuple[str, str, str], asyncio.Future] = {}
         self.fetches: collections.Counter[str] = collections.Counter()   # per endpoint
         self.deadlines_expired = 0
 
     def prefetch(self, endpoint: str, credentials: tuple[str, str]) -> asyncio.Future:
-        """Start fetching ``endpoint``'s layout unless a fetch is cached or running.
+        """Start fetching ``endpoint``'s layout for a transfer unless its fetch is running already.
 
         ``credentials`` is (transfer id, token) of a transfer D registered: D shows its layout
         only to a peer that holds one.
         """
-        fut = self._entries.get(endpoint)
+        key = (endpoint, *credentials)
+        fut = self._entries.get(key)
         if fut is not None and not (fut.done() and (fut.cancelled() or fut.exception() is not None)):
             return fut
+        while len(self._entries) >= MAX_PREFETCHED:   # never consumed (its transfer failed first): oldest go
+            self._entries.pop(next(iter(self._entries)))
         fut = spawn_future(self._spawn, self._fetch(endpoint, credentials), name=f"layout-fetch {endpoint}")
         fut.add_done_callback(_consume_exception)
-        self._entries[endpoint] = fut
-        self._credentials[fut] = credentials
+        self._entries[key] = fut
         return fut
 
     async def get(self, endpoint: str, credentials: tuple[str, str], incarnation: str = "") -> RemoteLayout:
-        """The layout of ``endpoint``; refetched once if it is not of ``incarnation``."""
-        layout = await self._shared(endpoint, credentials)
-        if incarnation and layout.incarnation != incarnation:
-            self.invalidate(endpoint)
-            layout = await asyncio.shield(self.prefetch(endpoint, credentials))
-            if layout.incarnation != incarnation:
-                raise StaleLayout(f"{endpoint} is incarnation {layout.incarnation}, transfer was "
-                                  f"allocated on {incarnation}")
-        return layout
-
-    async def _shared(self, endpoint: str, credentials: tuple[str, str]) -> RemoteLayout:
-        """The shared fetch; if D refused the token it presented and that was not ours, our own."""
+        """The layout of ``endpoint`` as D showed it to this transfer; it must be of ``incarnation``."""
+        key = (endpoint, *credentials)
         fut = self.prefetch(endpoint, credentials)
         try:
-            return await asyncio.shield(fut)
-        except MetadataError as exc:
-            if not _refused(exc) or self._credentials.get(fut, credentials) == credentials:
-                raise
-        if self._entries.get(endpoint) is fut:
-            self.invalidate(endpoint)
-        again = self.prefetch(endpoint, credentials)
-        if not again.done() and self._credentials.get(again) != credentials:
-            # another waiter's retry with its own token, which may be as stale: fetch with ours
-            again = spawn_future(self._spawn, self._fetch(endpoint, credentials), name=f"layout-fetch {endpoint}")
-            again.add_done_callback(_consume_exception)
-        return await asyncio.shield(again)
+            layout = await asyncio.shield(fut)
+        finally:
+            if self._entries.get(key) is fut:
+                del self._entries[key]
+        if incarnation and layout.incarnation != incarnation:
+            raise StaleLayout(f"{endpoint} is incarnation {layout.incarnation}, transfer was "
+                              f"allocated on {incarnation}")
+        return layout
 
     def invalidate(self, endpoint: str) -> None:
-        self._entries.pop(endpoint, None)
+        """Forget finished fetches of ``endpoint`` (running ones stay: their transfers await them)."""
+        for key in [k for k, fut in self._entries.items() if k[0] == endpoint and fut.done()]:
+            del self._entries[key]
 
     async def _fetch(self, endpoint: str, credentials: tuple[str, str]) -> RemoteLayout:
         self.fetches[endpoint] += 1
@@ -132,11 +123,6 @@ class LayoutCache:
         for fut in self._entries.values():
             fut.cancel()
         self._entries.clear()
-
-
-def _refused(exc: BaseException | None) -> bool:
-    """A fetch D refused for its credentials (the transfer is not, or no longer, registered there)."""
-    return isinstance(exc, MetadataError) and isinstance(exc.__cause__, ControlRejected) and exc.__cause__.code == "auth"
 
 
 def _consume_exception(fut: asyncio.Future) -> None:

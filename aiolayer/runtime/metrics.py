@@ -1,9 +1,10 @@
 """Prometheus metrics of one Runtime: a snapshot taken on the loop, rendered in the text format, served over HTTP.
 
-``snapshot`` runs on the loop thread (where every counter is written), so a scrape sees one
-consistent state without locks. ``MetricsServer`` is a minimal HTTP/1.0 endpoint on the same loop,
-owned by the runtime's TaskGroup: ``GET /metrics`` only, bounded reads, every connection closed.
-The vLLM connector publishes the same snapshot through its ``KVConnectorStats``.
+``snapshot`` runs on the loop thread only (where every counter is written: it walks dicts the loop
+changes), so a scrape sees one consistent state without locks. Other threads read the copy the
+runtime publishes (``Runtime.published_metrics``), as the vLLM connector's ``KVConnectorStats`` do.
+``MetricsServer`` is a minimal HTTP/1.0 endpoint on the same loop, owned by the runtime's
+TaskGroup: ``GET /metrics`` only, bounded reads, every connection closed.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ MAX_REQUEST_HEAD = 8192
 
 
 def snapshot(rt) -> dict:
-    """Every figure the metrics expose, as plain data.
+    """Every figure the metrics expose, as new plain data; on the loop thread only.
 
-    On the loop thread it is exact. From another thread (the vLLM connector's stats, which must not
-    wait for the loop) each figure is read whole, which is safe under the GIL, but two figures may
-    be a few microseconds apart.
+    From another thread it may raise (a dict changed during iteration): read the runtime's
+    ``published_metrics`` there.
     """
     sender, receiver, server = rt.sender, rt.receiver, rt.server
     backend = rt.backend
@@ -55,6 +55,7 @@ def snapshot(rt) -> dict:
         "rejected": rejected,
         "frames": server.frames_received if server else 0,
         "fence_timeouts": sender.fence_timeouts if sender else 0,
+        "task_errors": rt.loop_thread.task_errors,
     }
 
 
@@ -96,6 +97,8 @@ class _SnapshotCollector:
         yield _counter("aiolayer_control_frames", "control frames received", s["frames"])
         yield _counter("aiolayer_fence_timeouts", "timed-out writes still unresolved after the quarantine",
                        s["fence_timeouts"])
+        yield _counter("aiolayer_task_errors", "loop tasks that ended with an error (logged, the runtime went on)",
+                       s.get("task_errors", 0))
 
 
 def _counter(name: str, doc: str, value, labels=None, samples=()):

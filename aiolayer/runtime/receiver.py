@@ -7,8 +7,16 @@ seconds and applied when the registration comes. DONE and FAILED are idempotent 
 
 Fencing: on a deadline or an abort the transfer goes to ``aborting``: D tells P to stop and keeps
 the blocks until P acknowledges that none of its writes is in flight (or P's FAILED arrives, which
-P sends only then). Without an answer, it waits ``fence_grace`` seconds, longer than a write can
-stay in flight. Only then is the failure published and may the blocks be released.
+P sends only then). P answers ``Nack(settling)`` while a write may still land: D asks again until
+``fence_grace``, longer than a write can stay in flight. With several senders one rank's ack says
+nothing of the others: only every sender's DONE/FAILED (or the grace) ends the fence. The fence
+always ends (whatever asking P does), and only then is the failure published and may the blocks
+be released.
+
+Settled transfers: the id and token of each settled transfer are kept for ``Timeouts.receive``
+seconds (at most ``MAX_SETTLED`` of them), even once the entry is forgotten. A late or retried
+DONE/FAILED for one is answered "already settled" (never kept as an early word that a later
+registration would take for its own), and the id cannot be registered again meanwhile.
 
 Authentication: each registration holds the transfer's token; DONE, FAILED, an abort request, a
 lookup or a layout request must present it (``authorize``). Refusals raise ``ControlRejected``
@@ -30,14 +38,15 @@ from ..config import Timeouts
 from ..errors import ConfigError, ControlRejected
 from ..protocol import messages as m
 from ..protocol.state import IllegalTransition, State, receiver_transfer
-from .loop import spawn_future
 
 log = logging.getLogger(__name__)
 
 # (P's control endpoint, transfer id, token, reason) -> True once P confirmed it is quiet
 StopSender = Callable[[str, str, str, str], Awaitable[bool]]
 MAX_EARLY = 4096          # DONE/FAILED kept for unregistered transfers: a stranger cannot grow it further
+MAX_SETTLED = 16384       # settled ids remembered: the oldest go first beyond this
 MIN_TOKEN_CHARS = 16
+ASK_PAUSE_S = (0.05, 1.0)  # fence: first and longest pause before asking a settling P again
 
 
 class Received(msgspec.Struct, kw_only=True):
@@ -62,7 +71,7 @@ class _Entry:
         self.sender_control = sender_control
         self.timer: asyncio.TimerHandle | None = None
         self.on_release = on_release
-        self.fence: asyncio.Future | None = None
+        self.fence: asyncio.Task | None = None
         self.senders = 1                        # P ranks that each send their DONE/FAILED (head slices)
         self.heard: dict[str, m.Message] = {}   # senders > 1: each one's word, by sender, until all spoke
 
@@ -76,6 +85,9 @@ class Receiver:
         # (transfer id, token, sender) -> (DONE/FAILED, expiry): keyed by token too, so a stranger's
         # early DONE cannot take the place of the real one, and by sender, so k senders are all kept
         self._early: dict[tuple[str, str, str], tuple[m.Message, float]] = {}
+        # transfer id -> (token, expiry) of settled transfers, oldest first (same lifetime for each)
+        self._settled: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
+        self._on_outcome: Callable[[], None] | None = None
         self._results: collections.deque[Received] = collections.deque()
         self._spawn = None
         self._stop_sender: StopSender | None = None
@@ -86,10 +98,11 @@ class Receiver:
         self.outcome_counts: collections.Counter[str] = collections.Counter()
         self.bytes_received = 0
 
-    def bind(self, spawn, stop_sender: StopSender) -> None:
-        """Give the receiver its task owner and the way to tell a P to stop (from the runtime)."""
+    def bind(self, spawn, stop_sender: StopSender, on_outcome: Callable[[], None] | None = None) -> None:
+        """Give the receiver its task owner, the way to tell a P to stop and whom to tell of an outcome."""
         self._spawn = spawn
         self._stop_sender = stop_sender
+        self._on_outcome = on_outcome
 
     # --- on the loop ---------------------------------------------------------------------------
 
@@ -108,6 +121,8 @@ class Receiver:
             raise ConfigError(f"transfer {transfer_id}: senders must be a positive integer, got {senders!r}")
         if transfer_id in self._entries:
             raise ControlRejected("duplicate", f"transfer {transfer_id} is already registered")
+        if self._settled_token(transfer_id) is not None:
+            raise ControlRejected("settled", f"transfer {transfer_id} already settled; a new transfer needs a new id")
         entry = _Entry(transfer_id, token, block_ids, on_release, sender_control, first_block)
         entry.senders = senders
         self._entries[transfer_id] = entry
@@ -125,12 +140,26 @@ class Receiver:
             raise ControlRejected("auth", f"{what}: no transfer {transfer_id} with this token")
         return entry
 
+    def authorize_writer(self, transfer_id: str, token: str, what: str) -> _Entry:
+        """Like ``authorize``, and the transfer still takes writes (code ``ended`` once D gave it up)."""
+        entry = self.authorize(transfer_id, token, what)
+        if entry.state.state is not State.REGISTERED:
+            raise ControlRejected("ended", f"{what}: transfer {transfer_id} is already {entry.state.state.value}")
+        return entry
+
     def handle(self, msg: m.Message) -> m.Message:
         """Apply a Done or Failed from P; always returns the reply to send."""
         tid = msg.transfer_id
         if tid not in self._entries:
-            self._keep_early(msg)
-            return m.Ack(detail="kept until registration")
+            settled = self._settled_token(tid)
+            if settled is None:
+                self._keep_early(msg)
+                return m.Ack(detail="kept until registration")
+            if not m.same_token(msg.token, settled):
+                log.info("transfer %s: late %s refused: wrong token", tid, type(msg).__name__)
+                raise ControlRejected("auth", f"{type(msg).__name__}: no transfer {tid} with this token")
+            self.duplicates += 1   # a retry whose first delivery settled it, or a word after the deadline
+            return m.Ack(detail="already settled")
         entry = self.authorize(tid, msg.token, type(msg).__name__)
         if entry.senders > 1:
             msg = self._gather(entry, msg)
@@ -212,6 +241,7 @@ class Receiver:
         if not entry.state.terminal:
             raise ControlRejected("busy", f"transfer {transfer_id} is still {entry.state.state.value}")
         del self._entries[transfer_id]
+        self._remember_settled(entry)   # from now on: its late words, and its id, are refused
         if entry.on_release is not None:
             entry.on_release(entry.block_ids)
         return True
@@ -234,6 +264,7 @@ class Receiver:
                 entry.fence.cancel()
         self._entries.clear()
         self._early.clear()
+        self._settled.clear()
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -277,8 +308,27 @@ class Receiver:
             log.warning("transfer %s failed at D: %s", entry.transfer_id, entry.state.reason)
         self._results.append(Received(transfer_id=entry.transfer_id, ok=ok, reason=entry.state.reason,
                                       finished_s=time.perf_counter()))
+        self._remember_settled(entry)
         if self.forget_settled:
             self._entries.pop(entry.transfer_id, None)
+        if self._on_outcome is not None:
+            self._on_outcome()
+
+    def _remember_settled(self, entry: _Entry) -> None:
+        self._prune_settled(now := time.monotonic())
+        self._settled.pop(entry.transfer_id, None)
+        self._settled[entry.transfer_id] = (entry.token, now + self.timeouts.receive)
+        while len(self._settled) > MAX_SETTLED:
+            self._settled.popitem(last=False)
+
+    def _settled_token(self, transfer_id: str) -> str | None:
+        """The token of a transfer settled within ``Timeouts.receive`` (and no longer registered)."""
+        self._prune_settled(time.monotonic())
+        return self._settled.get(transfer_id, (None,))[0]
+
+    def _prune_settled(self, now: float) -> None:
+        while self._settled and next(iter(self._settled.values()))[1] < now:
+            self._settled.popitem(last=False)
 
     def _expire(self, transfer_id: str) -> None:
         entry = self._entries.get(transfer_id)
@@ -293,24 +343,56 @@ class Receiver:
         if entry.timer is not None:
             entry.timer.cancel()
             entry.timer = None
-        entry.fence = spawn_future(self._spawn, self._fence(entry), name=f"fence {entry.transfer_id}")
+        # the task itself, so that settling the transfer cancels it rather than leaving it to sleep
+        entry.fence = self._spawn(self._fence(entry), name=f"fence {entry.transfer_id}")
 
     async def _fence(self, entry: _Entry) -> None:
-        """Until P is quiet: its ack, or ``fence_grace`` (longer than any write stays in flight)."""
-        t = self.timeouts
+        """Until P is quiet (its ack) or ``fence_grace``; then the transfer ends, whatever asking P did.
+        Cancelled only when the transfer settled meanwhile (P's DONE/FAILED) or the runtime stops."""
         loop = asyncio.get_running_loop()
-        end = loop.time() + t.fence_grace
-        quiet = False
-        if entry.sender_control and self._stop_sender is not None:
+        end = loop.time() + self.timeouts.fence_grace
+        cancelled = False
+        try:
+            try:
+                quiet = await self._ask_until_quiet(entry, end)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - P's state is unknown: the grace decides
+                log.exception("transfer %s: asking P to stop failed; fencing for the whole grace", entry.transfer_id)
+                quiet = False
+            if not quiet:
+                await asyncio.sleep(max(0.0, end - loop.time()))
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+        finally:
+            if not cancelled:
+                self._end_fence(entry)
+
+    async def _ask_until_quiet(self, entry: _Entry, end: float) -> bool:
+        """True once P says none of its writes can land, asked again (backing off) until ``end``.
+        Several senders: the one P asked speaks only for itself, so its ack never ends the fence."""
+        if not entry.sender_control or self._stop_sender is None:
+            return False
+        t, loop = self.timeouts, asyncio.get_running_loop()
+        pause = ASK_PAUSE_S[0]
+        while (left := end - loop.time()) > 0:
             try:
                 quiet = await asyncio.wait_for(
                     self._stop_sender(entry.sender_control, entry.transfer_id, entry.token, entry.state.reason),
-                    max(0.0, min(t.fence_grace, t.layer_write + t.control_call + t.cleanup)))
+                    min(left, t.layer_write + t.control_call + t.cleanup))
             except asyncio.TimeoutError:
                 quiet = False
-        if not quiet:
-            await asyncio.sleep(max(0.0, end - loop.time()))
+            if quiet:
+                return entry.senders == 1
+            await asyncio.sleep(max(0.0, min(pause, end - loop.time())))
+            pause = min(2 * pause, ASK_PAUSE_S[1])
+        log.warning("transfer %s: P at %s never confirmed it stopped; blocks fenced for the whole grace",
+                    entry.transfer_id, entry.sender_control)
+        return False
+
+    def _end_fence(self, entry: _Entry) -> None:
+        entry.fence = None   # done: settling must not cancel the task that is ending
         if entry.state.state is State.ABORTING:
             entry.state.apply("fenced")
-            entry.fence = None
             self._settle(entry)

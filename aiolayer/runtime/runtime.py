@@ -4,6 +4,10 @@ Construct it (no I/O), ``start()`` it, use ``sender`` on P and ``receiver`` on D
 ``stop`` is bounded by ``Timeouts.shutdown`` and leaves no task, socket or registered region.
 Extra control messages (a node's allocation and verification) go to ``extra_handler``;
 ``inbound_filter`` sees every message first (a node's fault injection drops some there).
+
+Other threads read the metrics from ``published_metrics``: a snapshot the loop rebuilds every
+``METRICS_EVERY_S`` and after each receive outcome, swapped in one assignment and never mutated,
+so a reader never walks a dict the loop is changing.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 import uuid
 from typing import Awaitable, Callable
 
+from .. import compat
 from ..backends import make_backend
 from ..config import NodeConfig, Timeouts
 from ..errors import BridgeClosed, ControlError, ControlRejected, DeadlineExceeded, RuntimeStateError
@@ -27,6 +32,7 @@ from .receiver import Receiver
 from .sender import Sender, check_geometry
 
 log = logging.getLogger(__name__)
+METRICS_EVERY_S = 0.05
 
 ExtraHandler = Callable[[m.Message], Awaitable[m.Message]]
 InboundFilter = Callable[[m.Message], None]   # raises FrameDropped or ControlRejected to stop a message
@@ -53,6 +59,8 @@ class Runtime:
         self.control_endpoint = ""
         self.metrics_server: MetricsServer | None = None
         self.metrics_url = ""
+        self.published_metrics: dict | None = None   # read whole from any thread; replaced, never changed
+        self._metrics_due: asyncio.Event | None = None
         self._started = False
         self._closed = False
         self.loop_thread.on_exit(self._on_loop_exit)
@@ -81,7 +89,8 @@ class Runtime:
         self.sender = Sender(engine_id=self.node.engine_id, bridge=self.bridge, backend=self.backend,
                              peers=self.peers, layouts=self.layouts, timeouts=self.timeouts)
         spawn(self.sender.run(spawn), name="sender")
-        self.receiver.bind(spawn, self._stop_sender)
+        self._metrics_due = asyncio.Event()
+        self.receiver.bind(spawn, self._stop_sender, on_outcome=self._metrics_due.set)
         self.server = ControlServer(self.node.control_host, self.node.control_port, self._handle,
                                     max_frame_bytes=self.node.max_frame_bytes)
         self.control_endpoint = await self.server.start(spawn)
@@ -89,6 +98,8 @@ class Runtime:
             self.metrics_server = MetricsServer(self.node.control_host, self.node.metrics_port, self._scrape,
                                                 self.timeouts.control_call)
             self.metrics_url = await self.metrics_server.start()
+        self.published_metrics = snapshot(self)
+        spawn(self._publish_metrics(), name="metrics-publisher")
 
     def stop(self) -> None:
         """Bounded: closes sockets, unregisters memory and ends the loop thread."""
@@ -177,8 +188,8 @@ class Runtime:
             client = await self.peers.get(endpoint)
             reply = await client.call(m.Abort(transfer_id=transfer_id, reason=reason, token=token),
                                       timeout=self.timeouts.layer_write + self.timeouts.control_call)
-        except (ControlError, DeadlineExceeded) as exc:
-            log.warning("transfer %s: P at %s did not confirm it stopped: %s", transfer_id, endpoint, exc)
+        except (ControlError, DeadlineExceeded) as exc:   # e.g. Nack(settling): the fence asks again
+            log.info("transfer %s: P at %s did not confirm it stopped: %s", transfer_id, endpoint, exc)
             return False
         return isinstance(reply, m.Ack) and reply.detail == "stopped"
 
@@ -196,8 +207,9 @@ class Runtime:
             return m.AllocReply(transfer_id=msg.transfer_id, block_ids=block_ids, incarnation=self.incarnation,
                                 first_block=first, token=msg.token)
         if isinstance(msg, m.LayoutRequest):
-            # the layout names our memory: only for a peer holding a live transfer's token
-            self.receiver.authorize(msg.transfer_id, msg.token, f"layout request from {msg.requester!r}")
+            # the layout names our memory: only for a peer holding the token of a transfer that still
+            # takes writes (P fetches it for every transfer before its first write)
+            self.receiver.authorize_writer(msg.transfer_id, msg.token, f"layout request from {msg.requester!r}")
             if self.layout_reply is None:
                 raise ControlRejected("not_ready", "no KV layout registered yet")
             return self.layout_reply
@@ -206,6 +218,21 @@ class Runtime:
         raise ControlRejected("unknown", f"{type(msg).__name__} is not served here")
 
     # --- metrics ---------------------------------------------------------------------------------
+
+    async def _publish_metrics(self) -> None:
+        """Rebuild the snapshot other threads read, periodically and soon after each outcome."""
+        due = self._metrics_due
+        while True:
+            try:
+                async with compat.timeout(METRICS_EVERY_S):
+                    await due.wait()
+            except TimeoutError:
+                pass
+            due.clear()
+            try:
+                self.published_metrics = snapshot(self)   # a new dict, swapped in whole
+            except Exception:  # noqa: BLE001 - keep publishing; a stale figure beats none
+                log.exception("metrics snapshot failed")
 
     async def _scrape(self) -> bytes:
         return render(snapshot(self))
