@@ -289,6 +289,22 @@ def test_d_publishes_its_registration_and_gives_up_if_nobody_takes_it(engines, s
         hub.close()
 
 
+def _stats_until(engine: Engine, key: str, limit: float = 5.0):
+    """The worker's reports, aggregated as vLLM does, until ``key`` counts one (the loop publishes
+    its figures soon after each outcome, so a report may come a step later)."""
+    from aiolayer_vllm.connector import AiolayerConnector
+
+    total = AiolayerConnector.build_kv_connector_stats()
+    deadline = time.monotonic() + limit
+    while total.data.get(key, 0) < 1:
+        assert time.monotonic() < deadline, f"{key} never reported"
+        report = engine.worker.get_kv_connector_stats()
+        if report is not None:
+            total = total.aggregate(report)
+        time.sleep(0.01)
+    return total
+
+
 def test_connector_stats_report_the_transfer_and_feed_prometheus(engines):
     """vLLM's stats path: the worker's deltas, aggregated across workers, observed into Prometheus."""
     from prometheus_client import REGISTRY, Counter, Gauge, Histogram
@@ -304,7 +320,7 @@ def test_connector_stats_report_the_transfer_and_feed_prometheus(engines):
     _run_prefill(p, d, "t6", prompt)
     _steps_until(d, lambda: d.runtime.receiver.outcome_counts["finished"] == 1)
     _steps_until(p, lambda: p.runtime.sender.outcome_counts["finished"] == 1)
-    sent, received = p.worker.get_kv_connector_stats(), d.worker.get_kv_connector_stats()
+    sent, received = _stats_until(p, "sends_finished"), _stats_until(d, "receives_finished")
     assert sent.data["sends_finished"] == 1 and sent.data["bytes_sent"] > 0
     assert 0 < sent.data["handoff_p99_s"] <= 1.0               # P's layers went through the bridge
     assert received.data["receives_finished"] == 1 and received.data["bytes_received"] == sent.data["bytes_sent"]

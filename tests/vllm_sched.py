@@ -47,27 +47,31 @@ def vllm_config(role: str, extra: dict, policy: str = "fail", max_batched: int =
 
 class Engine:
     def __init__(self, role: str, extra: dict, policy: str = "fail", max_batched: int = 1024,
-                 layout: str = "cpu") -> None:
+                 layout: str = "cpu", num_blocks: int = NUM_BLOCKS, asynchronous: bool = False) -> None:
         from aiolayer_vllm.connector import AiolayerConnector
         from aiolayer_vllm.plugin import register
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
 
         register()
         self.config = vllm_config(role, extra, policy, max_batched)
-        kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
             KVCacheGroupSpec(LAYERS, FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64,
                                                        dtype=torch.float32))])
-        self.config.cache_config.num_gpu_blocks = NUM_BLOCKS
-        self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=kv_cache_config, log_stats=True,
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        # asynchronous: vLLM's AsyncScheduler (async scheduling, vLLM's default where supported): the
+        # next step may be scheduled before this one's output is in; see ``run`` and ``land``
+        cls = AsyncScheduler if asynchronous else Scheduler
+        self.scheduler = cls(vllm_config=self.config, kv_cache_config=kv_cache_config, log_stats=True,
                                    structured_output_manager=StructuredOutputManager(self.config),
                                    block_size=BLOCK_SIZE)
         self.worker = AiolayerConnector(self.config, KVConnectorRole.WORKER, kv_cache_config)
         # "cpu": vLLM's CPU backend, [num_blocks, kv_heads, block_size, 2 * head_size] (K and V in
         # each block); "split": [2, num_blocks, block_size, kv_heads, head_size] (flash on CUDA)
-        shape = (NUM_BLOCKS, 1, BLOCK_SIZE, 128) if layout == "cpu" else (2, NUM_BLOCKS, BLOCK_SIZE, 1, 64)
+        shape = (num_blocks, 1, BLOCK_SIZE, 128) if layout == "cpu" else (2, num_blocks, BLOCK_SIZE, 1, 64)
         self.layout = layout
         self.kv = {name: torch.zeros(shape) for name in LAYERS}
         self.worker.register_kv_caches(self.kv)
@@ -88,7 +92,27 @@ class Engine:
         self.scheduler.add_request(req)
         return req
 
+    def status(self, req_id: str):
+        """The request's vLLM status; None once the scheduler forgot it."""
+        req = self.scheduler.requests.get(req_id)
+        return None if req is None else req.status
+
+    def finished(self, req_id: str) -> list:
+        """The request's outputs that carry a finish reason (vLLM's own record of how it ended)."""
+        return [o for outs in self.outputs for eo in outs.values() for o in eo.outputs
+                if o.request_id == req_id and o.finish_reason is not None]
+
     def step(self, before_save=None) -> object:
+        out, mro = self.run(before_save)
+        self.land(out, mro)
+        return out
+
+    def land(self, out, mro) -> None:
+        """Hand a step's output to the scheduler (with async scheduling, after the next ``run``)."""
+        self.outputs.append(self.scheduler.update_from_output(out, mro))
+
+    def run(self, before_save=None) -> tuple:
+        """Schedule one step and run it on the worker side; returns (scheduler output, model output)."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         out = self.scheduler.schedule()
@@ -110,8 +134,7 @@ class Engine:
         sampled = [[] if self._partial(r) else [7] for r in req_ids]
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled, kv_connector_output=kv_out)
-        self.outputs.append(self.scheduler.update_from_output(out, mro))
-        return out
+        return out, mro
 
     def _partial(self, req_id: str) -> bool:
         req = self.scheduler.requests.get(req_id)
@@ -128,3 +151,59 @@ class Engine:
 
     def close(self) -> None:
         self.worker.shutdown()
+
+
+# --- flows shared by the tests (a proxy's part, played by the test) ---------------------------------
+
+def tok(tid: str) -> str:
+    """The token a proxy would mint for ``tid`` (any secret of 16+ characters)."""
+    return f"{tid}-token-0123456789abcdef"
+
+
+def recv_params(p: Engine, tid: str) -> dict:
+    """What the proxy gives D: the transfer, its token, and P's control endpoint."""
+    return {"aiolayer": {"transfer_id": tid, "token": tok(tid), "prefill_control": p.runtime.control_endpoint}}
+
+
+def lookup(p: Engine, d: Engine, tid: str, limit: float = 5.0):
+    """D's registration of ``tid`` (as P would ask for it), once D's loop has made it."""
+    import time
+
+    from aiolayer.protocol import messages as m
+
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            return p.runtime.request(d.runtime.control_endpoint, m.LookupRequest(transfer_id=tid, token=tok(tid)))
+        except Exception:  # noqa: BLE001 - not registered yet: D registers on its loop
+            assert time.monotonic() < deadline, "D never published the registration"
+            time.sleep(0.01)
+
+
+def send_params(d: Engine, tid: str, reg) -> dict:
+    """What the proxy gives P: D's registration of the transfer."""
+    return {"aiolayer": {"transfer_id": tid, "token": tok(tid), "decode_control": d.runtime.control_endpoint,
+                         "dst_blocks": reg.block_ids, "dst_incarnation": reg.incarnation,
+                         "first_block": reg.first_block}}
+
+
+def steps_until(cond, *engines: Engine, limit: float = 10.0) -> float:
+    """Step every engine until ``cond()`` holds; returns the seconds it took."""
+    import time
+
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < limit, "condition never held"
+        for engine in engines:
+            engine.step()
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+def layer_pattern(engine: Engine, req_id: str):
+    """A ``before_save`` hook: the forward writes layer i + 1 into ``req_id``'s blocks."""
+    def write(name: str) -> None:
+        blocks = engine.blocks_of(req_id)
+        if blocks:
+            engine.kv_blocks(name)[blocks] = float(LAYERS.index(name) + 1)
+    return write

@@ -39,3 +39,5 @@ class AiolayerMetadata(KVConnectorMetadata):
     recvs: list[RecvReq] = field(default_factory=list)
     sends: list[SendReq] = field(default_factory=list)
     aborts: list[tuple[str, str]] = field(default_factory=list)    # D: (req_id, transfer_id) to give up
+    # P: (req_id, transfer_id) whose blocks vLLM freed while the send may still read them (preempted)
+    cancels: list[tuple[str, str]] = field(default_factory=list)

@@ -7,42 +7,116 @@ where to POST the registration). To P (remote decode): ``{"transfer_id": str, "t
 the registration D published. Transfer ids are the proxy's own, never derived from vLLM's request
 ids. The token is a secret the proxy mints per transfer (``secrets.token_hex(16)``) and gives only
 to this transfer's D and P: D refuses layout requests and DONE/FAILED without it.
+
+A request's parameters come from a client: ``read`` validates them whole (types, ranges, ASCII ids
+and endpoints, no unknown field) and tells the two shapes apart by their fields, so one engine can
+play both roles (``kv_both``). Anything else is ``InvalidParams`` with a message safe to log.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 import msgspec
+from msgspec import Meta
 
 KEY = "aiolayer"
+MAX_ID_CHARS = 256
+MIN_TOKEN_CHARS = 16          # the receiver's own minimum (aiolayer.runtime.receiver)
+MAX_TOKEN_CHARS = 512
+MAX_URL_CHARS = 2048
+MAX_BLOCKS = 1 << 22          # more destination blocks than any engine has: refused before any I/O
+MAX_FIRST_BLOCK = 1 << 31
+_PRINTABLE = r"^[\x21-\x7e]+$"   # printable ASCII without spaces: every id goes on the wire
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9._-]{0,252}))$")
 
-
-class RecvParams(msgspec.Struct, frozen=True, kw_only=True):
-    transfer_id: str
-    token: str
-    prefill_control: str = ""
-    notify_url: str = ""      # where D POSTs its registration (the proxy); "" = LookupRequest only
-
-
-class SendParams(msgspec.Struct, frozen=True, kw_only=True):
-    transfer_id: str
-    token: str
-    decode_control: str
-    dst_blocks: list[int]
-    dst_incarnation: str
-    first_block: int = 0
+Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS, pattern=_PRINTABLE)]
+Token = Annotated[str, Meta(min_length=MIN_TOKEN_CHARS, max_length=MAX_TOKEN_CHARS, pattern=_PRINTABLE)]
+Url = Annotated[str, Meta(max_length=MAX_URL_CHARS, pattern=r"^[\x21-\x7e]*$")]
+BlockId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 
 
 class InvalidParams(ValueError):
     """The request names aiolayer but its parameters do not fit the contract."""
 
 
-def parse(params: dict[str, Any] | None, kind: type) -> Any:
-    """The aiolayer part of a request's kv_transfer_params as ``kind``; None if it has none."""
-    if not params or KEY not in params:
-        return None
+def check_endpoint(value: str, field: str) -> None:
+    """``tcp://host:port`` with an ASCII host and a port in 1..65535 (ValueError otherwise)."""
+    scheme, sep, rest = value.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if scheme != "tcp" or not sep or not colon or not _HOST.match(host) or not port.isdigit() \
+            or not 0 < int(port) < 65536:
+        raise ValueError(f"{field} must be tcp://host:port, got {ascii(value[:100])}")
+
+
+def check_url(value: str, field: str) -> None:
+    """An http(s) URL with a host (ValueError otherwise)."""
     try:
-        return msgspec.convert(params[KEY], kind)
-    except (msgspec.ValidationError, TypeError) as exc:
-        raise InvalidParams(f"kv_transfer_params[{KEY!r}] invalid for {kind.__name__}: {exc}") from None
+        parts = urlsplit(value)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port is None or parts.port > 0)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{field} must be an http(s) URL with a host, got {ascii(value[:100])}")
+
+
+class RecvParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    transfer_id: Id
+    token: Token
+    prefill_control: Url = ""   # "" = no P to tell on abort (D then waits fence_grace)
+    notify_url: Url = ""        # where D POSTs its registration (the proxy); "" = LookupRequest only
+
+    def __post_init__(self) -> None:
+        if self.prefill_control:
+            check_endpoint(self.prefill_control, "prefill_control")
+        if self.notify_url:
+            check_url(self.notify_url, "notify_url")
+
+
+class SendParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    transfer_id: Id
+    token: Token
+    decode_control: Url
+    dst_blocks: Annotated[list[BlockId], Meta(min_length=1, max_length=MAX_BLOCKS)]
+    dst_incarnation: Id
+    first_block: Annotated[int, Meta(ge=0, lt=MAX_FIRST_BLOCK)] = 0
+
+    def __post_init__(self) -> None:
+        check_endpoint(self.decode_control, "decode_control")
+
+
+_SEND_ONLY = frozenset(SendParams.__struct_fields__) - frozenset(RecvParams.__struct_fields__)
+_RECV_ONLY = frozenset(RecvParams.__struct_fields__) - frozenset(SendParams.__struct_fields__)
+
+
+def _safe(text: str) -> str:
+    """An error message that can be logged anywhere (no lone surrogates, bounded)."""
+    return text.encode("ascii", "backslashreplace").decode("ascii")[:500]
+
+
+def read(params: Any) -> RecvParams | SendParams | None:
+    """The aiolayer part of a request's kv_transfer_params, in the shape its fields name.
+
+    None if the request has none; ``InvalidParams`` if it has one that does not fit the contract.
+    Never raises anything else, whatever ``params`` holds.
+    """
+    if not isinstance(params, dict) or KEY not in params:
+        return None
+    value = params[KEY]
+    if not isinstance(value, dict):
+        raise InvalidParams(f"kv_transfer_params[{KEY!r}] must be an object, got {type(value).__name__}")
+    kind: type = RecvParams
+    try:
+        keys = {k for k in value if isinstance(k, str)}
+        if keys & _SEND_ONLY and keys & _RECV_ONLY:
+            raise InvalidParams(f"kv_transfer_params[{KEY!r}] mixes the fields of D's ({sorted(_RECV_ONLY)}) "
+                                f"and P's ({sorted(_SEND_ONLY)}) parameters")
+        kind = SendParams if keys & _SEND_ONLY else RecvParams
+        return msgspec.convert(value, kind)
+    except InvalidParams:
+        raise
+    except Exception as exc:  # noqa: BLE001 - msgspec raises more than ValidationError on odd input
+        raise InvalidParams(_safe(f"kv_transfer_params[{KEY!r}] invalid for {kind.__name__}: {exc}")) from None
+

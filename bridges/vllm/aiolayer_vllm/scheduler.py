@@ -1,14 +1,22 @@
 """The scheduler side (EngineCore busy loop): decides what each step's metadata asks the workers.
 
-Nothing here blocks or does I/O. D: a request carrying aiolayer parameters is parked
-(``(n, True)``) and, once its blocks are allocated, listed for registration. P: a request is listed
-for sending in the step where its prefill completes (with chunked prefill, earlier chunks' KV is
-final by then, so every block goes out layer by layer in that step), and its blocks are held until
-the worker reports the sends finished.
+Nothing here blocks or does I/O, and nothing raises for one request's parameters: a request whose
+``kv_transfer_params`` do not fit the contract is logged once and prefilled locally (D) or not sent
+(P). D: a request carrying aiolayer parameters is parked (``(n, True)``) and, once its blocks are
+allocated, listed for registration. P: a request is listed for sending in the step where its prefill
+completes (with chunked prefill, earlier chunks' KV is final by then, so every block goes out layer
+by layer in that step), and its blocks are held until the worker reports the sends finished.
+
+Each request uses its parameters once: vLLM asks ``get_num_new_matched_tokens`` again whenever a
+waiting request has no computed token (after a preemption, or after the load of a 1-token prompt,
+whose last token vLLM recomputes); that request is then computed locally, as vLLM expects. And each
+transfer id serves one request: vLLM's ``n > 1`` children share one ``kv_transfer_params``; only the
+first uses it, the others are prefilled locally (D) or not sent (P).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 from typing import Any
@@ -17,9 +25,10 @@ from aiolayer.protocol.plan import use_layerwise
 
 from .config import BridgeConfig
 from .metadata import AiolayerMetadata, RecvReq, SendReq
-from .params import InvalidParams, RecvParams, SendParams, parse
+from .params import InvalidParams, RecvParams, SendParams, read
 
 log = logging.getLogger(__name__)
+MAX_CLAIMS = 1 << 16      # transfer ids remembered after their request, to refuse a late duplicate
 
 
 class SchedulerSide:
@@ -29,48 +38,87 @@ class SchedulerSide:
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.kv_cache_manager = None
+        self._params: dict[str, RecvParams | SendParams | None] = {}   # req_id -> its verdict, read once
+        self._claims: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
         self._parked: dict[str, tuple[RecvParams, int]] = {}       # D: req_id -> (params, computed)
         self._receiving: dict[str, str] = {}                       # D: req_id -> transfer_id
+        self._consumed: set[str] = set()                           # D: requests that used their params
         self._to_send: dict[str, tuple[Any, SendParams]] = {}      # P: req_id -> (request, params)
         self._sent: dict[str, str] = {}                            # P: req_id -> transfer_id
+        self._cancelled: set[str] = set()                          # P: ... whose send was cancelled
         self._meta = AiolayerMetadata()
+
+    def _read(self, request) -> RecvParams | SendParams | None:
+        """The request's parameters if this engine may act on them; decided (and logged) once."""
+        req_id = request.request_id
+        if req_id in self._params:
+            return self._params[req_id]
+        verdict = None
+        try:
+            verdict = read(request.kv_transfer_params)
+        except InvalidParams as exc:
+            log.error("request %s: %s; %s", req_id, exc,
+                      "it is prefilled locally" if self.is_consumer else "its KV is not sent")
+        if isinstance(verdict, RecvParams) and not self.is_consumer:
+            log.error("request %s: D's aiolayer parameters on an engine that is not a KV consumer; ignored", req_id)
+            verdict = None
+        elif isinstance(verdict, SendParams) and not self.is_producer:
+            log.error("request %s: P's aiolayer parameters on an engine that is not a KV producer; "
+                      "it is prefilled locally", req_id)
+            verdict = None
+        if verdict is not None and not self._claim(verdict, req_id):
+            verdict = None
+        if verdict is not None or (isinstance(request.kv_transfer_params, dict)
+                                   and "aiolayer" in request.kv_transfer_params):
+            self._params[req_id] = verdict     # only requests that name aiolayer are remembered
+        return verdict
+
+    def _claim(self, params: RecvParams | SendParams, req_id: str) -> bool:
+        """One request per transfer id (and side): a second one (n > 1, a retried request) is refused."""
+        key = (type(params).__name__, params.transfer_id)
+        owner = self._claims.get(key)
+        if owner is not None and owner != req_id:
+            log.error("request %s: transfer %s is already used by request %s (n > 1 or a duplicate); %s", req_id,
+                      params.transfer_id, owner, "it is prefilled locally" if isinstance(params, RecvParams)
+                      else "its KV is not sent")
+            return False
+        self._claims[key] = req_id
+        while len(self._claims) > MAX_CLAIMS:
+            self._claims.popitem(last=False)
+        return True
 
     # --- D -------------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self.is_consumer or request.request_id in self._receiving:
-            return 0, False
-        try:
-            recv = parse(request.kv_transfer_params, RecvParams)
-        except InvalidParams as exc:
-            log.error("request %s: %s; it will be prefilled locally", request.request_id, exc)
-            return 0, False
-        if recv is None:
+        req_id = request.request_id
+        if not self.is_consumer or req_id in self._receiving or req_id in self._consumed:
+            return 0, False      # used once already: what vLLM asks for now is computed locally
+        recv = self._read(request)
+        if not isinstance(recv, RecvParams):
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         if count <= 0:
             return 0, False
-        self._parked[request.request_id] = (recv, num_computed_tokens)
+        self._parked[req_id] = (recv, num_computed_tokens)
         return count, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        req_id = request.request_id
         if self.is_consumer:
-            parked = self._parked.pop(request.request_id, None)
+            parked = self._parked.pop(req_id, None)
+            if parked is not None:
+                self._consumed.add(req_id)    # from its first allocation on, the parameters are spent
             if parked is not None and num_external_tokens > 0:
                 recv, computed = parked
-                all_blocks = self.kv_cache_manager.get_block_ids(request.request_id)[0]
+                all_blocks = self.kv_cache_manager.get_block_ids(req_id)[0]
                 first = computed // self.block_size
-                self._receiving[request.request_id] = recv.transfer_id
-                self._meta.recvs.append(RecvReq(request.request_id, recv.transfer_id, list(all_blocks[first:]),
+                self._receiving[req_id] = recv.transfer_id
+                self._meta.recvs.append(RecvReq(req_id, recv.transfer_id, list(all_blocks[first:]),
                                                 first, recv.prefill_control, recv.notify_url, token=recv.token))
-        if self.is_producer:
-            try:
-                send = parse(request.kv_transfer_params, SendParams)
-            except InvalidParams as exc:
-                log.error("request %s: %s; its KV will not be sent", request.request_id, exc)
-                return
-            if send is not None and request.request_id not in self._sent:
-                self._to_send[request.request_id] = (request, send)
+        if self.is_producer and req_id not in self._sent:
+            send = self._read(request)
+            if isinstance(send, SendParams):
+                self._to_send[req_id] = (request, send)
 
     # --- P -------------------------------------------------------------------------------------
 
@@ -92,11 +140,25 @@ class SchedulerSide:
                                token=send.token))
         return out
 
+    def _cancels_for(self, scheduler_output) -> list[tuple[str, str]]:
+        """P: sends whose request vLLM preempted, and so freed its blocks at once (vLLM's
+        ``_preempt_request``, from ``schedule`` or ``reset_prefix_cache``): their writes may read
+        blocks that now hold another request's KV, so they must fail (FAILED to D, never DONE)."""
+        out = []
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            tid = self._sent.get(req_id)
+            if tid is not None and req_id not in self._cancelled:
+                self._cancelled.add(req_id)
+                log.warning("request %s preempted while its KV may still be sending: transfer %s fails", req_id, tid)
+                out.append((req_id, tid))
+        return out
+
     # --- both ------------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output) -> AiolayerMetadata:
         meta, self._meta = self._meta, AiolayerMetadata()
         if self.is_producer:
+            meta.cancels.extend(self._cancels_for(scheduler_output))
             meta.sends.extend(self._sends_completing_in(scheduler_output))
         return meta
 
@@ -108,6 +170,9 @@ class SchedulerSide:
         req_id = request.request_id
         self._parked.pop(req_id, None)
         self._to_send.pop(req_id, None)
+        self._params.pop(req_id, None)
+        self._consumed.discard(req_id)
+        self._cancelled.discard(req_id)
         tid = self._receiving.get(req_id)
         if tid is not None:
             # D gave up while KV was arriving: vLLM holds the blocks until finished_recving, which the

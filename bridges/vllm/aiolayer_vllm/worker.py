@@ -3,6 +3,8 @@
 It owns the process's aiolayer ``Runtime`` (started with the KV caches). Every call here returns
 at once: ``save_kv_layer`` appends to the bridge, ``wait_for_save`` does no network I/O, and D's
 registrations run on the loop. Results come back from thread-safe queues in ``transfer_results``.
+Nothing here raises for one request (vLLM would take the engine down): a request that cannot be
+served fails alone, logged (D: failed_recving; P: not sent, its blocks handed back when finished).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import re
 
 from aiolayer import Runtime, TransferSpec
 from aiolayer.errors import AiolayerError, ConfigError
-from aiolayer.runtime.metrics import snapshot
 
 from .config import BridgeConfig
 from .metadata import AiolayerMetadata, RecvReq
@@ -74,9 +75,10 @@ class WorkerSide:
         self._views: dict = {}
         self._step = 0
         self._active_step: int | None = None
-        self._req_of: dict[str, str] = {}                 # transfer id -> vLLM request id
-        self._recv_blocks: dict[str, list[int]] = {}      # D: transfer id -> destination blocks
-        self._recv_failures: collections.deque = collections.deque()   # (req_id, reason) from the loop
+        self._req_of: dict[str, str] = {}                 # P: transfer id -> vLLM request id
+        self._recv_of: dict[str, tuple[str, list[int]]] = {}   # D: transfer id -> (request id, its blocks)
+        # D: (transfer id, reason, (request id, blocks) or None = look up the transfer id), any thread
+        self._recv_failures: collections.deque = collections.deque()
         self._sending: set[str] = set()                   # P: request ids with a send not yet reported
         self._released: set[str] = set()                  # P: ... whose sends are quiet
         self._finished: set[str] = set()                  # P: ... that vLLM reported finished
@@ -100,23 +102,67 @@ class WorkerSide:
     # --- per step (model-runner thread) ----------------------------------------------------------
 
     def bind(self, meta: AiolayerMetadata) -> None:
-        for recv in meta.recvs:
-            self._req_of[recv.transfer_id] = recv.req_id
-            self._recv_blocks[recv.transfer_id] = recv.block_ids
-        if meta.recvs or meta.aborts:
-            self.runtime.loop_thread.submit(self._apply_on_loop(meta.recvs, meta.aborts))
+        for req_id, tid in meta.cancels:
+            self._cancel(req_id, tid)
+        recvs = [recv for recv in meta.recvs if self._track_recv(recv)]
+        if recvs or meta.aborts:
+            try:
+                self.runtime.loop_thread.submit(self._apply_on_loop(recvs, meta.aborts))
+            except Exception as exc:  # noqa: BLE001 - the runtime is gone: nothing was published, fail them
+                log.error("aiolayer: %d registrations not made: %s", len(recvs), exc)
+                for recv in recvs:
+                    self._recv_failures.append((recv.transfer_id, f"not registered: {exc}", None))
         if meta.sends:
-            self._step += 1
-            specs = []
-            for send in meta.sends:
-                self._req_of[send.transfer_id] = send.req_id
-                self._sending.add(send.req_id)
+            self._begin_sends(meta.sends)
+
+    def _track_recv(self, recv: RecvReq) -> bool:
+        """D: map the transfer to its request; a second request for a live transfer id fails alone."""
+        other = self._recv_of.get(recv.transfer_id)
+        if other is not None:
+            reason = f"transfer {recv.transfer_id} is already received by request {other[0]}"
+            self._recv_failures.append((recv.transfer_id, reason, (recv.req_id, recv.block_ids)))
+            return False
+        self._recv_of[recv.transfer_id] = (recv.req_id, recv.block_ids)
+        return True
+
+    def _begin_sends(self, sends) -> None:
+        """P: one step's sends; one that cannot start is logged and its blocks handed back."""
+        specs = []
+        for send in sends:
+            self._sending.add(send.req_id)
+            try:
+                if send.transfer_id in self._req_of:
+                    raise ValueError(f"transfer {send.transfer_id} is already sent by request "
+                                     f"{self._req_of[send.transfer_id]}")
                 specs.append(TransferSpec(transfer_id=send.transfer_id, peer=send.decode_control,
                                           src_blocks=send.src_blocks, dst_blocks=send.dst_blocks,
                                           dst_incarnation=send.dst_incarnation, token=send.token,
                                           layerwise=send.layerwise))
+            except Exception as exc:  # noqa: BLE001 - one request's bad spec must not stop the step
+                log.error("request %s: transfer %s not sent: %s", send.req_id, send.transfer_id, exc)
+                self._released.add(send.req_id)   # nothing reads its blocks
+                continue
+            self._req_of[send.transfer_id] = send.req_id
+        if not specs:
+            return
+        self._step += 1
+        try:
             self.runtime.sender.begin_step(self._step, specs)
-            self._active_step = self._step
+        except Exception as exc:  # noqa: BLE001 - refused before anything was queued: no write started
+            log.error("aiolayer: %d transfers not sent: %s", len(specs), exc)
+            for spec in specs:
+                self._released.add(self._req_of.pop(spec.transfer_id))
+            return
+        self._active_step = self._step
+
+    def _cancel(self, req_id: str, tid: str) -> None:
+        """P: vLLM freed the blocks of ``req_id`` (preempted): its send must fail, never say DONE."""
+        if self._req_of.get(tid) != req_id:
+            return   # never started, or already quiet
+        try:
+            self.runtime.sender.cancel(tid, "preempted at P: vLLM freed its blocks")
+        except Exception:  # noqa: BLE001 - logged; the send then ends by its own deadlines
+            log.exception("transfer %s: cancel failed", tid)
 
     async def _apply_on_loop(self, recvs: list[RecvReq], aborts: list[tuple[str, str]]) -> None:
         """D: register before anything is published; a refused registration fails the request."""
@@ -126,16 +172,21 @@ class WorkerSide:
                 receiver.register(recv.transfer_id, recv.block_ids, token=recv.token,
                                   sender_control=recv.prefill_control,
                                   first_block=recv.first_block)
-            except AiolayerError as exc:
-                self._recv_failures.append((recv.req_id, recv.transfer_id, str(exc)))
+            except Exception as exc:  # noqa: BLE001 - one refused registration fails that request alone
+                self._recv_failures.append((recv.transfer_id, f"{type(exc).__name__}: {exc}", None))
                 continue
             if recv.notify_url:
-                self.runtime.loop_thread.spawn(self._publish(recv), name=f"publish {recv.transfer_id}")
+                try:
+                    self.runtime.loop_thread.spawn(self._publish(recv), name=f"publish {recv.transfer_id}")
+                except Exception:  # noqa: BLE001 - the loop is stopping: the receive deadline ends it
+                    log.exception("transfer %s: registration not published", recv.transfer_id)
         for _req_id, tid in aborts:
             try:
                 receiver.abort(tid, "request aborted at D")
             except AiolayerError:
                 pass  # already ended: its result is on its way
+            except Exception:  # noqa: BLE001 - logged; its deadline still ends it
+                log.exception("transfer %s: abort failed", tid)
 
     async def _publish(self, recv: RecvReq) -> None:
         """POST the registration to the proxy (bounded retries); if nobody takes it, give up the transfer."""
@@ -150,7 +201,7 @@ class WorkerSide:
             for attempt in range(t.control_retries):
                 try:
                     reply = await client.post(recv.notify_url, json=body)
-                except httpx.HTTPError as exc:
+                except Exception as exc:  # noqa: BLE001 - httpx raises more than HTTPError (InvalidURL)
                     error = f"{type(exc).__name__}: {exc}"
                 else:
                     if reply.status_code < 300:
@@ -166,13 +217,22 @@ class WorkerSide:
             pass
 
     def save_kv_layer(self, layer_name: str) -> None:
-        if self._active_step is not None:
-            self.runtime.sender.layer_ready(self._active_step, self.layer_index[layer_name])
+        layer = self.layer_index.get(layer_name)
+        if self._active_step is None or layer is None:
+            return   # no send this step, or a layer whose KV we do not transfer
+        try:
+            self.runtime.sender.layer_ready(self._active_step, layer)
+        except Exception:  # noqa: BLE001 - the runtime is gone: its sends fail by their own deadlines
+            log.exception("aiolayer: layer %s not handed over", layer_name)
+            self._active_step = None
 
     def wait_for_save(self) -> None:
-        if self._active_step is not None:
-            self.runtime.sender.end_step(self._active_step)
-            self._active_step = None
+        step, self._active_step = self._active_step, None
+        if step is not None:
+            try:
+                self.runtime.sender.end_step(step)
+            except Exception:  # noqa: BLE001 - as in save_kv_layer
+                log.exception("aiolayer: step %d not closed", step)
 
     # --- results --------------------------------------------------------------------------------
 
@@ -194,17 +254,19 @@ class WorkerSide:
         self._finished -= sending
         self._sending -= sending
         for result in self.runtime.receiver.pop_results():
-            self._record_received(result.transfer_id, result.ok, result.reason, recving, failed)
+            self._record_received(self._recv_of.pop(result.transfer_id, None), result.transfer_id, result.ok,
+                                  result.reason, recving, failed)
         while self._recv_failures:
-            _req_id, tid, reason = self._recv_failures.popleft()
-            self._record_received(tid, False, reason, recving, failed)
+            tid, reason, owner = self._recv_failures.popleft()
+            owner = owner if owner is not None else self._recv_of.pop(tid, None)
+            self._record_received(owner, tid, False, reason, recving, failed)
         return sending, recving, failed
 
-    def _record_received(self, tid: str, ok: bool, reason: str, recving: set, failed: set) -> None:
-        req_id = self._req_of.pop(tid, None)
-        blocks = self._recv_blocks.pop(tid, [])
-        if req_id is None:
+    def _record_received(self, owner: tuple[str, list[int]] | None, tid: str, ok: bool, reason: str,
+                         recving: set, failed: set) -> None:
+        if owner is None:
             return
+        req_id, blocks = owner
         recving.add(req_id)   # failed receives are reported as finished too (vLLM's contract)
         if not ok:
             failed.add(req_id)
@@ -224,11 +286,15 @@ class WorkerSide:
     def stats(self) -> AiolayerStats | None:
         """What changed since the last report (None: nothing), read without waiting for the loop.
 
-        vLLM asks after every step; the step that reports a transfer finished also carries its count.
+        vLLM asks after every step. The figures are the snapshot the loop last published (read whole:
+        walking the loop's own dicts from this thread can raise); a count the loop has not published
+        yet comes with a later report.
         """
-        if self.runtime is None:
+        runtime = self.runtime
+        snap = None if runtime is None else runtime.published_metrics
+        if snap is None:
             return None
-        current = totals(snapshot(self.runtime))
+        current = totals(snap)
         stats = AiolayerStats(data=delta(current, self._reported))
         self._reported = current
         return None if stats.is_empty() else stats
