@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -20,12 +18,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
+from e2e.pd import ProxyProcess  # noqa: E402
 from e2e.servers import (VllmServer, acompletion, completion, free_port, kv_cache_usage,  # noqa: E402
                          metric_value, running, scrape_metrics)
 from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir  # noqa: E402
 from helpers_node import MC_ENV  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.vllm]
 MAX_TOKENS = 10
 
 
@@ -35,44 +34,20 @@ def _connector(role: str, engine_id: str, port: int) -> dict:
                                           "timeouts": {"receive": 20.0, "fence_grace": 8.0}}}
 
 
-class Proxy:
-    def __init__(self, prefill: list[str], decode: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "aiolayer", "proxy", "--port", str(self.port), "--prefill", *prefill,
-               "--decode", *decode, "--health-interval", "0.5", "--prefill-timeout", "20",
-               "--registration-timeout", "20", "--request-timeout", "60"]
-        self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"aiolayer-proxy-{self.port}.log"), "w+b")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code in (200, 503):
-                    break
-            except httpx.HTTPError:
-                pass
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.log_text()
-            time.sleep(0.2)
-
-    def log_text(self) -> str:
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")[-4000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-        self.log.close()
+def Proxy(prefill: list[str], decode: list[str]) -> ProxyProcess:
+    return ProxyProcess(prefill, decode, healthy=(200, 503), extra_args=(
+        "--health-interval", "0.5", "--prefill-timeout", "20", "--registration-timeout", "20",
+        "--request-timeout", "60")).start()
 
 
 def _servers():
     model = tiny_model_dir()
     p_ctl, d_ctl = free_port(), free_port()
-    common = {"env": MC_ENV, "prefix_caching": False, "omp_bind": "nobind"}
+    # The configuration this file was written for, pinned against tests/e2e's vLLM defaults (the
+    # matrix, tests/test_vllm_matrix.py, covers those): float32, block size 32, 512 tokens, eager
+    # (no ~40 s torch.compile per engine), prefix caching off.
+    common = {"env": MC_ENV, "prefix_caching": False, "omp_bind": "nobind", "dtype": "float32", "block_size": 32,
+              "max_model_len": 512, "enforce_eager": True}
     p = VllmServer(model, name="prefill", kv_transfer_config=_connector("kv_producer", "p", p_ctl), **common)
     d = VllmServer(model, name="decode", kv_transfer_config=_connector("kv_consumer", "d", d_ctl), **common)
     return p, d, f"tcp://127.0.0.1:{p_ctl}", f"tcp://127.0.0.1:{d_ctl}"

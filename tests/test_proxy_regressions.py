@@ -15,8 +15,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -29,6 +27,8 @@ import uvicorn  # noqa: E402
 from starlette.applications import Starlette  # noqa: E402
 from starlette.responses import JSONResponse, StreamingResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
+
+from e2e.pd import ProxyProcess  # noqa: E402
 
 from aiolayer.protocol import messages as m  # noqa: E402
 from aiolayer.runtime.control import ControlServer  # noqa: E402
@@ -160,25 +160,14 @@ class FakeEngine:
                 self.streams[transfer_id] = "closed"
 
 
-class ProxyProcess:
-    def __init__(self, prefill: list[FakeEngine], decode: list[FakeEngine]) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "aiolayer", "proxy", "--port", str(self.port),
-               "--prefill", *(f"{e.url},{e.control}" for e in prefill),
-               "--decode", *(f"{e.url},{e.control}" for e in decode), "--health-interval", "0.2",
-               "--registration-timeout", "5", "--prefill-timeout", "10", "--request-timeout", "30"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-        _wait_for(lambda: self.proc.poll() is not None or self._healthy(), 60, "the proxy answered /health")
-        assert self.proc.poll() is None, self.proc.stderr.read().decode(errors="replace")[-3000:]
+class FakeStackProxy(ProxyProcess):
+    """``aiolayer proxy`` in front of fake engines, with short deadlines and a look at its tables."""
 
-    def _healthy(self) -> bool:
-        try:
-            return httpx.get(self.url + "/health", timeout=1, trust_env=False).status_code == 200
-        except httpx.HTTPError:
-            return False
+    def __init__(self, prefill: list[FakeEngine], decode: list[FakeEngine]) -> None:
+        super().__init__([f"{e.url},{e.control}" for e in prefill], [f"{e.url},{e.control}" for e in decode],
+                         startup_timeout_s=60, extra_args=(
+                             "--health-interval", "0.2", "--registration-timeout", "5", "--prefill-timeout", "10",
+                             "--request-timeout", "30"))
 
     def outstanding(self) -> dict[str, int]:
         backends = httpx.get(self.url + "/health", timeout=5, trust_env=False).json()["backends"]
@@ -193,15 +182,6 @@ class ProxyProcess:
     def idle(self) -> bool:
         return self.pending() == 0 and not any(self.outstanding().values())
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-
 
 @pytest.fixture(scope="module")
 def stack():
@@ -211,7 +191,7 @@ def stack():
     try:
         for e in engines:
             e.start()
-        proxy = ProxyProcess(engines[:1], engines[1:])
+        proxy = FakeStackProxy(engines[:1], engines[1:]).start()
         try:
             yield {"hub": hub, "p": engines[0], "d1": engines[1], "d2": engines[2], "proxy": proxy}
         finally:
@@ -229,7 +209,7 @@ def _last_transfer(engine: FakeEngine) -> str:
     return engine.requests[-1]["kv_transfer_params"]["aiolayer"]["transfer_id"]
 
 
-def test_f11_13_least_outstanding_picks_the_idle_d_while_another_streams(stack):
+def test_issue11_13_least_outstanding_picks_the_idle_d_while_another_streams(stack):
     """The lease on D lasts the whole stream: short requests go to the idle D, not the streaming one."""
     proxy, p, d1, d2, hub = stack["proxy"], stack["p"], stack["d1"], stack["d2"], stack["hub"]
     _wait_for(proxy.idle, 10, "the proxy is idle")
@@ -266,7 +246,7 @@ def _decode_of(stack, transfer_id: str) -> FakeEngine:
     return next(d for d in (stack["d1"], stack["d2"]) if d.saw(transfer_id))
 
 
-def test_f11_13_client_gone_before_the_first_chunk_releases_table_leases_and_ds_stream(stack):
+def test_issue11_13_client_gone_before_the_first_chunk_releases_table_leases_and_ds_stream(stack):
     proxy, p = stack["proxy"], stack["p"]
     body = {"prompt": "slow first token", "stream": True, "fake": {"hold_s": 60, "chunks": 2}}
     # (a) the client has D's status line, D holds its first token: D stays leased until the client leaves
@@ -302,7 +282,7 @@ def test_f11_13_client_gone_before_the_first_chunk_releases_table_leases_and_ds_
               f"released after the client left (pending {proxy.pending()}, {proxy.outstanding()}, {d.streams})")
 
 
-def test_f11_13_d_failing_mid_stream_ends_in_an_error_event_and_an_abort(stack):
+def test_issue11_13_d_failing_mid_stream_ends_in_an_error_event_and_an_abort(stack):
     proxy = stack["proxy"]
     _wait_for(proxy.idle, 10, "the proxy is idle")
     body = {"prompt": "doomed", "stream": True, "fake": {"chunks": 5, "fail_at": 2}}
@@ -317,7 +297,7 @@ def test_f11_13_d_failing_mid_stream_ends_in_an_error_event_and_an_abort(stack):
     assert tid in _decode_of(stack, tid).aborts
 
 
-def test_f11_13_ds_stream_is_closed_when_the_exchange_fails_after_its_status_line(stack):
+def test_issue11_13_ds_stream_is_closed_when_the_exchange_fails_after_its_status_line(stack):
     """D answered its status line but never registered: the 504 closes D's call (vLLM then aborts it)."""
     proxy = stack["proxy"]
     _wait_for(proxy.idle, 10, "the proxy is idle")
@@ -339,7 +319,7 @@ BAD_REQUESTS = [
 ]
 
 
-def test_f11_7_parallel_samples_are_refused_with_a_400_before_any_engine_sees_them(stack):
+def test_issue11_7_parallel_samples_are_refused_with_a_400_before_any_engine_sees_them(stack):
     proxy, engines = stack["proxy"], [stack["p"], stack["d1"], stack["d2"]]
     _wait_for(proxy.idle, 10, "the proxy is idle")
     seen = [len(e.requests) for e in engines]
@@ -355,7 +335,7 @@ def test_f11_7_parallel_samples_are_refused_with_a_400_before_any_engine_sees_th
         assert ok.status_code == 200, ok.text
 
 
-def test_f11_7_bad_bodies_are_a_400_and_affect_nothing_else(stack):
+def test_issue11_7_bad_bodies_are_a_400_and_affect_nothing_else(stack):
     proxy, hub = stack["proxy"], stack["hub"]
     _wait_for(proxy.idle, 10, "the proxy is idle")
     bad = [(json.dumps({"prompt": "x", "kv_transfer_params": {"aiolayer": {"transfer_id": "mine"}}}),

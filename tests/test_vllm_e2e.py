@@ -25,7 +25,7 @@ from helpers_node import MC_ENV  # noqa: E402
 from aiolayer import NodeConfig, Runtime  # noqa: E402
 from aiolayer.protocol import messages as m  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.vllm]
 MAX_TOKENS = 12
 
 
@@ -40,7 +40,11 @@ def cluster():
     p_ctl, d_ctl, z_ctl = free_port(), free_port(), free_port()
     # vLLM's default OMP binding pins every server's worker to core 0; their busy loops then starve
     # each other's sockets for seconds on this 2-core box. Let the kernel place them.
-    common = {"env": MC_ENV, "prefix_caching": False, "omp_bind": "nobind"}
+    # The configuration this file was written for, pinned against tests/e2e's vLLM defaults (the
+    # matrix, tests/test_vllm_matrix.py, covers those): float32, block size 32, 512 tokens, eager
+    # (no ~40 s torch.compile per engine), prefix caching off.
+    common = {"env": MC_ENV, "prefix_caching": False, "omp_bind": "nobind", "dtype": "float32", "block_size": 32,
+              "max_model_len": 512, "enforce_eager": True}
     servers = (VllmServer(model, name="prefill", kv_transfer_config=_connector("kv_producer", "p", p_ctl), **common),
                VllmServer(model, name="decode", kv_transfer_config=_connector("kv_consumer", "d", d_ctl), **common),
                VllmServer(model, name="decode-zeroing", **common,

