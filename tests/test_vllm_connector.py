@@ -14,26 +14,13 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from aiolayer.protocol import messages as m  # noqa: E402
-from vllm_sched import LAYERS, Engine  # noqa: E402
+from vllm_sched import (FAST, LAYERS, Engine, engines_fixture, lookup, send_params, steps_until,  # noqa: E402
+                        tok)
 
 pytestmark = pytest.mark.timeout(120)
-FAST = {"control_call": 0.5, "layer_write": 1.0, "done_delivery": 1.0, "receive": 20.0, "fence_grace": 1.0}
 
 
-@pytest.fixture
-def engines():
-    made = []
-
-    def make(role: str, engine_id: str, **kw) -> Engine:
-        extra = {"backend": "memory", "engine_id": engine_id, "timeouts": FAST, **kw.pop("extra", {})}
-        eng = Engine(role, extra, **kw)
-        made.append(eng)
-        return eng
-
-    yield make
-    for eng in made:
-        eng.close()
+engines = pytest.fixture(engines_fixture, name="engines")
 
 
 # --- the API contract -------------------------------------------------------------------------------
@@ -90,33 +77,8 @@ def test_bad_extra_config_is_refused_at_construction():
 
 # --- the flows through the real Scheduler ------------------------------------------------------------
 
-def tok(tid: str) -> str:
-    """The token a proxy would mint for ``tid`` (any secret of 16+ characters)."""
-    return f"{tid}-token-0123456789abcdef"
-
-
-def _lookup(p: Engine, d: Engine, tid: str, limit: float = 5.0) -> m.AllocReply:
-    deadline = time.monotonic() + limit
-    while True:
-        try:
-            return p.runtime.request(d.runtime.control_endpoint, m.LookupRequest(transfer_id=tid, token=tok(tid)))
-        except Exception:  # noqa: BLE001 - not registered yet: D registers on its loop
-            assert time.monotonic() < deadline, "D never published the registration"
-            time.sleep(0.01)
-
-
-def _send_params(d: Engine, tid: str, reg: m.AllocReply) -> dict:
-    return {"aiolayer": {"transfer_id": tid, "token": tok(tid), "decode_control": d.runtime.control_endpoint,
-                         "dst_blocks": reg.block_ids, "dst_incarnation": reg.incarnation,
-                         "first_block": reg.first_block}}
-
-
 def _steps_until(engine: Engine, cond, limit: float = 10.0):
-    deadline = time.monotonic() + limit
-    while not cond():
-        assert time.monotonic() < deadline, "condition never held"
-        engine.step()
-        time.sleep(0.005)
+    steps_until(cond, engine, limit=limit)
 
 
 def _status(engine: Engine, req_id: str):
@@ -126,8 +88,8 @@ def _status(engine: Engine, req_id: str):
 
 def _run_prefill(p: Engine, d: Engine, tid: str, prompt: list[int]):
     """P prefills ``prompt``; its forward writes a distinct pattern into each layer before the hook."""
-    reg = _lookup(p, d, tid)
-    p.add("p-" + tid, prompt, 1, _send_params(d, tid, reg))
+    reg = lookup(p, d, tid)
+    p.add("p-" + tid, prompt, 1, send_params(d, tid, reg))
 
     def write_layer(name: str) -> None:
         blocks = p.blocks_of("p-" + tid)
@@ -192,7 +154,7 @@ def test_abort_while_waiting_keeps_blocks_until_the_fence(engines, p_answers):
     d.step()
     blocks = d.blocks_of("d-3")
     assert blocks and _status(d, "d-3") is RequestStatus.WAITING_FOR_REMOTE_KVS
-    _lookup(p, d, "t3")
+    lookup(p, d, "t3")
     t0 = time.monotonic()
     d.scheduler.finish_requests("d-3", RequestStatus.FINISHED_ABORTED)
     assert d.blocks_of("d-3") == blocks                # not freed at the abort itself
@@ -216,8 +178,8 @@ def test_chunked_prefill_sends_every_block_in_the_last_chunk(engines):
     prompt = list(range(5, 133))                       # 128 tokens in chunks of 64: 2 steps, 4 blocks
     d.add("d-4", prompt, 2, {"aiolayer": {"transfer_id": "t4", "token": tok("t4"), "prefill_control": p.runtime.control_endpoint}})
     d.step()
-    reg = _lookup(p, d, "t4")
-    p.add("p-t4", prompt, 1, _send_params(d, "t4", reg))
+    reg = lookup(p, d, "t4")
+    p.add("p-t4", prompt, 1, send_params(d, "t4", reg))
     def write_layer(name: str) -> None:
         p.kv_blocks(name)[p.blocks_of("p-t4")] = 9.0
 

@@ -11,27 +11,14 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from vllm_sched import (LAYERS, Engine, layer_pattern, lookup, recv_params, send_params,  # noqa: E402
-                        steps_until, tok)
+from vllm_sched import (LAYERS, Engine, engines_fixture, layer_pattern, lookup, recv_params,  # noqa: E402
+                        send_params, steps_until, tok)
 
 pytestmark = pytest.mark.timeout(120)
-FAST = {"control_call": 0.5, "layer_write": 1.0, "done_delivery": 1.0, "receive": 20.0, "fence_grace": 1.0}
 LIMIT = 8.0          # every case ends well within this; the receive deadline is 20 s
 
 
-@pytest.fixture
-def engines():
-    made = []
-
-    def make(role: str, engine_id: str, **kw) -> Engine:
-        extra = {"backend": "memory", "engine_id": engine_id, "timeouts": FAST, **kw.pop("extra", {})}
-        eng = Engine(role, extra, **kw)
-        made.append(eng)
-        return eng
-
-    yield make
-    for eng in made:
-        eng.close()
+engines = pytest.fixture(engines_fixture, name="engines")
 
 
 def _waiting_remote():

@@ -155,6 +155,26 @@ class Engine:
 
 # --- flows shared by the tests (a proxy's part, played by the test) ---------------------------------
 
+# short deadlines: a flow that waits for one fails its test in seconds, not minutes
+FAST = {"control_call": 0.5, "layer_write": 1.0, "done_delivery": 1.0, "receive": 20.0, "fence_grace": 1.0}
+
+
+def engines_fixture():
+    """Fixture body: ``engines(role, engine_id, extra=..., **kw)`` -> an Engine (memory backend,
+    ``FAST`` deadlines), every one closed at teardown."""
+    made: list[Engine] = []
+
+    def make(role: str, engine_id: str, **kw) -> Engine:
+        extra = {"backend": "memory", "engine_id": engine_id, "timeouts": FAST, **kw.pop("extra", {})}
+        eng = Engine(role, extra, **kw)
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        eng.close()
+
+
 def tok(tid: str) -> str:
     """The token a proxy would mint for ``tid`` (any secret of 16+ characters)."""
     return f"{tid}-token-0123456789abcdef"
