@@ -44,10 +44,6 @@ class PagedKVCache:
         """Per layer CRC32 of K and of V over ``block_ids`` in that order."""
         return checksums(self.blocks, block_ids)
 
-    def zero_blocks(self, block_ids) -> None:
-        ids = np.asarray(block_ids, dtype=np.int64)
-        self.blocks[:, :, ids] = 0
-
 
 def checksums(blocks: np.ndarray, block_ids) -> tuple[list[int], list[int]]:
     """``blocks`` is [layers, 2, num_blocks, block_bytes] uint8."""

@@ -107,7 +107,7 @@ class Receiver:
     # --- on the loop ---------------------------------------------------------------------------
 
     def register(self, transfer_id: str, block_ids: list[int], *, token: str, on_release=None,
-                 deadline_s: float | None = None, sender_control: str = "", first_block: int = 0,
+                 sender_control: str = "", first_block: int = 0,
                  senders: int = 1) -> None:
         """Register before publishing the block ids; ``on_release(block_ids)`` frees them later.
 
@@ -126,8 +126,8 @@ class Receiver:
         entry = _Entry(transfer_id, token, block_ids, on_release, sender_control, first_block)
         entry.senders = senders
         self._entries[transfer_id] = entry
-        limit = self.timeouts.receive if deadline_s is None else deadline_s
-        entry.timer = asyncio.get_running_loop().call_later(limit, self._expire, transfer_id)
+        # D waits for P at most Timeouts.receive: then it fences and fails the transfer
+        entry.timer = asyncio.get_running_loop().call_later(self.timeouts.receive, self._expire, transfer_id)
         if self._early:
             self._apply_early(entry)
 

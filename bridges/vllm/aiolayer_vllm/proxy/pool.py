@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
@@ -24,7 +24,6 @@ class Backend:
     control: str              # tcp://host:port of its aiolayer connector
     healthy: bool = True
     outstanding: int = 0
-    failures: int = 0
     served: int = 0
 
     @classmethod
@@ -67,7 +66,6 @@ class Pool:
     decode: list[Backend]
     health_interval_s: float = 2.0
     health_timeout_s: float = 1.0
-    _checks: int = field(default=0)
 
     def pick(self, role: str) -> Backend:
         candidates = [b for b in (self.prefill if role == "prefill" else self.decode) if b.healthy]
@@ -83,7 +81,6 @@ class Pool:
         """Forever (until cancelled): probe every backend's /health, flip ``healthy`` on change."""
         while True:
             await asyncio.gather(*(self._probe(client, b) for b in self.all))
-            self._checks += 1
             await asyncio.sleep(self.health_interval_s)
 
     async def _probe(self, client: httpx.AsyncClient, backend: Backend) -> None:
@@ -94,5 +91,3 @@ class Pool:
         if ok != backend.healthy:
             log.warning("%s backend %s is now %s", backend.role, backend.url, "healthy" if ok else "DOWN")
         backend.healthy = ok
-        if not ok:
-            backend.failures += 1
