@@ -267,6 +267,33 @@ def _stats_until(engine: Engine, key: str, limit: float = 5.0):
     return total
 
 
+def test_issue11_6_the_step_that_reports_a_transfer_also_counts_it(engines):
+    """vLLM collects the stats right after the transfer results of a step, and an idle engine takes
+    no further step: a count published later than its transfer's result is lost until the next request
+    (the published snapshot must count an outcome before the outcome is visible)."""
+    d = engines("kv_consumer", "d-stats1")
+    p = engines("kv_producer", "p-stats1")
+    prompt = list(range(5, 69))
+    d.add("d-61", prompt, 2, {"aiolayer": {"transfer_id": "t61", "token": tok("t61"),
+                                           "prefill_control": p.runtime.control_endpoint}})
+    d.step()
+    _run_prefill(p, d, "t61", prompt)
+    _steps_until(d, lambda: any("d-61" in (res.finished_recving or ()) for res, _ in d.reports))
+    _steps_until(p, lambda: any("p-t61" in (res.finished_sending or ()) for res, _ in p.reports))
+    assert _counted_by(d.reports, "receives_finished", lambda res: "d-61" in (res.finished_recving or ())) == 1
+    assert _counted_by(p.reports, "sends_finished", lambda res: "p-t61" in (res.finished_sending or ())) == 1
+
+
+def _counted_by(reports, key: str, reported) -> int:
+    """``key`` summed over the steps up to and including the first one whose results satisfy ``reported``."""
+    total = 0
+    for res, stats in reports:
+        total += stats.data.get(key, 0) if stats is not None else 0
+        if reported(res):
+            return total
+    raise AssertionError("the transfer was never reported")
+
+
 def test_connector_stats_report_the_transfer_and_feed_prometheus(engines):
     """vLLM's stats path: the worker's deltas, aggregated across workers, observed into Prometheus."""
     from prometheus_client import REGISTRY, Counter, Gauge, Histogram

@@ -76,6 +76,7 @@ class Engine:
         self.kv = {name: torch.zeros(shape) for name in LAYERS}
         self.worker.register_kv_caches(self.kv)
         self.outputs = []
+        self.reports = []          # per step: (transfer results, connector stats), as vLLM collects them
 
     @property
     def runtime(self):
@@ -125,11 +126,14 @@ class Engine:
         self.worker.wait_for_save()
         res = self.worker.get_transfer_results(out.finished_req_ids)
         errors = self.worker.get_block_ids_with_load_errors()
+        stats = self.worker.get_kv_connector_stats()   # after the results, as vLLM's model runner asks
+        self.reports.append((res, stats))
         self.worker.clear_connector_metadata()
         req_ids = list(out.num_scheduled_tokens)
         kv_out = KVConnectorOutput(finished_sending=res.finished_sending or None,
                                    finished_recving=res.finished_recving or None,
-                                   failed_recving=res.failed_recving, invalid_block_ids=errors)
+                                   failed_recving=res.failed_recving, invalid_block_ids=errors,
+                                   kv_connector_stats=stats)
         # a partial prefill (an early chunk) samples nothing, as in the real model runner
         sampled = [[] if self._partial(r) else [7] for r in req_ids]
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},

@@ -306,13 +306,13 @@ class Receiver:
         self.outcome_counts["finished" if ok else "failed"] += 1
         if not ok:
             log.warning("transfer %s failed at D: %s", entry.transfer_id, entry.state.reason)
+        if self._on_outcome is not None:
+            self._on_outcome()   # before the result is visible: whoever reads it finds it counted
         self._results.append(Received(transfer_id=entry.transfer_id, ok=ok, reason=entry.state.reason,
                                       finished_s=time.perf_counter()))
         self._remember_settled(entry)
         if self.forget_settled:
             self._entries.pop(entry.transfer_id, None)
-        if self._on_outcome is not None:
-            self._on_outcome()
 
     def _remember_settled(self, entry: _Entry) -> None:
         self._prune_settled(now := time.monotonic())

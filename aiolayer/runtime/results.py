@@ -9,13 +9,17 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import time
+from typing import Callable
 
 from ..errors import DeadlineExceeded
 from .spec import Outcome
 
 
 class Results:
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[], None] | None = None) -> None:
+        # called on the loop before an outcome or a release becomes visible to other threads, so
+        # what they read alongside it (the published metrics) already counts it
+        self.on_change = on_change
         self.waiters: dict[str, concurrent.futures.Future] = {}
         self.outcomes: collections.deque[Outcome] = collections.deque()
         self.released: collections.deque[str] = collections.deque()
@@ -33,6 +37,7 @@ class Results:
             self.waiters.pop(tid, None)
 
     def publish(self, outcome: Outcome) -> None:
+        self._changing()
         self.outcomes.append(outcome)
         self.resolve(outcome)
 
@@ -43,7 +48,12 @@ class Results:
             waiter.set_result(outcome)
 
     def release(self, transfer_id: str) -> None:
+        self._changing()
         self.released.append(transfer_id)
+
+    def _changing(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def fail_unpublished(self, reason: str, live) -> None:
         """Every ``wait`` not answered yet gets a failure (the sender stops)."""

@@ -6,7 +6,7 @@ Extra control messages (a node's allocation and verification) go to ``extra_hand
 ``inbound_filter`` sees every message first (a node's fault injection drops some there).
 
 Other threads read the metrics from ``published_metrics``: a snapshot the loop rebuilds every
-``METRICS_EVERY_S`` and after each receive outcome, swapped in one assignment and never mutated,
+``METRICS_EVERY_S`` and at each transfer outcome (before the outcome is visible), swapped in one assignment and never mutated,
 so a reader never walks a dict the loop is changing.
 """
 
@@ -17,7 +17,6 @@ import logging
 import uuid
 from typing import Awaitable, Callable
 
-from .. import compat
 from ..backends import make_backend
 from ..config import NodeConfig, Timeouts
 from ..errors import BridgeClosed, ControlError, ControlRejected, DeadlineExceeded, RuntimeStateError
@@ -60,7 +59,6 @@ class Runtime:
         self.metrics_server: MetricsServer | None = None
         self.metrics_url = ""
         self.published_metrics: dict | None = None   # read whole from any thread; replaced, never changed
-        self._metrics_due: asyncio.Event | None = None
         self._started = False
         self._closed = False
         self.loop_thread.on_exit(self._on_loop_exit)
@@ -87,10 +85,10 @@ class Runtime:
         self.peers = ControlPeers(self.timeouts, spawn)
         self.layouts = LayoutCache(self.peers, self.timeouts, self.node.engine_id, spawn)
         self.sender = Sender(engine_id=self.node.engine_id, bridge=self.bridge, backend=self.backend,
-                             peers=self.peers, layouts=self.layouts, timeouts=self.timeouts)
+                             peers=self.peers, layouts=self.layouts, timeouts=self.timeouts,
+                             on_outcome=self._republish_metrics)
         spawn(self.sender.run(spawn), name="sender")
-        self._metrics_due = asyncio.Event()
-        self.receiver.bind(spawn, self._stop_sender, on_outcome=self._metrics_due.set)
+        self.receiver.bind(spawn, self._stop_sender, on_outcome=self._republish_metrics)
         self.server = ControlServer(self.node.control_host, self.node.control_port, self._handle,
                                     max_frame_bytes=self.node.max_frame_bytes)
         self.control_endpoint = await self.server.start(spawn)
@@ -220,19 +218,18 @@ class Runtime:
     # --- metrics ---------------------------------------------------------------------------------
 
     async def _publish_metrics(self) -> None:
-        """Rebuild the snapshot other threads read, periodically and soon after each outcome."""
-        due = self._metrics_due
+        """Rebuild the snapshot other threads read every ``METRICS_EVERY_S`` (levels, queues); counts
+        are also republished at each outcome, before the outcome is visible (``_republish_metrics``)."""
         while True:
-            try:
-                async with compat.timeout(METRICS_EVERY_S):
-                    await due.wait()
-            except TimeoutError:
-                pass
-            due.clear()
-            try:
-                self.published_metrics = snapshot(self)   # a new dict, swapped in whole
-            except Exception:  # noqa: BLE001 - keep publishing; a stale figure beats none
-                log.exception("metrics snapshot failed")
+            await asyncio.sleep(METRICS_EVERY_S)
+            self._republish_metrics()
+
+    def _republish_metrics(self) -> None:
+        """On the loop: a new snapshot, swapped in whole (other threads only ever read the attribute)."""
+        try:
+            self.published_metrics = snapshot(self)
+        except Exception:  # noqa: BLE001 - keep the last one; a stale figure beats none
+            log.exception("metrics snapshot failed")
 
     async def _scrape(self) -> bytes:
         return render(snapshot(self))

@@ -24,6 +24,7 @@ import asyncio
 import collections
 import logging
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -50,7 +51,7 @@ _NO_RUNS = merge_runs([], [])
 
 class Sender:
     def __init__(self, *, engine_id: str, bridge: LayerBridge, backend, peers: ControlPeers,
-                 layouts: LayoutCache, timeouts: Timeouts) -> None:
+                 layouts: LayoutCache, timeouts: Timeouts, on_outcome: Callable[[], None] | None = None) -> None:
         self.engine_id = engine_id
         self.bridge = bridge
         self.backend = backend
@@ -59,7 +60,7 @@ class Sender:
         self.timeouts = timeouts
         self.local: LocalLayout | None = None
         self._steps: dict[int, list[Request]] = {}
-        self.results = Results()
+        self.results = Results(on_outcome)
         r = self.results   # the same containers under their old names (the soak report sizes them)
         self._waiters, self._outcomes, self._released = r.waiters, r.outcomes, r.released
         self._live: dict[str, Request] = {}          # until its writes are quiet
