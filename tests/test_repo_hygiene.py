@@ -1,4 +1,4 @@
-"""The repository stands alone: no tracked file names a path outside it (a clone has no ../shared)."""
+"""The repository stands alone: no tracked file names a path outside it (a clone has only the repo)."""
 
 from __future__ import annotations
 
