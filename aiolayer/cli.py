@@ -15,10 +15,14 @@ from typing import Callable, NamedTuple
 
 from .config import KVShape, NodeConfig, Timeouts
 from .errors import AiolayerError
+from .transport import PROTOCOLS, Transport
 
+# Every subcommand's --help shows each flag's default.
+HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter
 # Subcommands other packages add (the benchmark, the vLLM bridge's proxy): the core names none of them.
 COMMAND_GROUP = "aiolayer.commands"
-ELSEWHERE = {"proxy": "the D-first proxy comes with the vLLM bridge: pip install ./bridges/vllm (aiolayer-vllm)"}
+ELSEWHERE = {"proxy": "the D-first proxy comes with the vLLM bridge, aiolayer-vllm: from a checkout, "
+                     "pip install . ./bridges/vllm (README: Install)"}
 
 
 class Command(NamedTuple):
@@ -42,7 +46,8 @@ def command_plugins() -> dict[str, tuple[Command | None, BaseException | None]]:
 
 def add_command(sub, name: str, found: tuple[Command | None, BaseException | None]):
     command, error = found
-    parser = sub.add_parser(name, help=command.help if command else f"(not available: {error})")
+    parser = sub.add_parser(name, help=command.help if command else f"(not available: {error})",
+                            formatter_class=HELP_FORMAT)
     if command is not None:
         command.add_args(parser)
     return found
@@ -51,12 +56,13 @@ def add_command(sub, name: str, found: tuple[Command | None, BaseException | Non
 def add_shape_args(p: argparse.ArgumentParser, num_blocks: int = 512) -> None:
     d = KVShape()
     g = p.add_argument_group("KV shape")
-    g.add_argument("--num-layers", type=int, default=d.num_layers)
-    g.add_argument("--num-blocks", type=int, default=num_blocks)
+    g.add_argument("--num-layers", type=int, default=d.num_layers, help="layers of the KV cache")
+    g.add_argument("--num-blocks", type=int, default=num_blocks, help="blocks per layer")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per block")
-    g.add_argument("--kv-heads", type=int, default=d.kv_heads)
-    g.add_argument("--head-dim", type=int, default=d.head_dim)
-    g.add_argument("--dtype", default=d.dtype, choices=["float16", "bfloat16", "float32", "int8", "uint8"])
+    g.add_argument("--kv-heads", type=int, default=d.kv_heads, help="KV heads per block")
+    g.add_argument("--head-dim", type=int, default=d.head_dim, help="elements per head")
+    g.add_argument("--dtype", default=d.dtype, choices=["float16", "bfloat16", "float32", "int8", "uint8"],
+                   help="element type")
     g.add_argument("--kv-layout", default=d.layout, choices=["NHD", "HND"],
                    help="block layout: NHD [block, token, head, dim] or HND [block, head, token, dim]")
 
@@ -68,10 +74,20 @@ def shape_from_args(args: argparse.Namespace) -> KVShape:
 
 
 def add_node_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="control socket interface (default 127.0.0.1)")
+    t = Transport()
+    g = p.add_argument_group("transport (aiolayer.transport.Transport)")
+    g.add_argument("--bind-host", "--host", dest="bind_host", default=t.bind_host,
+                   help="address the control socket and /metrics bind (0.0.0.0: every interface)")
+    g.add_argument("--advertise-host", default=t.advertise_host,
+                   help="address peers dial; empty: the bind host, or for a wildcard bind the routed interface's")
+    g.add_argument("--protocol", default=t.protocol, choices=PROTOCOLS, help="Mooncake transport")
+    g.add_argument("--device-name", default=t.device_name, help="RDMA NIC(s), comma-separated; empty: auto")
+    g.add_argument("--metadata-server", default=t.metadata_server,
+                   help="P2PHANDSHAKE (no server), or an http(s):// or etcd:// metadata server")
     p.add_argument("--port", type=int, default=0, help="control port (0 = pick a free one)")
-    p.add_argument("--engine-id", default="")
-    p.add_argument("--backend", default="mooncake", choices=["mooncake", "memory"])
+    p.add_argument("--engine-id", default="", help="this node's name to peers; empty: decode-PORT")
+    p.add_argument("--backend", default="mooncake", choices=["mooncake", "memory"],
+                   help="data plane: Mooncake's transfer engine, or in-process memory (tests)")
     p.add_argument("--receive-timeout", type=float, default=Timeouts().receive,
                    help="seconds D waits for a registered transfer's DONE/FAILED")
     p.add_argument("--fence-grace", type=float, default=Timeouts().fence_grace,
@@ -90,9 +106,10 @@ def run_node(args: argparse.Namespace) -> int:
     if args.role != "decode":
         print("only --role decode is a standalone node; P runs inside its engine (see README)", file=sys.stderr)
         return 2
-    node_cfg = NodeConfig(engine_id=args.engine_id or f"decode-{args.port or 'auto'}",
-                          control_host=args.host, control_port=args.port, backend=args.backend,
-                          metrics_port=args.metrics_port)
+    transport = Transport(bind_host=args.bind_host, advertise_host=args.advertise_host, protocol=args.protocol,
+                          device_name=args.device_name, metadata_server=args.metadata_server)
+    node_cfg = NodeConfig(engine_id=args.engine_id or f"decode-{args.port or 'auto'}", transport=transport,
+                          control_port=args.port, backend=args.backend, metrics_port=args.metrics_port)
     node = DecodeNode(shape_from_args(args), node_cfg,
                       Timeouts(receive=args.receive_timeout, fence_grace=args.fence_grace),
                       refuse_writes=args.refuse_writes)
@@ -111,13 +128,16 @@ def run_node(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+    """The ``aiolayer`` parser with every subcommand, and the loaded commands by name."""
     parser = argparse.ArgumentParser(prog="aiolayer", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    node = sub.add_parser("node", help="run a standalone decode node (prints one JSON line, stops on SIGTERM)")
-    node.add_argument("--role", choices=["decode", "prefill"], default="decode")
+    node = sub.add_parser("node", help="run a standalone decode node (prints one JSON line, stops on SIGTERM)",
+                          formatter_class=HELP_FORMAT)
+    node.add_argument("--role", choices=["decode", "prefill"], default="decode",
+                      help="decode: a standalone D node (P runs inside its engine)")
     add_shape_args(node)
     add_node_args(node)
 
@@ -125,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, hint in ELSEWHERE.items():
         if name not in commands:
             commands[name] = add_command(sub, name, (None, ImportError(hint)))
+    return parser, commands
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser, commands = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)

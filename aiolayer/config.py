@@ -1,15 +1,16 @@
 """Frozen configuration: the named deadlines (``Timeouts``), the KV shape and the node settings.
 
 Every wait in aiolayer takes its deadline from one ``Timeouts`` instance; nothing hard-codes one.
+A wait that spans several phases uses a named sum (``Timeouts.quarantine_wait`` ...), defined and
+checked here, never one added up at the call site.
 """
 
 from __future__ import annotations
 
-import ipaddress
-
 import msgspec
 
 from .errors import ConfigError
+from .transport import Transport
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1, "uint8": 1}
 
@@ -41,6 +42,61 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True):
                     raise ConfigError("control_retries must be >= 1")
             elif not value > 0:
                 raise ConfigError(f"timeout {name} must be > 0, got {value!r}")
+        for name, parts in COMPOSED.items():
+            values = [getattr(self, part) for part in parts]
+            total = getattr(self, name)
+            if total != sum(values) or (total == float("inf") and all(v < float("inf") for v in values)):
+                raise ConfigError(f"deadline {name} = {' + '.join(parts)} overflows: {values!r}")
+
+    # --- composed deadlines (each is the sum its name stands for; ``COMPOSED`` lists the parts) ---
+
+    @property
+    def abort_settle(self) -> float:
+        """P, answering D's Abort: how long it waits for the transfer's writes to be quiet before it
+        answers Nack ``settling`` instead (a write in flight ends within ``layer_write``)."""
+        return self.layer_write + self.cleanup
+
+    @property
+    def abort_call(self) -> float:
+        """D's Abort call to P: P may wait ``layer_write`` before it answers, plus the round trip."""
+        return self.layer_write + self.control_call
+
+    @property
+    def abort_ask(self) -> float:
+        """D's fence, one ask of P: ``abort_call`` plus getting the control client.
+
+        The fence is safe when ``fence_grace`` exceeds both this (the first ask's own round trip) and
+        Mooncake's ``MC_TRANSFER_TIMEOUT`` (30 s by default: how long a submitted write can stay in
+        flight). The latter is Mooncake's environment, not ours, so only docs/fencing.md states it;
+        neither is enforced here, since tests shorten ``fence_grace`` on purpose."""
+        return self.layer_write + self.control_call + self.cleanup
+
+    @property
+    def quarantine_wait(self) -> float:
+        """P, a failed transfer: how long it waits for its writes to be quiet before FAILED goes to
+        D; past it D is told nothing (its own deadline and fence take over)."""
+        return self.quarantine + self.cleanup
+
+    @property
+    def runtime_open(self) -> float:
+        """``Runtime.start``: open the backend and the control plane (a layout fetch's worth of slack)."""
+        return self.shutdown + self.layout_fetch
+
+    @property
+    def runtime_close(self) -> float:
+        """``Runtime.stop``: close sockets and tasks, then the backend."""
+        return self.shutdown + self.backend_close
+
+
+# name -> the Timeouts fields it adds up (checked in ``Timeouts.__post_init__``)
+COMPOSED: dict[str, tuple[str, ...]] = {
+    "abort_settle": ("layer_write", "cleanup"),
+    "abort_call": ("layer_write", "control_call"),
+    "abort_ask": ("layer_write", "control_call", "cleanup"),
+    "quarantine_wait": ("quarantine", "cleanup"),
+    "runtime_open": ("shutdown", "layout_fetch"),
+    "runtime_close": ("shutdown", "backend_close"),
+}
 
 
 class KVShape(msgspec.Struct, frozen=True, kw_only=True):
@@ -87,18 +143,15 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Where this process listens and how it names itself to peers."""
 
     engine_id: str = "aiolayer"
-    control_host: str = "127.0.0.1"
+    # bind and advertised hosts, Mooncake's protocol, device and metadata server (aiolayer.transport)
+    transport: Transport = msgspec.field(default_factory=Transport)
     control_port: int = 0            # 0 = pick a free port
-    metrics_port: int = -1           # Prometheus GET /metrics on control_host: -1 = off, 0 = a free port
+    metrics_port: int = -1           # Prometheus GET /metrics on transport.bind_host: -1 = off, 0 = a free port
     backend: str = "mooncake"        # "mooncake" | "memory"
     max_frame_bytes: int = 1 << 20   # control frames larger than this are refused
     bridge_capacity: int = 65536     # items the forward thread may queue before BridgeFull
 
     def __post_init__(self) -> None:
-        try:
-            ipaddress.ip_address(self.control_host)
-        except ValueError as exc:
-            raise ConfigError(f"control_host must be an IP address, got {self.control_host!r}") from exc
         if not 0 <= self.control_port <= 65535:
             raise ConfigError(f"control_port out of range: {self.control_port}")
         if not -1 <= self.metrics_port <= 65535:

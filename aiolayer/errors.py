@@ -6,6 +6,9 @@ so callers only ever catch ``AiolayerError`` subclasses.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Callable, Iterator
+
 
 class AiolayerError(Exception):
     """Base of every error aiolayer raises on purpose."""
@@ -31,6 +34,10 @@ class RuntimeStateError(AiolayerError, RuntimeError):
     """The runtime is not in a state that allows the call (not started, stopped, dead)."""
 
 
+class UnknownTransfer(AiolayerError, KeyError):
+    """No such transfer to wait for here: never started, or its result was already taken."""
+
+
 class BridgeClosed(RuntimeStateError):
     """The loop side of the layer bridge is gone; the producer must stop handing layers over."""
 
@@ -50,7 +57,8 @@ class ControlTimeout(ControlError, DeadlineExceeded):
 
 
 class ControlRejected(ControlError):
-    """The peer answered with a NACK."""
+    """The peer answered with a NACK; ``code`` is a ``protocol.codes.NackCode`` (or, from a newer
+    peer, a code this side does not know: compare with the enum's members, never with a literal)."""
 
     def __init__(self, code: str, reason: str) -> None:
         self.code = code
@@ -60,6 +68,14 @@ class ControlRejected(ControlError):
 
 class ProtocolError(ControlError):
     """A frame or message could not be decoded or is not valid in this exchange."""
+
+
+class DeliveryFailed(ControlError):
+    """P's DONE or FAILED did not reach D (all attempts); ``cause`` is the error of the last one."""
+
+    def __init__(self, cause: BaseException) -> None:
+        self.cause = cause
+        super().__init__(f"{type(cause).__name__}: {cause}")
 
 
 class FrameDropped(ControlError):
@@ -118,3 +134,33 @@ class TransferFailed(TransferError):
         self.transfer_id = transfer_id
         self.reason = reason
         super().__init__(f"transfer {transfer_id} failed: {reason}")
+
+
+class TransferStopped(TransferError):
+    """P's transfer ends without DONE; ``str()`` is the reason as its outcome publishes it.
+    ``settled_s``: when every write submitted for it had settled (perf_counter), 0.0 if none was."""
+
+    def __init__(self, reason: str, settled_s: float = 0.0) -> None:
+        self.settled_s = settled_s
+        super().__init__(reason)
+
+
+class LayerWriteFailed(TransferStopped):
+    """One layer's write failed: ``cause`` is what planning or the backend raised; ``pending`` the
+    runs that may still land (the cause's own ``pending``, see ``TransferTimeout``)."""
+
+    def __init__(self, layer: int, cause: BaseException) -> None:
+        self.layer = layer
+        self.cause = cause
+        self.pending = list(getattr(cause, "pending", ()))
+        super().__init__(f"layer {layer}: {type(cause).__name__}: {cause}")
+
+
+@contextlib.contextmanager
+def map_errors(wrap: Callable[[Exception], AiolayerError]) -> Iterator[None]:
+    """At a boundary (a backend, a socket): any ``Exception`` raised inside leaves as ``wrap(exc)``,
+    chained to it; cancellation (a ``BaseException``) passes through untouched."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - mapped, not swallowed
+        raise wrap(exc) from exc

@@ -18,7 +18,9 @@ from .config import KVShape, NodeConfig, Timeouts
 from .errors import ConfigError, ControlRejected, FrameDropped
 from .kvcache import BlockAllocator, PagedKVCache
 from .protocol import messages as m
+from .protocol.codes import AckDetail, NackCode
 from .protocol.plan import HeadGeometry
+from .runtime.hooks import install_hooks
 from .runtime.runtime import Runtime
 
 
@@ -27,8 +29,8 @@ class DecodeNode:
                  backend=None, refuse_writes: bool = False) -> None:
         self.shape = shape
         self.refuse_writes = refuse_writes   # fault injection: publish the layout, register no memory
-        self.runtime = Runtime(node, timeouts, backend=backend, extra_handler=self._handle,
-                               inbound_filter=self._drop_faulty)
+        self.runtime = install_hooks(Runtime(node, timeouts, backend=backend), extra_handler=self._handle,
+                                     inbound_filter=self._drop_faulty, refuse_writes=refuse_writes)
         self.cache: PagedKVCache | None = None
         self.allocator = BlockAllocator(shape.num_blocks)
         self._blocks: dict[str, list[int]] = {}
@@ -44,9 +46,9 @@ class DecodeNode:
         try:
             # with its head geometry, so P ranks of another TP size can write head slices
             shape = self.shape
-            self.runtime.publish_layout(self.cache.k_base, self.cache.v_base, shape.block_bytes,
-                                        shape.num_blocks, register=not self.refuse_writes, kv_heads=shape.kv_heads,
-                                        geometry=HeadGeometry(shape.block_size, shape.head_bytes, shape.layout))
+            self.runtime.register_kv_memory(self.cache.k_base, self.cache.v_base, shape.block_bytes,
+                                            shape.num_blocks, kv_heads=shape.kv_heads,
+                                            geometry=HeadGeometry(shape.block_size, shape.head_bytes, shape.layout))
         except BaseException:
             self.runtime.stop()
             raise
@@ -65,17 +67,17 @@ class DecodeNode:
         receiver = self.runtime.receiver
         if isinstance(msg, m.AllocRequest):
             if msg.senders < 1:
-                raise ControlRejected("bad_request", f"senders must be >= 1, got {msg.senders}")
+                raise ControlRejected(NackCode.BAD_REQUEST, f"senders must be >= 1, got {msg.senders}")
             ids = self.allocator.allocate(msg.num_blocks, msg.contiguous)
             if ids is None:
-                raise ControlRejected("no_space", f"{msg.num_blocks} blocks asked, {self.allocator.free} free")
+                raise ControlRejected(NackCode.NO_SPACE, f"{msg.num_blocks} blocks asked, {self.allocator.free} free")
             token = msg.token or secrets.token_hex(16)
             try:
                 receiver.register(msg.transfer_id, ids, token=token, on_release=self.allocator.release,
                                   sender_control=msg.sender_control, senders=msg.senders)
             except ConfigError as exc:
                 self.allocator.release(ids)
-                raise ControlRejected("token", str(exc)) from None
+                raise ControlRejected(NackCode.TOKEN, str(exc)) from None
             except ControlRejected:
                 self.allocator.release(ids)
                 raise
@@ -92,11 +94,11 @@ class DecodeNode:
         if isinstance(msg, m.ReleaseRequest):
             receiver.pop_results()  # a node reports through StatusRequest: do not let results pile up
             if not receiver.release(msg.transfer_id):
-                raise ControlRejected("unknown_transfer", f"no transfer {msg.transfer_id}")
+                raise ControlRejected(NackCode.UNKNOWN_TRANSFER, f"no transfer {msg.transfer_id}")
             self._blocks.pop(msg.transfer_id, None)
             self._drop_done.discard(msg.transfer_id)
-            return m.Ack(detail="released")
-        raise ControlRejected("unknown", f"{type(msg).__name__} is not served by a decode node")
+            return m.Ack(detail=AckDetail.RELEASED)
+        raise ControlRejected(NackCode.UNKNOWN, f"{type(msg).__name__} is not served by a decode node")
 
     def _drop_faulty(self, msg: m.Message) -> None:
         if isinstance(msg, m.Done) and msg.transfer_id in self._drop_done:
@@ -105,7 +107,7 @@ class DecodeNode:
     async def _verify(self, transfer_id: str) -> m.Message:
         ids = self._blocks.get(transfer_id)
         if ids is None:
-            raise ControlRejected("unknown_transfer", f"no transfer {transfer_id}")
+            raise ControlRejected(NackCode.UNKNOWN_TRANSFER, f"no transfer {transfer_id}")
         state, reason = self.runtime.receiver.state_of(transfer_id)
         crc_k, crc_v = await asyncio.to_thread(self.cache.checksums, ids)
         return m.VerifyReply(transfer_id=transfer_id, state=state, reason=reason, crc_k=crc_k, crc_v=crc_v)

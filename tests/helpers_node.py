@@ -7,42 +7,33 @@ Use ``spawn_node(...)`` as a context manager (or wrap it in a fixture in your te
         ...
     node.returncode               # set once the context has stopped the process
 
-The node's stderr goes to a temporary file (a pipe nobody reads could fill up and freeze the node);
-its text is attached to every failure. Stopping is bounded: SIGTERM (or the signal asked for),
-``wait`` with a deadline, then SIGKILL.
+The process itself is ``aiolayer.bench.child.ChildProcess``, the bench's too: the node's stderr goes
+to a temporary file (a pipe nobody reads could fill up and freeze the node); its text is attached to
+every failure. Stopping is bounded: SIGTERM (or the signal asked for), ``wait`` with a deadline,
+then SIGKILL of its process group.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import selectors
 import signal
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
+from aiolayer.bench.child import KILL_TIMEOUT_S, STOP_TIMEOUT_S, ChildProcess, ChildStartError  # noqa: F401
+from aiolayer.bench.node import mooncake_env, shape_flags
 from aiolayer.config import KVShape
 
 # Mooncake settings for every process that creates an engine (docs/mooncake.md).
-MC_ENV = {
-    "MC_FORCE_TCP": "1",
-    "MC_TRANSFER_TIMEOUT": "5",
-    "MC_LOG_LEVEL": "WARNING",
-    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
-    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
-}
+MC_ENV = mooncake_env(transfer_timeout_s=5)
 
 SMALL_SHAPE = KVShape(num_layers=4, num_blocks=64, block_size=16, kv_heads=2, head_dim=64)
 
 READY_TIMEOUT_S = 20.0
-STOP_TIMEOUT_S = 10.0
-KILL_TIMEOUT_S = 5.0
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -53,9 +44,7 @@ def apply_mc_env() -> None:
 
 
 def shape_args(shape: KVShape) -> list[str]:
-    return ["--num-layers", str(shape.num_layers), "--num-blocks", str(shape.num_blocks),
-            "--block-size", str(shape.block_size), "--kv-heads", str(shape.kv_heads),
-            "--head-dim", str(shape.head_dim), "--dtype", shape.dtype]
+    return shape_flags(shape, skip=("layout",))
 
 
 def node_command(*extra: str, shape: KVShape | None = SMALL_SHAPE, backend: str = "mooncake",
@@ -77,133 +66,37 @@ def node_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-class NodeProcess:
-    """One running ``aiolayer node``; ``info`` is its parsed JSON line."""
+class NodeProcess(ChildProcess):
+    """One running ``aiolayer node`` (started at once, in a session of its own); ``info`` is its parsed
+    JSON line. A node that prints no usable line fails the test, with its stderr attached."""
 
     def __init__(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
-        self.cmd = cmd
-        self._stderr_file = tempfile.TemporaryFile(prefix="aiolayer-node-stderr-")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=self._stderr_file, env=node_env(env), cwd=str(REPO_ROOT),
-                                     start_new_session=True)
+        super().__init__(cmd, env=node_env(env), cwd=str(REPO_ROOT), name="aiolayer node")
         self.info: dict | None = None
-        self.first_line = b""
-        self.rest_stdout = b""
-        self._buf = b""
-        self.stop_s: float | None = None    # how long the stop took (signal -> exit)
-        self.killed = False
-
-    # --- reading ------------------------------------------------------------------------------
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self.proc.returncode
+        self.start()
 
     @property
     def control(self) -> str:
         assert self.info is not None, "node not ready"
         return self.info["control"]
 
-    def stderr_text(self, limit: int = 8000) -> str:
-        f = self._stderr_file
-        try:
-            f.flush()
-            f.seek(0)
-            data = f.read()
-        except (OSError, ValueError):
-            return "<stderr unavailable>"
-        text = data.decode(errors="replace")
-        return text[-limit:]
-
-    def _describe(self) -> str:
-        return (f"cmd: {' '.join(self.cmd)}\nreturncode: {self.proc.poll()}\n"
-                f"stdout so far: {self._buf!r}\nstderr:\n{self.stderr_text()}")
-
     def read_line(self, timeout: float = READY_TIMEOUT_S) -> bytes:
         """The first stdout line, within ``timeout`` seconds; fails the test with stderr otherwise."""
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while b"\n" not in self._buf:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    pytest.fail(f"aiolayer node printed no line within {timeout:g}s\n{self._describe()}")
-                if not sel.select(left):
-                    continue
-                chunk = os.read(fd, 65536)
-                if not chunk:  # EOF: the node exited (or closed stdout) before its line
-                    try:
-                        self.proc.wait(2)
-                    except subprocess.TimeoutExpired:
-                        pass
-                    pytest.fail(f"aiolayer node closed stdout before its JSON line\n{self._describe()}")
-                self._buf += chunk
-        line, _, self._buf = self._buf.partition(b"\n")
-        self.first_line = line
-        return line
+        try:
+            return super().read_line(timeout)
+        except ChildStartError as exc:
+            pytest.fail(str(exc))
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> dict:
-        line = self.read_line(timeout)
         try:
-            info = json.loads(line)
-        except ValueError:
-            pytest.fail(f"aiolayer node's first line is not JSON: {line!r}\n{self._describe()}")
-        if not isinstance(info, dict) or "control" not in info:
-            pytest.fail(f"aiolayer node's JSON line has no 'control': {line!r}\n{self._describe()}")
-        self.info = info
-        return info
-
-    # --- stopping -----------------------------------------------------------------------------
+            self.info = self.read_json(timeout, require="control")
+        except ChildStartError as exc:
+            pytest.fail(str(exc))
+        return self.info
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = STOP_TIMEOUT_S) -> int:
         """Send ``sig``, wait at most ``timeout``, then SIGKILL; returns the exit status."""
-        proc = self.proc
-        if proc.poll() is None:
-            start = time.monotonic()
-            try:
-                proc.send_signal(sig)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.killed = True
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)  # its own session: the group is the node
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                proc.wait(KILL_TIMEOUT_S)
-            self.stop_s = time.monotonic() - start
-        self._drain_stdout()
-        return proc.returncode
-
-    def _drain_stdout(self) -> None:
-        out = self.proc.stdout
-        if out is None or out.closed:
-            return
-        fd = out.fileno()
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            deadline = time.monotonic() + 2.0
-            while time.monotonic() < deadline and sel.select(max(0.0, deadline - time.monotonic())):
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    break
-                self._buf += chunk
-        out.close()
-        self.rest_stdout = self._buf
-
-    def close(self) -> None:
-        try:
-            self.stop()
-        finally:
-            with contextlib.suppress(Exception):
-                self._stderr_file.close()
+        return super().stop(sig, timeout)
 
 
 @contextlib.contextmanager

@@ -93,7 +93,7 @@ def _run_attack(node, rt: Runtime, stranger: Stranger) -> None:
     d, p = node.info["control"], rt.control_endpoint
     cache = PagedKVCache(SMALL_SHAPE)
     cache.buffer[:] = np.random.default_rng(3).integers(0, 256, cache.buffer.size, dtype=np.uint8)
-    rt.publish_layout(cache.k_base, cache.v_base, SMALL_SHAPE.block_bytes, SMALL_SHAPE.num_blocks)
+    rt.register_kv_memory(cache.k_base, cache.v_base, SMALL_SHAPE.block_bytes, SMALL_SHAPE.num_blocks)
 
     # a DONE with a wrong token before the registration is kept, then dropped when the real one comes
     assert stranger.call(d, m.Done(transfer_id="legit", sender="x", token=WRONG)).detail == "kept until registration"
@@ -110,8 +110,7 @@ def _run_attack(node, rt: Runtime, stranger: Stranger) -> None:
     assert all(_refused(r) for r in refused), refused
     assert rt.request(d, m.StatusRequest(transfer_id="legit"), timeout=5).state == "registered"
 
-    spec = TransferSpec(transfer_id="legit", peer=d, src_blocks=list(range(BLOCKS)), dst_blocks=alloc.block_ids,
-                        dst_incarnation=alloc.incarnation, token=alloc.token)
+    spec = TransferSpec.from_registration(alloc, src_blocks=list(range(BLOCKS)), peer=d)
     # before P knows the transfer, an Abort cannot be checked: it is kept under its own token, harmless
     early = stranger.call(p, m.Abort(transfer_id="legit", reason="forged", token=WRONG))
     assert isinstance(early, m.Ack), early

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("mooncake.engine")
 pytest.importorskip("matplotlib")
 
-from aiolayer_bench.harness import MODES  # noqa: E402
+from aiolayer.bench.perf.harness import MODES  # noqa: E402
 
 TINY = ["--backend", "mooncake", "--prompt-tokens", "64", "--num-layers", "3", "--kv-heads", "2",
         "--head-dim", "64", "--layer-ms", "1"]
@@ -87,3 +87,32 @@ def test_scale_and_soak_refuse_bad_arguments_with_a_message(args, words):
                           timeout=60)
     assert proc.returncode == 2 and words in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_issue13_two_hosts_writes_json_and_png_and_every_rate_verifies(tmp_path):
+    from aiolayer.bench import netns
+
+    why = netns.available()
+    if why:
+        pytest.skip(why)
+    # 4 MiB per request: well past tbf's burst (10 ms of traffic), so the 1 Gbit/s rate shows
+    proc = _bench("--two-hosts", "--link-gbit", "1,0", "--prompt-tokens", "256", "--num-layers", "4",
+                  "--kv-heads", "8", "--head-dim", "128", "--layer-ms", "2", "--requests", "1", "--warmup", "1",
+                  "--out", str(tmp_path), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "two_hosts.json").read_text())
+    assert report["verified"] is True and [r["label"] for r in report["rates"]] == ["1gbit", "unlimited"]
+    for row in report["rates"]:
+        assert row["verified"] is True, row
+        assert set(row["modes"]) == {"layerwise", "bulk", "threaded", "raw_mooncake"}, row
+        assert all(m["verified"] for m in row["modes"].values()), row
+        assert row["ttft_ms_layerwise"] > 0 and row["ttft_ms_bulk"] > 0 and row["hidden_fraction_layerwise"] is not None
+    # the link was really shaped: 1 Gbit/s moves the same bytes slower than the unlimited veth
+    assert report["rates"][0]["link_gbps_raw"] < report["rates"][1]["link_gbps_raw"], report["rates"]
+    assert report["rates"][0]["link_gbps_raw"] < 0.25, report["rates"]     # 1 Gbit/s = 0.125 GB/s (+ tbf burst)
+    assert _is_png(tmp_path / "two_hosts.png")
+
+
+def test_issue13_two_hosts_refuses_bad_rates(tmp_path):
+    proc = _bench("--two-hosts", "--link-gbit", "-1", "--out", str(tmp_path), timeout=60)
+    assert proc.returncode == 2 and "--link-gbit" in proc.stderr, proc.stderr[-2000:]

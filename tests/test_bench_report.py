@@ -6,10 +6,10 @@ import argparse
 
 import pytest
 
-from aiolayer_bench.harness import busy_seconds, limit_sample
-from aiolayer_bench.main import add_bench_args
-from aiolayer_bench.report import derive, print_table, summarize
-from aiolayer_bench.sweep import crossover, point_args, sweep_points
+from aiolayer.bench.perf.harness import busy_seconds, limit_sample
+from aiolayer.bench.main import add_bench_args
+from aiolayer.bench.perf.report import derive, print_table, summarize
+from aiolayer.bench.perf.sweep import crossover, point_args, sweep_points
 
 
 def _prefill(ttft, exposed, busy_ms, nbytes=10**9, cpu=0.1):

@@ -1,6 +1,6 @@
 """Peer faults against real processes and the real Mooncake engine, one test per seed fragility.
 
-Each test runs one scenario of ``aiolayer bench --scenario faults`` (bench/faults.py) on a shared
+Each test runs one scenario of ``aiolayer bench --scenario faults`` (bench/scenarios/faults.py) on a shared
 harness: P in this process, a healthy decode node kept for the module, a faulty node per test.
 Names say which item of docs/seed-fragilities.md the test shows impossible (fNN).
 """
@@ -13,8 +13,8 @@ from helpers_node import apply_mc_env
 
 apply_mc_env()
 
-from aiolayer_bench import faults  # noqa: E402
-from aiolayer_bench.faults import FAULT_TIMEOUTS, P_DEADLINE_S  # noqa: E402
+from aiolayer.bench.scenarios import faults  # noqa: E402
+from aiolayer.bench.scenarios.faults import FAULT_TIMEOUTS, P_DEADLINE_S  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 HANDOFF_MAX_NS = 50_000_000   # the old design stalled the forward ~3 s per layer; allow scheduler noise
@@ -130,3 +130,51 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# --- faults of the network (bench/scenarios/net_faults.py): P and D on two network namespaces -----------
+
+from aiolayer.bench import netns  # noqa: E402
+from aiolayer.bench.scenarios import net_faults  # noqa: E402
+
+needs_netns = pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "available")
+
+
+def _ended_visibly_none_lost(r: dict) -> None:
+    assert r["lost"] == 0 and r["d_states"].get("unsettled", 0) == 0, r       # every transfer ended, at P and D
+    assert r["outcome"] == "failed (visible)" and r["failed"] >= 1, r
+    assert r["verified"] == r["ok"], r
+    assert r["terminal_s"] is not None and r["terminal_s"] <= r["deadline_s"] + 1.0, r
+
+
+@needs_netns
+@pytest.mark.timeout(240)
+def test_issue13_partition_row_fails_cut_transfers_in_deadline_and_recovers():
+    r = net_faults.scenario_partition()
+    _ended_visibly_none_lost(r)
+    assert r["ok"] > 0 and r["transfers_after_link_up"] > 0 and r["good_verified"], r
+
+
+@needs_netns
+@pytest.mark.timeout(240)
+def test_issue13_slow_link_row_fails_at_the_write_deadline_not_a_hang():
+    r = net_faults.scenario_slow_link()
+    _ended_visibly_none_lost(r)
+    assert r["failed"] == r["transfers"] == 2 and "layer_write" in r["bad_reason"], r
+    assert r["d_states"].get("failed") == 2, r                                   # D ended both too
+
+
+@needs_netns
+@pytest.mark.timeout(240)
+def test_issue13_readdress_row_fails_the_old_address_fast_and_the_new_one_verifies():
+    r = net_faults.scenario_readdress()
+    _ended_visibly_none_lost(r)
+    assert r["old_control"] != r["new_control"] and r["bad_reason"].startswith("alloc:"), r
+    assert r["good_verified"] and r["good_transfers"] == 3 and not r["stale_known_at_new_d"], r
+
+
+def test_issue13_network_rows_say_why_when_namespaces_are_unavailable(monkeypatch):
+    monkeypatch.setattr(net_faults, "available", lambda: "network namespaces need root")
+    rows = net_faults.run_rows()
+    assert [r["outcome"] for r in rows] == ["skipped: network namespaces need root"] * 3
+    assert all(r["lost"] == 0 and r["skipped"] for r in rows)

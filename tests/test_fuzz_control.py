@@ -22,7 +22,7 @@ from aiolayer import Runtime, TransferSpec  # noqa: E402
 from aiolayer.config import KVShape, NodeConfig  # noqa: E402
 from aiolayer.kvcache import PagedKVCache, checksums  # noqa: E402
 from aiolayer.protocol import messages as m  # noqa: E402
-from aiolayer_bench.node_proc import NodeProcess  # noqa: E402
+from aiolayer.bench.node import NodeProcess  # noqa: E402
 
 SHAPE = KVShape(num_layers=2, num_blocks=16, block_size=16, kv_heads=2, head_dim=64)
 VALID = [m.encode(x) for x in (m.StatusRequest(transfer_id="t"), m.LayoutRequest(requester="fuzz"),
@@ -97,10 +97,9 @@ def test_f06_node_still_serves_a_verified_transfer_after_the_fuzz(node):
     cache = PagedKVCache(p_shape)
     cache.buffer[:] = 0x5A
     with Runtime(NodeConfig(engine_id="after-fuzz")) as rt:
-        rt.publish_layout(cache.k_base, cache.v_base, p_shape.block_bytes, p_shape.num_blocks)
+        rt.register_kv_memory(cache.k_base, cache.v_base, p_shape.block_bytes, p_shape.num_blocks)
         alloc = rt.request(node.control, m.AllocRequest(transfer_id="after-fuzz", num_blocks=4))
-        spec = TransferSpec(transfer_id="after-fuzz", peer=node.control, src_blocks=[0, 1, 2, 3],
-                            dst_blocks=alloc.block_ids, dst_incarnation=alloc.incarnation, token=alloc.token)
+        spec = TransferSpec.from_registration(alloc, src_blocks=[0, 1, 2, 3], peer=node.control)
 
         def forward() -> None:
             rt.sender.begin_step(1, [spec])

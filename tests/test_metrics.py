@@ -50,9 +50,7 @@ def value(snap: dict, name: str, **labels) -> float | None:
 
 def _transfer(rt: Runtime, d: str, cache: PagedKVCache) -> None:
     alloc = rt.request(d, m.AllocRequest(transfer_id="ok-1", num_blocks=4, sender_control=rt.control_endpoint))
-    rt.sender.begin_step(1, [TransferSpec(transfer_id="ok-1", peer=d, src_blocks=[0, 1, 2, 3],
-                                          dst_blocks=alloc.block_ids, dst_incarnation=alloc.incarnation,
-                                          token=alloc.token)])
+    rt.sender.begin_step(1, [TransferSpec.from_registration(alloc, src_blocks=[0, 1, 2, 3], peer=d)])
     for layer in range(SMALL_SHAPE.num_layers):
         rt.sender.layer_ready(1, layer)
     rt.sender.end_step(1)
@@ -69,7 +67,7 @@ def test_node_and_p_metrics_scraped_over_http():
         try:
             cache = PagedKVCache(SMALL_SHAPE)
             cache.buffer[:] = np.random.default_rng(1).integers(0, 256, cache.buffer.size, dtype=np.uint8)
-            rt.publish_layout(cache.k_base, cache.v_base, SMALL_SHAPE.block_bytes, SMALL_SHAPE.num_blocks)
+            rt.register_kv_memory(cache.k_base, cache.v_base, SMALL_SHAPE.block_bytes, SMALL_SHAPE.num_blocks)
             d = node.info["control"]
             _transfer(rt, d, cache)
             # a transfer whose P never comes: D's receive deadline expires and it fences through P

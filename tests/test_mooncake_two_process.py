@@ -75,8 +75,7 @@ class PSide:
         return reply
 
     def spec(self, tid: str, src: list[int], reply: m.AllocReply) -> TransferSpec:
-        return TransferSpec(transfer_id=tid, peer=self.endpoint, src_blocks=list(src),
-                            dst_blocks=reply.block_ids, dst_incarnation=reply.incarnation, token=reply.token)
+        return TransferSpec.from_registration(reply, src_blocks=list(src), peer=self.endpoint)
 
     def next_step(self) -> int:
         self._step += 1
@@ -109,7 +108,7 @@ def p_side(d_node, request):
         cache = PagedKVCache(SHAPE)
         seed = zlib.crc32(request.node.nodeid.encode())  # distinct data per test on the shared D
         cache.buffer[:] = np.random.default_rng(seed).integers(0, 256, cache.buffer.size, dtype=np.uint8)
-        rt.publish_layout(cache.k_base, cache.v_base, SHAPE.block_bytes, SHAPE.num_blocks)
+        rt.register_kv_memory(cache.k_base, cache.v_base, SHAPE.block_bytes, SHAPE.num_blocks)
         yield PSide(rt, cache, d_node)
     finally:
         rt.stop()
@@ -295,11 +294,10 @@ def test_layout_mismatch_fails_visibly_at_both_ends(d_node):
     try:
         cache = PagedKVCache(other)
         cache.buffer[:] = 7
-        rt.publish_layout(cache.k_base, cache.v_base, other.block_bytes, other.num_blocks)
+        rt.register_kv_memory(cache.k_base, cache.v_base, other.block_bytes, other.num_blocks)
         reply = rt.request(d_node.control, m.AllocRequest(transfer_id="mismatch", num_blocks=4), timeout=CALL_S)
         before = rt.request(d_node.control, m.VerifyRequest(transfer_id="mismatch"), timeout=CALL_S)
-        spec = TransferSpec(transfer_id="mismatch", peer=d_node.control, src_blocks=[0, 1, 2, 3],
-                            dst_blocks=reply.block_ids, dst_incarnation=reply.incarnation, token=reply.token)
+        spec = TransferSpec.from_registration(reply, src_blocks=[0, 1, 2, 3], peer=d_node.control)
         run_forward(rt, [(1, [spec])], num_layers=other.num_layers)
         out = rt.sender.wait("mismatch", WAIT_S)
         assert not out.ok and "LayoutMismatch" in out.reason, out

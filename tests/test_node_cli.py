@@ -145,9 +145,14 @@ def test_port_in_use_exits_nonzero_with_message():
     (["--backend", "rdma"], 2, "invalid choice: 'rdma'"),
     (["--role", "prefill"], 2, "only --role decode"),
     (["--num-layers", "0"], 1, "num_layers must be >= 1"),
-    (["--host", "localhost"], 1, "control_host must be an IP address"),
+    (["--host", "localhost"], 1, "bind_host must be an IP address"),
     (["--port", "70000"], 1, "control_port out of range"),
-], ids=["dtype", "int", "backend", "prefill", "zero-layers", "hostname", "port-range"])
+    (["--advertise-host", "0.0.0.0"], 1, "is not an address a peer can dial"),
+    (["--metadata-server", "redis://x"], 1, "metadata server must be P2PHANDSHAKE"),
+    # issue 13: RDMA asked for on a host without a device fails at start, naming what is missing
+    (["--protocol", "rdma"], 1, "transport protocol 'rdma' needs an RDMA device"),
+], ids=["dtype", "int", "backend", "prefill", "zero-layers", "hostname", "port-range", "advertise-wildcard",
+        "metadata-scheme", "rdma-without-device"])
 def test_bad_arguments_exit_nonzero_with_message(args, rc, needle):
     result = run_node_cli("node", *args)
     assert result.returncode == rc, (result.returncode, result.stderr)

@@ -49,3 +49,52 @@ def test_subcommands_come_from_entry_points_and_the_core_imports_no_bridge():
     assert all(error is None for _, error in plugins.values()), plugins
     source = (ROOT / "aiolayer" / "cli.py").read_text()
     assert "aiolayer_vllm" not in source and "aiolayer_bench" not in source
+
+
+@pytest.mark.timeout(900)
+def test_issue13_built_wheels_install_and_run_in_a_fresh_venv(tmp_path):
+    """The wheels a user installs, not the editable dev install: both distributions, non-editable,
+    into a venv of their own (dependencies from PyPI), run from outside the checkout."""
+    wheels = tmp_path / "wheels"
+    core = build_wheel(ROOT, wheels / "core")
+    bridge = build_wheel(ROOT / "bridges" / "vllm", wheels / "bridge")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py, cli = venv / "bin" / "python", venv / "bin" / "aiolayer"
+    done = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                           f"aiolayer[mooncake] @ {core.as_uri()}", str(bridge)],
+                          capture_output=True, text=True, timeout=800)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def run(*argv: str) -> str:
+        out = subprocess.run(list(argv), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, f"{argv}: {out.stderr[-2000:]}"
+        return out.stdout
+
+    assert "proxy" in run(str(cli), "--help") and "bench" in run(str(cli), "--help")
+    assert "--prefill" in run(str(cli), "proxy", "--help")
+    where = run(str(py), "-c", "import aiolayer, aiolayer_vllm.proxy; print(aiolayer.__file__)")
+    assert str(venv) in where and str(ROOT) not in where, where          # the wheel's, not the checkout's
+    assert run(str(py), "-c", "import importlib.util as u; print(u.find_spec('torch') is None)").strip() == "True"
+    _node_starts_and_stops(cli, tmp_path)
+
+
+def _node_starts_and_stops(cli: Path, cwd: Path) -> None:
+    """``aiolayer node`` on the real Mooncake backend, from the wheel: one JSON line, exit 0 on SIGTERM."""
+    import json
+    import select
+    import signal
+
+    proc = subprocess.Popen([str(cli), "node", "--role", "decode", "--num-layers", "2", "--num-blocks", "8"],
+                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "aiolayer node printed nothing within 60 s"
+        info = json.loads(proc.stdout.readline())
+        assert info["control"].startswith("tcp://") and info["backend"] == "mooncake", info
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, StreamingResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
 from e2e.pd import ProxyProcess  # noqa: E402
+from e2e.servers import metric_value, parse_metrics  # noqa: E402
 
 from aiolayer.protocol import messages as m  # noqa: E402
 from aiolayer.runtime.control import ControlServer  # noqa: E402
@@ -64,6 +65,7 @@ class FakeEngine:
     def __init__(self, role: str, name: str, hub: Hub) -> None:
         self.role, self.name, self.hub = role, name, hub
         self.requests: list[dict] = []        # bodies received on the OpenAI routes
+        self.headers: dict[str, dict] = {}    # transfer id -> the headers its OpenAI request came with
         self.streams: dict[str, str] = {}     # D: transfer id -> open | completed | closed
         self.aborts: list[str] = []           # D: transfer ids the proxy told to abort
         self.gate = threading.Event()         # P: answers prefills only while set
@@ -113,6 +115,7 @@ class FakeEngine:
         body = await request.json()
         self.requests.append(body)
         params = body["kv_transfer_params"]["aiolayer"]
+        self.headers[params["transfer_id"]] = dict(request.headers)
         fake = body.get("fake", {})
         if self.role == "prefill":
             while not self.gate.is_set():
@@ -174,10 +177,11 @@ class FakeStackProxy(ProxyProcess):
         return {b["url"]: b["outstanding"] for b in backends}
 
     def pending(self) -> int:
-        for line in httpx.get(self.url + "/metrics", timeout=5, trust_env=False).text.splitlines():
-            if line.startswith("aiolayer_proxy_pending_transfers "):
-                return int(float(line.split()[1]))
-        raise AssertionError("no aiolayer_proxy_pending_transfers in /metrics")
+        text = httpx.get(self.url + "/metrics", timeout=5, trust_env=False).text
+        value = metric_value(parse_metrics(text), "aiolayer_proxy_pending_transfers")
+        if value is None:
+            raise AssertionError("no aiolayer_proxy_pending_transfers in /metrics")
+        return int(value)
 
     def idle(self) -> bool:
         return self.pending() == 0 and not any(self.outstanding().values())
@@ -359,3 +363,19 @@ def test_issue11_7_bad_bodies_are_a_400_and_affect_nothing_else(stack):
     ok = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x", "stream": False}, timeout=30, trust_env=False)
     assert ok.status_code == 200, ok.text
     _wait_for(proxy.idle, 10, "every lease released")
+
+
+def test_issue13_authorization_and_request_id_reach_both_engines(stack):
+    """vLLM servers started with --api-key answer 401 to a request without the client's key."""
+    proxy, p = stack["proxy"], stack["p"]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    sent = {"Authorization": "Bearer sk-test-key", "X-Request-Id": "client-req-7", "Cookie": "session=c"}
+    with _client() as client:
+        reply = client.post(proxy.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=sent)
+    assert reply.status_code == 200, reply.text
+    tid = _last_transfer(p)
+    for engine in (p, _decode_of(stack, tid)):
+        seen = engine.headers[tid]
+        assert seen.get("authorization") == "Bearer sk-test-key", (engine.name, seen)
+        assert seen.get("x-request-id") == "client-req-7", (engine.name, seen)
+    assert "cookie" not in p.headers[tid]        # only the two named headers go on

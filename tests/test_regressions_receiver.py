@@ -29,11 +29,11 @@ WRONG = "w" * 32
 
 @pytest.fixture
 def runtimes():
-    """Factory: ``runtimes(engine_id, timeouts=None, forget_settled=True)`` -> a started memory Runtime."""
+    """Factory: ``runtimes(engine_id, timeouts=None)`` -> a started memory Runtime."""
     made: list[Runtime] = []
 
-    def make(engine_id: str, timeouts: Timeouts | None = None, forget_settled: bool = True) -> Runtime:
-        rt = Runtime(NodeConfig(engine_id=engine_id, backend="memory"), timeouts, forget_settled=forget_settled)
+    def make(engine_id: str, timeouts: Timeouts | None = None) -> Runtime:
+        rt = Runtime(NodeConfig(engine_id=engine_id, backend="memory"), timeouts)
         made.append(rt)
         return rt.start()
 
@@ -50,7 +50,8 @@ def on_loop(rt: Runtime, fn, timeout: float = 5.0):
 
 
 def register(rt: Runtime, tid: str, blocks=(1, 2), **kw) -> None:
-    on_loop(rt, lambda: rt.receiver.register(tid, list(blocks), token=kw.pop("token", TOKEN), **kw))
+    # forget=True: as the vLLM bridge registers (the engine owns the blocks; no entry after the result)
+    on_loop(rt, lambda: rt.receiver.register(tid, list(blocks), token=kw.pop("token", TOKEN), forget=True, **kw))
 
 
 def state(rt: Runtime, tid: str) -> str:
@@ -205,7 +206,7 @@ def test_issue11_6_stats_from_another_thread_while_the_loop_churns_transfers():
         n = 0
         while not stop.is_set():
             for _ in range(200):                       # keep many entries alive, add and drop some each turn
-                rt.receiver.register(f"c{n}", [1], token=TOKEN)
+                rt.receiver.register(f"c{n}", [1], token=TOKEN, forget=True)
                 if n >= 2000:
                     rt.receiver.handle(m.Done(transfer_id=f"c{n - 2000}", sender="p", bytes=1, token=TOKEN))
                     settled.append(n)
@@ -304,7 +305,7 @@ def test_issue11_11_a_transfer_d_refuses_gets_no_layout_and_writes_nothing(memor
     p = runtimes("p11")
     pc = PagedKVCache(small_shape)
     pc.buffer[:] = np.random.default_rng(11).integers(1, 256, pc.buffer.size, dtype=np.uint8)
-    p.publish_layout(pc.k_base, pc.v_base, small_shape.block_bytes, small_shape.num_blocks)
+    p.register_kv_memory(pc.k_base, pc.v_base, small_shape.block_bytes, small_shape.num_blocks)
     layers = small_shape.num_layers
 
     def spec(tid, rep, token=None):

@@ -33,7 +33,7 @@ def p_runtime(make, engine_id: str, timeouts: Timeouts | None = None):
     p = make(engine_id, timeouts)
     cache = PagedKVCache(SHAPE)
     cache.buffer[:] = np.random.default_rng(11).integers(1, 256, cache.buffer.size, dtype=np.uint8)
-    p.publish_layout(cache.k_base, cache.v_base, SHAPE.block_bytes, SHAPE.num_blocks)
+    p.register_kv_memory(cache.k_base, cache.v_base, SHAPE.block_bytes, SHAPE.num_blocks)
     return p, cache
 
 

@@ -25,7 +25,7 @@ def pd(memory_runtime, memory_decode_node, small_shape):
     p = memory_runtime("p")
     pc = PagedKVCache(small_shape)
     pc.buffer[:] = np.random.default_rng(0).integers(0, 256, pc.buffer.size, dtype=np.uint8)
-    p.publish_layout(pc.k_base, pc.v_base, small_shape.block_bytes, small_shape.num_blocks)
+    p.register_kv_memory(pc.k_base, pc.v_base, small_shape.block_bytes, small_shape.num_blocks)
     return p, d, pc
 
 
@@ -36,8 +36,7 @@ def alloc(p, d, tid: str, n: int, contiguous: bool) -> m.AllocReply:
 
 
 def spec(d, tid: str, src: list[int], rep: m.AllocReply) -> TransferSpec:
-    return TransferSpec(transfer_id=tid, peer=d.control_endpoint, src_blocks=src, dst_blocks=rep.block_ids,
-                        dst_incarnation=rep.incarnation, token=rep.token)
+    return TransferSpec.from_registration(rep, src_blocks=src, peer=d.control_endpoint)
 
 
 def run_step(p, step: int, specs: list[TransferSpec], layers: int) -> None:
@@ -180,7 +179,7 @@ def test_frozen_peer_times_out_and_d_is_told(memory_runtime, memory_decode_node,
     d = memory_decode_node(small_shape, engine_id="d-frozen")
     p = memory_runtime("p-frozen", Timeouts(layer_write=0.2, done_delivery=3))
     pc = PagedKVCache(small_shape)
-    p.publish_layout(pc.k_base, pc.v_base, small_shape.block_bytes, small_shape.num_blocks)
+    p.register_kv_memory(pc.k_base, pc.v_base, small_shape.block_bytes, small_shape.num_blocks)
     rep = alloc(p, d, "frozen", 2, True)
     d.runtime.backend.faults.freeze = True
     t0 = time.monotonic()
@@ -230,7 +229,7 @@ def test_unreachable_d_fails_bounded(memory_runtime, small_shape):
         dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     p = memory_runtime("p-dead", Timeouts(control_call=0.2, layout_fetch=0.5, done_delivery=0.5))
     pc = PagedKVCache(small_shape)
-    p.publish_layout(pc.k_base, pc.v_base, small_shape.block_bytes, small_shape.num_blocks)
+    p.register_kv_memory(pc.k_base, pc.v_base, small_shape.block_bytes, small_shape.num_blocks)
     t0 = time.monotonic()
     p.sender.begin_step(0, [TransferSpec(transfer_id="x", peer=dead, src_blocks=[0], dst_blocks=[0],
                                          dst_incarnation="never-seen", token="t" * 32)])
@@ -251,7 +250,7 @@ def test_stop_mid_transfer_publishes_an_outcome(memory_decode_node, small_shape)
     p = Runtime(NodeConfig(engine_id="p-mid", backend="memory")).start()
     try:
         pc = PagedKVCache(small_shape)
-        p.publish_layout(pc.k_base, pc.v_base, small_shape.block_bytes, small_shape.num_blocks)
+        p.register_kv_memory(pc.k_base, pc.v_base, small_shape.block_bytes, small_shape.num_blocks)
         rep = alloc(p, d, "mid", 2, True)
         p.sender.begin_step(0, [spec(d, "mid", [0, 1], rep)])
         p.sender.layer_ready(0, 0)                      # the other layers never come
@@ -316,7 +315,7 @@ def test_stop_leaves_no_region_socket_or_thread(small_shape):
     p = Runtime(NodeConfig(engine_id="p-clean", backend="memory")).start()
     try:
         pc = PagedKVCache(small_shape)
-        p.publish_layout(pc.k_base, pc.v_base, small_shape.block_bytes, small_shape.num_blocks)
+        p.register_kv_memory(pc.k_base, pc.v_base, small_shape.block_bytes, small_shape.num_blocks)
         assert p.backend.registered_regions == 2 * small_shape.num_layers
         assert d.runtime.backend.registered_regions == 2 * small_shape.num_layers
         rep = alloc(p, d, "c", 4, False)
@@ -401,7 +400,7 @@ def test_f09_source_released_only_after_every_write_settled(memory_runtime, memo
     d = memory_decode_node(small_shape, engine_id="d-slow")
     p = memory_runtime("p-fence")
     pc = PagedKVCache(small_shape)
-    p.publish_layout(pc.k_base, pc.v_base, small_shape.block_bytes, small_shape.num_blocks)
+    p.register_kv_memory(pc.k_base, pc.v_base, small_shape.block_bytes, small_shape.num_blocks)
     d.runtime.backend.faults.delay_s = 0.05      # every write takes a while to land
     rep = alloc(p, d, "held", 2, True)
     run_step(p, 1, [spec(d, "held", [0, 1], rep)], small_shape.num_layers)

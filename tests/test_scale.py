@@ -22,8 +22,8 @@ from aiolayer.kvcache import PagedKVCache
 from aiolayer.protocol import messages as m
 from aiolayer.protocol.plan import HeadGeometry, RankRoute, map_ranks, routes_from
 from aiolayer.runtime.receiver import Receiver
-from aiolayer_bench.scale import run_scale, run_scenario
-from aiolayer_bench.scale_rank import ScaleConfig, rank_heads
+from aiolayer.bench.scenarios.scale.driver import run_scale, run_scenario
+from aiolayer.bench.scenarios.scale.model import ScaleConfig, rank_heads
 
 LAYERS, BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS = 3, 4, 8, 24
 TOKEN = "t" * 32
@@ -53,7 +53,7 @@ class _P:
                 _as_layout(self.cache.layer_view(layer, plane), layout)[:] = kv[layer, plane][:, heads]
         self.rt = Runtime(NodeConfig(engine_id=f"p{rank}", backend="memory")).start()
         geo = dict(kv_heads=len(heads), geometry=_geometry(layout)) if geometry else {}
-        self.rt.publish_layout(self.cache.k_base, self.cache.v_base, self.cache.shape.block_bytes, NUM_BLOCKS, **geo)
+        self.rt.register_kv_memory(self.cache.k_base, self.cache.v_base, self.cache.shape.block_bytes, NUM_BLOCKS, **geo)
 
 
 def _global_kv(kv_heads: int, seed: int) -> np.ndarray:
@@ -78,9 +78,8 @@ def _run_topology(kv_heads, p_tp, d_tp, layout, src_blocks, contiguous=False, se
             transfer_id=f"t-d{d}", num_blocks=len(src_blocks), contiguous=contiguous, token=TOKEN,
             senders=len(writers[d]))) for d in range(d_tp)]
         for p, rank in enumerate(ps):
-            specs = [TransferSpec(transfer_id=f"t-d{r.d_rank}", peer=nodes[r.d_rank].control_endpoint,
-                                  src_blocks=src_blocks, dst_blocks=allocs[r.d_rank].block_ids,
-                                  dst_incarnation=allocs[r.d_rank].incarnation, token=TOKEN, route=r)
+            specs = [TransferSpec.from_registration(allocs[r.d_rank], src_blocks=src_blocks,
+                                                    peer=nodes[r.d_rank].control_endpoint, route=r)
                      for r in routes_from(routes, p)]
             rank.rt.sender.begin_step(0, specs)
             for layer in range(LAYERS):
@@ -126,8 +125,7 @@ def _one_p_one_d(p_heads: int, d_shape: KVShape, p_layout: str, route: RankRoute
     try:
         rank = _P(0, list(range(p_heads)), kv, p_layout, geometry=p_geometry)
         rep = rank.rt.request(node.control_endpoint, m.AllocRequest(transfer_id="x", num_blocks=2, token=TOKEN))
-        spec = TransferSpec(transfer_id="x", peer=node.control_endpoint, src_blocks=[0, 1], dst_blocks=rep.block_ids,
-                            dst_incarnation=rep.incarnation, token=TOKEN, route=route)
+        spec = TransferSpec.from_registration(rep, src_blocks=[0, 1], peer=node.control_endpoint, route=route)
         rank.rt.sender.begin_step(0, [spec])
         for layer in range(LAYERS):
             rank.rt.sender.layer_ready(0, layer)
@@ -163,17 +161,17 @@ def test_incompatible_geometry_fails_with_layout_mismatch(case):
     assert d_state == "failed"
 
 
-def test_publish_layout_refuses_a_geometry_that_does_not_describe_the_blocks(memory_runtime):
+def test_register_kv_memory_refuses_a_geometry_that_does_not_describe_the_blocks(memory_runtime):
     rt = memory_runtime("p-geo")
     cache = PagedKVCache(_shape(2, "HND"))
     with pytest.raises(ConfigError, match="is not the block size"):
-        rt.publish_layout(cache.k_base, cache.v_base, cache.shape.block_bytes, NUM_BLOCKS, kv_heads=3,
+        rt.register_kv_memory(cache.k_base, cache.v_base, cache.shape.block_bytes, NUM_BLOCKS, kv_heads=3,
                           geometry=_geometry("HND"))
     with pytest.raises(ConfigError, match="separate tensors"):
-        rt.publish_layout(cache.k_base, [0] * LAYERS, cache.shape.block_bytes, NUM_BLOCKS, kv_heads=2,
+        rt.register_kv_memory(cache.k_base, [0] * LAYERS, cache.shape.block_bytes, NUM_BLOCKS, kv_heads=2,
                           geometry=_geometry("HND"))
     with pytest.raises(ConfigError, match="without its geometry"):
-        rt.publish_layout(cache.k_base, cache.v_base, cache.shape.block_bytes, NUM_BLOCKS, kv_heads=2)
+        rt.register_kv_memory(cache.k_base, cache.v_base, cache.shape.block_bytes, NUM_BLOCKS, kv_heads=2)
     with pytest.raises(ConfigError, match="layout"):
         KVShape(layout="XYZ")
 
@@ -248,7 +246,7 @@ def _assert_all_verified(report: dict) -> None:
 
 
 def test_scale_two_p_ranks_to_four_d_ranks(tmp_path):
-    from aiolayer_bench.main import add_bench_args
+    from aiolayer.bench.main import add_bench_args
     parser = argparse.ArgumentParser()
     add_bench_args(parser)
     args = parser.parse_args(["--scenario", "scale", "--prefill-ranks", "2", "--decode-ranks", "4", "--requests", "150",

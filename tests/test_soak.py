@@ -1,6 +1,6 @@
 """A short soak through the CLI: a few hundred transfers, every fault kind, nothing lost or hung.
 
-``aiolayer bench --scenario soak`` (bench/soak.py) runs in a child process of its own session, so
+``aiolayer bench --scenario soak`` (bench/scenarios/soak/) runs in a child process of its own session, so
 that a run past its deadline can be killed together with its decode nodes; afterwards none of the
 node processes it reports may still exist.
 """

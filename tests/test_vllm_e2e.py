@@ -24,6 +24,7 @@ from helpers_node import MC_ENV  # noqa: E402
 
 from aiolayer import NodeConfig, Runtime  # noqa: E402
 from aiolayer.protocol import messages as m  # noqa: E402
+from aiolayer_vllm.config import DEBUG_ZERO_RECEIVED_ENV  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.vllm]
 MAX_TOKENS = 12
@@ -47,8 +48,8 @@ def cluster():
               "max_model_len": 512, "enforce_eager": True}
     servers = (VllmServer(model, name="prefill", kv_transfer_config=_connector("kv_producer", "p", p_ctl), **common),
                VllmServer(model, name="decode", kv_transfer_config=_connector("kv_consumer", "d", d_ctl), **common),
-               VllmServer(model, name="decode-zeroing", **common,
-                          kv_transfer_config=_connector("kv_consumer", "dz", z_ctl, debug_zero_received=True)))
+               VllmServer(model, name="decode-zeroing", **common | {"env": MC_ENV | {DEBUG_ZERO_RECEIVED_ENV: "1"}},
+                          kv_transfer_config=_connector("kv_consumer", "dz", z_ctl)))
     client = Runtime(NodeConfig(engine_id="e2e-proxy", backend="memory")).start()
     try:
         with running(*servers) as (p, d, dz):

@@ -33,8 +33,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
 from e2e.pd import DirectFlow, ProxyProcess, backend, connector  # noqa: E402
-from e2e.servers import (VllmServer, acompletion, completion, free_port, metric_value, running,  # noqa: E402
-                         scrape_metrics)
+from e2e.servers import (VllmServer, acompletion, completion, free_port, metric_value, parse_metrics,  # noqa: E402
+                         running, scrape_metrics)
 from e2e.tiny_model import (LLAMA_GQA, QWEN2_BIAS, SAMPLE_PROMPTS, TinySpec, long_prompt,  # noqa: E402
                             tiny_model_dir, tokenizer_dir, vocabulary)
 from helpers_node import MC_ENV  # noqa: E402
@@ -301,7 +301,4 @@ def test_twenty_concurrent_mixed_chat_and_completions_through_the_proxy(pd):
 
 
 def _proxy_ok(proxy: ProxyProcess) -> int:
-    for line in proxy.metrics().splitlines():
-        if line.startswith('aiolayer_proxy_requests_total{outcome="ok"}'):
-            return int(float(line.split()[-1]))
-    return 0
+    return int(metric_value(parse_metrics(proxy.metrics()), "aiolayer_proxy_requests_total", outcome="ok") or 0)

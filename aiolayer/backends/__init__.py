@@ -13,5 +13,6 @@ def make_backend(name: str, **options) -> TransferBackend:
         return MooncakeBackend(**options)
     if name == "memory":
         from .memory import MemoryBackend
+        options.pop("transport", None)   # in-process: no network to configure
         return MemoryBackend(**options)
     raise ConfigError(f"unknown backend {name!r}")

@@ -19,7 +19,8 @@ import os
 
 import numpy as np
 
-from ..errors import BackendError, ConfigError, TransferTimeout, WriteRefused
+from ..errors import BackendError, TransferTimeout, WriteRefused
+from ..transport import Transport, check_rdma_devices
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +36,6 @@ _POLL_IDLE_S = 0.001
 # Timed-out writes only need to be seen ending, not fast: checking a backlog of them every tick
 # would keep a core busy (a refusing peer's backlog drains at ~5 writes per second).
 _QUARANTINE_POLL_S = 0.05
-
-
-def validate_metadata_server(value: str) -> str:
-    """An unknown scheme (e.g. redis://) aborts the process inside Mooncake: refuse it here."""
-    if value == "P2PHANDSHAKE" or value.startswith(("http://", "https://", "etcd://")):
-        return value
-    raise ConfigError(f"metadata server must be P2PHANDSHAKE, http(s):// or etcd://, got {value!r}")
 
 
 def _import_engine():
@@ -68,12 +62,9 @@ class _Inflight:
 class MooncakeBackend:
     name = "mooncake"
 
-    def __init__(self, host: str = "127.0.0.1", metadata_server: str = "P2PHANDSHAKE",
-                 protocol: str = "tcp", device_name: str = "") -> None:
-        self.host = host
-        self.metadata_server = validate_metadata_server(metadata_server)
-        self.protocol = protocol
-        self.device_name = device_name
+    def __init__(self, transport: Transport | None = None) -> None:
+        self.transport = transport or Transport()
+        self.host = ""                      # the advertised host, resolved at open (no I/O here)
         self._engine = None
         self._session = ""
         self._regions: dict[int, int] = {}
@@ -107,12 +98,16 @@ class MooncakeBackend:
     async def open(self, spawn) -> None:
         for key, value in ENGINE_ENV.items():
             os.environ.setdefault(key, value)
+        t = self.transport
+        if t.protocol == "rdma":
+            check_rdma_devices(t.device_name)   # Mooncake would fall back to TCP, or wait, without one
         engine_cls = _import_engine()
         engine = engine_cls()
-        rc = await asyncio.to_thread(engine.initialize, self.host, self.metadata_server, self.protocol,
-                                     self.device_name)
+        self.host = t.advertised()
+        rc = await asyncio.to_thread(engine.initialize, self.host, t.metadata_server, t.protocol, t.device_name)
         if rc != 0:
-            raise BackendError(f"Mooncake initialize({self.host}, {self.metadata_server}, {self.protocol}) returned {rc}")
+            raise BackendError(f"Mooncake initialize({self.host}, {t.metadata_server}, {t.protocol}, "
+                               f"device {t.device_name or 'auto'}) returned {rc}")
         self._engine = engine
         self._session = f"{self.host}:{engine.get_rpc_port()}"
         self._wake = asyncio.Event()

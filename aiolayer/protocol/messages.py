@@ -8,6 +8,9 @@ transfer (the proxy, or the benchmark driving a node) and handed only to D and t
 layout and accepts DONE/FAILED only with the token of a transfer it registered; P stops a transfer
 only on an Abort with that transfer's token. A stranger on the control port learns nothing and
 ends nothing (``Nack`` code ``auth``, counted).
+
+Codes and details a peer acts on are the enums of ``codes`` (str enums: the same strings on the wire).
+The catalogue, the request/reply pairs and the versioning policy: docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import struct
 from typing import Union
 
 import msgspec
+
+from .codes import AckDetail, NackCode
 
 PROTOCOL_VERSION = 1
 REQUEST_ID = struct.Struct("!Q")
@@ -148,15 +153,15 @@ class StatusReply(_Msg, tag="status_ok"):
 # --- generic replies ----------------------------------------------------------------------------
 
 class Ack(_Msg, tag="ack"):
+    # ``AckDetail`` where it is a signal (``stopped``: P is quiet); else informative text. A str on
+    # the wire, so that every peer's detail decodes.
     detail: str = ""
 
 
 class Nack(_Msg, tag="nack"):
-    """A refusal. Codes about a transfer: "auth" (no such transfer with this token), "settling" (P:
-    a write may still land, ask again), "settled" (D: the id ended recently, a new transfer needs a
-    new id), "ended" (D gave the transfer up: write nothing), "duplicate", "busy"."""
+    """A refusal: ``code`` is machine-readable (a ``NackCode`` value), ``reason`` is for people."""
 
-    code: str                  # machine-readable: "decode", "version", "unknown", "refused", ...
+    code: str                  # a NackCode; a str on the wire, so that a newer peer's code still decodes
     reason: str
 
 
@@ -173,7 +178,7 @@ _decoder = msgspec.msgpack.Decoder(Message)
 class DecodeFailure(Exception):
     """Raised by ``decode``; the control plane turns it into a ``Nack``."""
 
-    def __init__(self, code: str, reason: str) -> None:
+    def __init__(self, code: NackCode, reason: str) -> None:
         self.code = code
         self.reason = reason
         super().__init__(f"{code}: {reason}")
@@ -188,12 +193,18 @@ def decode(payload: bytes) -> Message:
     try:
         msg = _decoder.decode(payload)
     except msgspec.DecodeError as exc:
-        raise DecodeFailure("decode", str(exc)[:200]) from None
+        raise DecodeFailure(NackCode.DECODE, str(exc)[:200]) from None
     except (ValueError, TypeError, OverflowError) as exc:
-        raise DecodeFailure("decode", f"{type(exc).__name__}: {exc}"[:200]) from None
+        raise DecodeFailure(NackCode.DECODE, f"{type(exc).__name__}: {exc}"[:200]) from None
     if msg.v != PROTOCOL_VERSION:
-        raise DecodeFailure("version", f"protocol version {msg.v} unsupported; this side speaks {PROTOCOL_VERSION}")
+        raise DecodeFailure(NackCode.VERSION,
+                            f"protocol version {msg.v} unsupported; this side speaks {PROTOCOL_VERSION}")
     return msg
+
+
+def confirms_stop(reply: Message) -> bool:
+    """Whether a reply to an ``Abort`` says P is quiet (no write of the transfer can still land)."""
+    return isinstance(reply, Ack) and reply.detail == AckDetail.STOPPED
 
 
 def same_token(presented: str, expected: str) -> bool:

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
+from ..errors import ConfigError
+
 
 class BlockRuns(msgspec.Struct, frozen=True):
     """Maximal runs where both source and destination block ids increase by one."""
@@ -183,6 +185,20 @@ class HeadGeometry(msgspec.Struct, frozen=True):
         if self.layout not in ("NHD", "HND"):
             raise ValueError(f"layout must be 'NHD' or 'HND', got {self.layout!r}")
 
+
+def check_geometry(block_bytes: int, kv_heads: int, geometry: HeadGeometry | None, v_base) -> None:
+    """A published head geometry must describe the blocks exactly; ``ConfigError`` otherwise."""
+    if geometry is None:
+        if kv_heads:
+            raise ConfigError("kv_heads given without its geometry (block_size, head_bytes, layout)")
+        return
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, (int, np.integer)) or kv_heads < 1:
+        raise ConfigError(f"kv_heads must be a positive integer with a geometry, got {kv_heads!r}")
+    if kv_heads * geometry.block_size * geometry.head_bytes != block_bytes:
+        raise ConfigError(f"{kv_heads} heads x {geometry.block_size} tokens x {geometry.head_bytes} bytes "
+                          f"is not the block size {block_bytes}")
+    if any(int(v) == 0 for v in v_base):
+        raise ConfigError("a head geometry needs K and V in separate tensors (no V base of 0)")
 
 def _expand_runs(runs: BlockRuns) -> tuple[np.ndarray, np.ndarray]:
     """Every (src, dst) block of the runs, in order."""

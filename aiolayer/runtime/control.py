@@ -27,6 +27,7 @@ from .. import compat
 from ..config import Timeouts
 from ..errors import ControlError, ControlRejected, ControlTimeout, FrameDropped, ProtocolError, RuntimeStateError
 from ..protocol import messages as m
+from ..protocol.codes import NackCode
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +138,9 @@ class ControlServer:
             if len(frames) >= 2 and m.unpack_request_id(frames[1]) is not None:
                 rid = frames[1]  # echo a valid id even on a malformed frame, so the caller can match it
             if len(frames) != 3:
-                reply = m.Nack(code="frame", reason=f"expected [request_id, payload], got {len(frames) - 1} frames")
+                reply = m.Nack(code=NackCode.FRAME, reason=f"expected [request_id, payload], got {len(frames) - 1} frames")
             elif m.unpack_request_id(frames[1]) is None:
-                reply = m.Nack(code="frame", reason="request id must be 8 bytes")
+                reply = m.Nack(code=NackCode.FRAME, reason="request id must be 8 bytes")
             else:
                 reply = await self._dispatch(frames[2])
             if reply is None:
@@ -147,7 +148,7 @@ class ControlServer:
                 return
             if isinstance(reply, m.Nack):
                 self.nacks_sent += 1
-                self.nacks[reply.code] += 1
+                self.nacks[str(reply.code)] += 1   # plain str keys: the snapshot is plain data
             try:
                 await self._sock.send_multipart([*envelope, rid, m.encode(reply)])
             except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): nobody to tell
@@ -158,7 +159,7 @@ class ControlServer:
 
     async def _dispatch(self, payload: bytes) -> m.Message | None:
         if len(payload) > self.max_frame_bytes:
-            return m.Nack(code="size", reason=f"payload of {len(payload)} bytes exceeds {self.max_frame_bytes}")
+            return m.Nack(code=NackCode.SIZE, reason=f"payload of {len(payload)} bytes exceeds {self.max_frame_bytes}")
         try:
             msg = m.decode(payload)
         except m.DecodeFailure as exc:
@@ -174,7 +175,7 @@ class ControlServer:
             return None
         except Exception as exc:  # noqa: BLE001 - the peer is told, and so is the log
             log.exception("control handler failed on %s", type(msg).__name__)
-            return m.Nack(code="internal", reason=f"{type(exc).__name__}: {exc}"[:300])
+            return m.Nack(code=NackCode.INTERNAL, reason=f"{type(exc).__name__}: {exc}"[:300])
 
 
 class ControlClient:

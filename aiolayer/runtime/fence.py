@@ -28,27 +28,32 @@ MAX_EARLY_ABORTS = 4096
 class Request:
     """One transfer on the loop: its queue of layers, its state, and what its fence waits for."""
 
-    __slots__ = ("spec", "runs", "spans", "layers", "state", "timings", "bytes", "aborted", "by_p", "pending",
-                 "quiet")
+    __slots__ = ("spec", "runs", "spans", "layers", "state", "timings", "bytes", "pending", "quiet")
 
     def __init__(self, spec: TransferSpec, runs: BlockRuns) -> None:
         self.spec = spec
         self.runs = runs
         self.spans: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None   # head slice, from layer bases
         self.layers: asyncio.Queue = asyncio.Queue()   # (layer, event, handed) items; None = abort
-        self.state = sender_transfer()
+        self.state = sender_transfer()                 # with whether, and why, it was told to stop
         self.timings: list[LayerTiming] = []
         self.bytes = 0
-        self.aborted = ""                              # why we stopped, once D or P's engine said so
-        self.by_p = False                              # our engine cancelled it: D still needs FAILED
         self.pending: list[asyncio.Future] = []        # timed-out writes that may still land
         self.quiet = asyncio.Event()                   # set once no write of ours can be in flight
 
+    @property
+    def aborted(self) -> str:
+        """Why we stopped, once D or P's engine said so ("" until then)."""
+        return self.state.stopped
+
+    @property
+    def by_p(self) -> bool:
+        """Our engine cancelled it: D still needs FAILED."""
+        return self.state.by_p
+
     def abort(self, reason: str, by_p: bool = False) -> None:
-        if not self.aborted:
-            self.aborted = reason or ("cancelled by P" if by_p else "aborted by D")
-            self.by_p = by_p
-            self.layers.put_nowait(None)
+        if self.state.stop(reason, by_p):
+            self.layers.put_nowait(None)   # wakes the streaming coroutine: no layer after this
 
 
 class EarlyAborts:

@@ -37,7 +37,8 @@ import msgspec
 from ..config import Timeouts
 from ..errors import ConfigError, ControlRejected
 from ..protocol import messages as m
-from ..protocol.state import IllegalTransition, State, receiver_transfer
+from ..protocol.codes import AckDetail, NackCode
+from ..protocol.state import Event, IllegalTransition, State, receiver_transfer
 
 log = logging.getLogger(__name__)
 
@@ -54,33 +55,31 @@ class Received(msgspec.Struct, kw_only=True):
     ok: bool
     reason: str = ""
     finished_s: float = 0.0
+    refused: bool = False         # the registration itself was refused: no transfer under this id ran here
 
 
 class _Entry:
     __slots__ = ("transfer_id", "token", "block_ids", "first_block", "state", "sender", "sender_control",
-                 "timer", "on_release", "fence", "senders", "heard")
+                 "timer", "on_release", "fence", "forget")
 
     def __init__(self, transfer_id: str, token: str, block_ids: list[int], on_release, sender_control: str,
-                 first_block: int) -> None:
+                 first_block: int, senders: int = 1) -> None:
         self.transfer_id = transfer_id
         self.token = token
         self.block_ids = block_ids
         self.first_block = first_block
-        self.state = receiver_transfer()
+        self.state = receiver_transfer(senders)   # with the P ranks it waits for (head slices)
         self.sender = ""
         self.sender_control = sender_control
         self.timer: asyncio.TimerHandle | None = None
         self.on_release = on_release
         self.fence: asyncio.Task | None = None
-        self.senders = 1                        # P ranks that each send their DONE/FAILED (head slices)
-        self.heard: dict[str, m.Message] = {}   # senders > 1: each one's word, by sender, until all spoke
+        self.forget = False                     # forget the entry once settled: the engine owns the blocks
 
 
 class Receiver:
-    def __init__(self, timeouts: Timeouts, forget_settled: bool = False) -> None:
+    def __init__(self, timeouts: Timeouts) -> None:
         self.timeouts = timeouts
-        # An engine that owns the blocks itself (vLLM) needs no entry once the result is out.
-        self.forget_settled = forget_settled
         self._entries: dict[str, _Entry] = {}
         # (transfer id, token, sender) -> (DONE/FAILED, expiry): keyed by token too, so a stranger's
         # early DONE cannot take the place of the real one, and by sender, so k senders are all kept
@@ -108,7 +107,7 @@ class Receiver:
 
     def register(self, transfer_id: str, block_ids: list[int], *, token: str, on_release=None,
                  sender_control: str = "", first_block: int = 0,
-                 senders: int = 1) -> None:
+                 senders: int = 1, forget: bool = False) -> None:
         """Register before publishing the block ids; ``on_release(block_ids)`` frees them later.
 
         ``token`` is the transfer's secret: only a peer that presents it may end the transfer.
@@ -120,11 +119,12 @@ class Receiver:
         if isinstance(senders, bool) or not isinstance(senders, int) or senders < 1:
             raise ConfigError(f"transfer {transfer_id}: senders must be a positive integer, got {senders!r}")
         if transfer_id in self._entries:
-            raise ControlRejected("duplicate", f"transfer {transfer_id} is already registered")
+            raise ControlRejected(NackCode.DUPLICATE, f"transfer {transfer_id} is already registered")
         if self._settled_token(transfer_id) is not None:
-            raise ControlRejected("settled", f"transfer {transfer_id} already settled; a new transfer needs a new id")
-        entry = _Entry(transfer_id, token, block_ids, on_release, sender_control, first_block)
-        entry.senders = senders
+            raise ControlRejected(NackCode.SETTLED,
+                                  f"transfer {transfer_id} already settled; a new transfer needs a new id")
+        entry = _Entry(transfer_id, token, block_ids, on_release, sender_control, first_block, senders)
+        entry.forget = forget
         self._entries[transfer_id] = entry
         # D waits for P at most Timeouts.receive: then it fences and fails the transfer
         entry.timer = asyncio.get_running_loop().call_later(self.timeouts.receive, self._expire, transfer_id)
@@ -137,14 +137,15 @@ class Receiver:
         if entry is None or not m.same_token(token, entry.token):
             # counted in the metrics (Nack code auth); info, not warning: a stranger must not flood the log
             log.info("transfer %s: %s refused: no such transfer or wrong token", transfer_id, what)
-            raise ControlRejected("auth", f"{what}: no transfer {transfer_id} with this token")
+            raise ControlRejected(NackCode.AUTH, f"{what}: no transfer {transfer_id} with this token")
         return entry
 
     def authorize_writer(self, transfer_id: str, token: str, what: str) -> _Entry:
         """Like ``authorize``, and the transfer still takes writes (code ``ended`` once D gave it up)."""
         entry = self.authorize(transfer_id, token, what)
         if entry.state.state is not State.REGISTERED:
-            raise ControlRejected("ended", f"{what}: transfer {transfer_id} is already {entry.state.state.value}")
+            raise ControlRejected(NackCode.ENDED,
+                                  f"{what}: transfer {transfer_id} is already {entry.state.state.value}")
         return entry
 
     def handle(self, msg: m.Message) -> m.Message:
@@ -154,54 +155,36 @@ class Receiver:
             settled = self._settled_token(tid)
             if settled is None:
                 self._keep_early(msg)
-                return m.Ack(detail="kept until registration")
+                return m.Ack(detail=AckDetail.KEPT)
             if not m.same_token(msg.token, settled):
                 log.info("transfer %s: late %s refused: wrong token", tid, type(msg).__name__)
-                raise ControlRejected("auth", f"{type(msg).__name__}: no transfer {tid} with this token")
+                raise ControlRejected(NackCode.AUTH, f"{type(msg).__name__}: no transfer {tid} with this token")
             self.duplicates += 1   # a retry whose first delivery settled it, or a word after the deadline
-            return m.Ack(detail="already settled")
+            return m.Ack(detail=AckDetail.ALREADY_SETTLED)
         entry = self.authorize(tid, msg.token, type(msg).__name__)
-        if entry.senders > 1:
-            msg = self._gather(entry, msg)
+        if entry.state.senders > 1:
+            msg, repeated = entry.state.gather(tid, msg)
+            self.duplicates += repeated
             if msg is None:
-                return m.Ack(detail=f"{len(entry.heard)} of {entry.senders} senders reported")
+                return m.Ack(detail=entry.state.tally())
         elif entry.sender and entry.sender != msg.sender:
-            raise ControlRejected("sender", f"transfer {tid} belongs to another sender")
-        event = "done" if isinstance(msg, m.Done) else "failed"
-        reason = "" if event == "done" else f"P reported: {msg.reason}"
+            raise ControlRejected(NackCode.SENDER, f"transfer {tid} belongs to another sender")
+        event = Event.DONE if isinstance(msg, m.Done) else Event.FAILED
+        reason = "" if event is Event.DONE else f"P reported: {msg.reason}"
         if entry.state.state is State.ABORTING:
             reason = entry.state.reason  # P is quiet now; the failure is still why D gave up
         try:
             changed = entry.state.apply(event, reason)
         except IllegalTransition as exc:
-            raise ControlRejected("state", str(exc)) from None
+            raise ControlRejected(NackCode.STATE, str(exc)) from None
         if not changed:
             self.duplicates += 1
             return m.Ack(detail=f"already {entry.state.state.value}")
         entry.sender = msg.sender
-        if event == "done":
+        if event is Event.DONE:
             self.bytes_received += msg.bytes
         self._settle(entry)
         return m.Ack(detail=entry.state.state.value)
-
-    def _gather(self, entry: _Entry, msg: m.Message) -> m.Message | None:
-        """Several senders: hold each one's DONE/FAILED until all spoke (the blocks stay fenced while
-        any may still write), then one word for all: the first FAILED, else a DONE with every
-        sender's bytes. None: still waiting."""
-        if msg.sender not in entry.heard and len(entry.heard) >= entry.senders:
-            raise ControlRejected("sender", f"transfer {entry.transfer_id} already heard its {entry.senders} senders")
-        if entry.state.terminal:
-            return msg   # late (after a deadline) or repeated: the state machine acks it as a duplicate
-        if msg.sender in entry.heard:
-            self.duplicates += 1
-            return None
-        entry.heard[msg.sender] = msg
-        if len(entry.heard) < entry.senders:
-            return None
-        failed = [word for word in entry.heard.values() if isinstance(word, m.Failed)]
-        if failed:
-            return failed[0]
-        return msgspec.structs.replace(msg, bytes=sum(word.bytes for word in entry.heard.values()))
 
     def abort(self, transfer_id: str, reason: str, token: str | None = None) -> str:
         """Give up a transfer: P is told to stop; the blocks stay fenced until it is quiet.
@@ -210,10 +193,10 @@ class Receiver:
         """
         entry = self._entries.get(transfer_id)
         if entry is None:
-            raise ControlRejected("unknown_transfer", f"no transfer {transfer_id}")
+            raise ControlRejected(NackCode.UNKNOWN_TRANSFER, f"no transfer {transfer_id}")
         if token is not None:
             self.authorize(transfer_id, token, "abort request")
-        if entry.state.apply("abort", reason):
+        if entry.state.apply(Event.ABORT, reason):
             self.aborts += 1
             self._start_fence(entry)
         return entry.state.state.value
@@ -221,10 +204,10 @@ class Receiver:
     def registration(self, transfer_id: str, token: str) -> tuple[list[int], int]:
         """(block ids, first block) of a registered transfer, for whoever dispatches P."""
         if transfer_id not in self._entries:
-            raise ControlRejected("not_registered", f"transfer {transfer_id} is not registered (yet)")
+            raise ControlRejected(NackCode.NOT_REGISTERED, f"transfer {transfer_id} is not registered (yet)")
         entry = self.authorize(transfer_id, token, "lookup")
         if entry.state.terminal:
-            raise ControlRejected("ended", f"transfer {transfer_id} is already {entry.state.state.value}")
+            raise ControlRejected(NackCode.ENDED, f"transfer {transfer_id} is already {entry.state.state.value}")
         return entry.block_ids, entry.first_block
 
     def state_of(self, transfer_id: str) -> tuple[str, str]:
@@ -239,12 +222,17 @@ class Receiver:
         if entry is None:
             return False
         if not entry.state.terminal:
-            raise ControlRejected("busy", f"transfer {transfer_id} is still {entry.state.state.value}")
+            raise ControlRejected(NackCode.BUSY, f"transfer {transfer_id} is still {entry.state.state.value}")
         del self._entries[transfer_id]
         self._remember_settled(entry)   # from now on: its late words, and its id, are refused
         if entry.on_release is not None:
             entry.on_release(entry.block_ids)
         return True
+
+    def refuse(self, transfer_id: str, reason: str) -> None:
+        """A registration that was refused: its failure is reported like a result (``refused``)."""
+        self._results.append(Received(transfer_id=transfer_id, ok=False, reason=reason,
+                                      finished_s=time.perf_counter(), refused=True))
 
     def pop_results(self) -> list[Received]:
         out = []
@@ -274,7 +262,7 @@ class Receiver:
             if expiry < now:
                 del self._early[key]
         if len(self._early) >= MAX_EARLY:
-            raise ControlRejected("busy", f"{MAX_EARLY} messages already wait for their registration")
+            raise ControlRejected(NackCode.BUSY, f"{MAX_EARLY} messages already wait for their registration")
         key = (msg.transfer_id, msg.token, msg.sender)
         if key not in self._early:  # first word wins, like on a registered transfer
             self._early[key] = (msg, now + self.timeouts.receive)
@@ -311,7 +299,7 @@ class Receiver:
         self._results.append(Received(transfer_id=entry.transfer_id, ok=ok, reason=entry.state.reason,
                                       finished_s=time.perf_counter()))
         self._remember_settled(entry)
-        if self.forget_settled:
+        if entry.forget:   # an engine that owns its blocks (``Runtime.receive``) needs no entry after the result
             self._entries.pop(entry.transfer_id, None)
 
     def _remember_settled(self, entry: _Entry) -> None:
@@ -336,7 +324,7 @@ class Receiver:
             return
         self.deadlines_expired += 1
         log.warning("transfer %s: no DONE/FAILED within %gs; fencing its blocks", transfer_id, self.timeouts.receive)
-        entry.state.apply("deadline", f"no DONE/FAILED within {self.timeouts.receive:g}s")
+        entry.state.apply(Event.DEADLINE, f"no DONE/FAILED within {self.timeouts.receive:g}s")
         self._start_fence(entry)
 
     def _start_fence(self, entry: _Entry) -> None:
@@ -380,11 +368,11 @@ class Receiver:
             try:
                 quiet = await asyncio.wait_for(
                     self._stop_sender(entry.sender_control, entry.transfer_id, entry.token, entry.state.reason),
-                    min(left, t.layer_write + t.control_call + t.cleanup))
+                    min(left, t.abort_ask))
             except asyncio.TimeoutError:
                 quiet = False
             if quiet:
-                return entry.senders == 1
+                return entry.state.senders == 1
             await asyncio.sleep(max(0.0, min(pause, end - loop.time())))
             pause = min(2 * pause, ASK_PAUSE_S[1])
         log.warning("transfer %s: P at %s never confirmed it stopped; blocks fenced for the whole grace",
@@ -394,5 +382,5 @@ class Receiver:
     def _end_fence(self, entry: _Entry) -> None:
         entry.fence = None   # done: settling must not cancel the task that is ending
         if entry.state.state is State.ABORTING:
-            entry.state.apply("fenced")
+            entry.state.apply(Event.FENCED)
             self._settle(entry)

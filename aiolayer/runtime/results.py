@@ -11,7 +11,7 @@ import concurrent.futures
 import time
 from typing import Callable
 
-from ..errors import DeadlineExceeded
+from ..errors import DeadlineExceeded, UnknownTransfer
 from .spec import Outcome
 
 
@@ -76,7 +76,8 @@ class Results:
     def wait(self, transfer_id: str, timeout: float) -> Outcome:
         fut = self.waiters.get(transfer_id)
         if fut is None:
-            raise KeyError(transfer_id)
+            raise UnknownTransfer(f"no outcome to wait for: transfer {transfer_id} was never started here, "
+                                  "or its outcome was already popped")
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:

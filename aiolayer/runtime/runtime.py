@@ -1,9 +1,11 @@
 """Runtime: the embedding API. One per process: loop thread, backend, control server, sender, receiver.
 
-Construct it (no I/O), ``start()`` it, use ``sender`` on P and ``receiver`` on D, ``stop()`` it.
-``stop`` is bounded by ``Timeouts.shutdown`` and leaves no task, socket or registered region.
-Extra control messages (a node's allocation and verification) go to ``extra_handler``;
-``inbound_filter`` sees every message first (a node's fault injection drops some there).
+Construct it (no I/O), ``start()`` it, ``register_kv_memory`` once, then P calls ``begin_step`` and
+D calls ``receive``; ``stop()`` it. Every method returns at once and may be called from any thread
+(docs/embedding.md says which thread each belongs to): work for the loop is handed over, and a refusal
+raises at once or comes back as that transfer's failed result. ``stop`` is bounded by
+``Timeouts.shutdown`` and leaves no task, socket or registered region. A node's or test's extra
+switches (``hooks.install_hooks``) are not part of this API.
 
 Other threads read the metrics from ``published_metrics``: a snapshot the loop rebuilds every
 ``METRICS_EVERY_S`` and at each transfer outcome (before the outcome is visible), swapped in one assignment and never mutated,
@@ -13,43 +15,52 @@ so a reader never walks a dict the loop is changing.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import secrets
+import threading
+import time
 import uuid
 from typing import Awaitable, Callable
 
+import msgspec
+
 from ..backends import make_backend
 from ..config import NodeConfig, Timeouts
-from ..errors import BridgeClosed, ControlError, ControlRejected, DeadlineExceeded, RuntimeStateError
+from ..errors import AiolayerError, BridgeClosed, ControlError, ControlRejected, DeadlineExceeded, RuntimeStateError
 from ..protocol import messages as m
 from ..protocol.plan import HeadGeometry
+from ..transport import url_host
+from .api import Announce, ReceiveSpec, Registration, Step
 from .bridge import LayerBridge
 from .control import ControlPeers, ControlServer
 from .loop import LoopThread
 from .metadata import LayoutCache
 from .metrics import MetricsServer, render, snapshot
-from .receiver import Receiver
-from .sender import Sender, check_geometry
+from .hooks import NO_HOOKS
+from .receiver import Received, Receiver
+from .sender import Outcome, Sender, TransferSpec, check_geometry
 
 log = logging.getLogger(__name__)
 METRICS_EVERY_S = 0.05
-
-ExtraHandler = Callable[[m.Message], Awaitable[m.Message]]
-InboundFilter = Callable[[m.Message], None]   # raises FrameDropped or ControlRejected to stop a message
+WAIT_POLL_S = 0.005   # wait_received: how often a blocked caller looks (results come from the loop's deque)
 
 
 class Runtime:
-    def __init__(self, node: NodeConfig | None = None, timeouts: Timeouts | None = None,
-                 backend=None, extra_handler: ExtraHandler | None = None, forget_settled: bool = False,
-                 inbound_filter: InboundFilter | None = None) -> None:
+    def __init__(self, node: NodeConfig | None = None, timeouts: Timeouts | None = None, backend=None) -> None:
         self.node = node or NodeConfig()
         self.timeouts = timeouts or Timeouts()
         self.incarnation = uuid.uuid4().hex
-        self.backend = backend if backend is not None else make_backend(self.node.backend)
-        self.extra_handler = extra_handler
-        self.inbound_filter = inbound_filter
+        if backend is None:
+            backend = make_backend(self.node.backend, transport=self.node.transport)
+        self.backend = backend
+        self._hooks = NO_HOOKS
+        self._steps = itertools.count(1)
+        self._inbox: list[Received] = []   # D: results wait_received took from the receiver for others
+        self._inbox_lock = threading.Lock()
         self.loop_thread = LoopThread(name=f"aiolayer-{self.node.engine_id}")
         self.bridge = LayerBridge(capacity=self.node.bridge_capacity)
-        self.receiver = Receiver(self.timeouts, forget_settled=forget_settled)
+        self.receiver = Receiver(self.timeouts)
         self.server: ControlServer | None = None
         self.peers: ControlPeers | None = None
         self.layouts: LayoutCache | None = None
@@ -66,13 +77,17 @@ class Runtime:
 
     # --- lifecycle -------------------------------------------------------------------------
 
+    @property
+    def started(self) -> bool:
+        return self._started
+
     def start(self) -> "Runtime":
         if self._started:
             raise RuntimeStateError("runtime already started")
         self._started = True
         self.loop_thread.start()
         try:
-            self.loop_thread.call(self._open(), timeout=self.timeouts.shutdown + self.timeouts.layout_fetch)
+            self.loop_thread.call(self._open(), timeout=self.timeouts.runtime_open)
         except BaseException:
             self.stop()
             raise
@@ -89,13 +104,17 @@ class Runtime:
                              on_outcome=self._republish_metrics)
         spawn(self.sender.run(spawn), name="sender")
         self.receiver.bind(spawn, self._stop_sender, on_outcome=self._republish_metrics)
-        self.server = ControlServer(self.node.control_host, self.node.control_port, self._handle,
+        transport = self.node.transport
+        advertised = url_host(transport.advertised())   # bound on bind_host, dialled by peers at this
+        self.server = ControlServer(transport.bind_host, self.node.control_port, self._handle,
                                     max_frame_bytes=self.node.max_frame_bytes)
-        self.control_endpoint = await self.server.start(spawn)
+        await self.server.start(spawn)
+        self.control_endpoint = f"tcp://{advertised}:{self.server.port}"
         if self.node.metrics_port >= 0:
-            self.metrics_server = MetricsServer(self.node.control_host, self.node.metrics_port, self._scrape,
+            self.metrics_server = MetricsServer(transport.bind_host, self.node.metrics_port, self._scrape,
                                                 self.timeouts.control_call)
-            self.metrics_url = await self.metrics_server.start()
+            await self.metrics_server.start()
+            self.metrics_url = f"http://{advertised}:{self.metrics_server.port}/metrics"
         self.published_metrics = snapshot(self)
         spawn(self._publish_metrics(), name="metrics-publisher")
 
@@ -104,7 +123,7 @@ class Runtime:
         self.bridge.close("runtime stopped")
         if self.loop_thread.alive:
             try:
-                self.loop_thread.call(self._close(), timeout=self.timeouts.shutdown + self.timeouts.backend_close)
+                self.loop_thread.call(self._close(), timeout=self.timeouts.runtime_close)
             except Exception as exc:  # noqa: BLE001 - stop must go on to end the thread
                 log.warning("runtime clean-up incomplete: %r", exc)
         self.loop_thread.stop(self.timeouts.shutdown)
@@ -134,6 +153,16 @@ class Runtime:
         except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001
             log.warning("backend close failed: %r", exc)
 
+    def on_stop(self, closer: Callable[[], Awaitable[None]]) -> None:
+        """Await ``closer()`` on the loop when the runtime stops, within ``Timeouts.cleanup``: closes what
+        an ``announce`` callback opened there (an HTTP client). Runs however the loop ends."""
+        async def bounded() -> None:
+            try:
+                await asyncio.wait_for(closer(), self.timeouts.cleanup)
+            except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - stopping goes on regardless
+                log.warning("on_stop clean-up %r failed: %r", getattr(closer, "__name__", closer), exc)
+        self.loop_thread.on_stop(bounded)
+
     def _on_loop_exit(self, error: BaseException | None) -> None:
         self.bridge.close(error or BridgeClosed("loop thread exited"))
 
@@ -143,31 +172,27 @@ class Runtime:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    # --- D side: publish the local KV layout -------------------------------------------------
+    # --- both sides: the local KV memory ----------------------------------------------------------
 
-    def publish_layout(self, k_base: list[int], v_base: list[int], block_bytes: int, num_blocks: int,
-                       register: bool = True, *, kv_heads: int = 0, geometry: HeadGeometry | None = None) -> None:
-        """Make this process's KV caches the target of peers' writes (D), or their source (P).
+    def register_kv_memory(self, k_base: list[int], v_base: list[int], block_bytes: int, num_blocks: int,
+                           *, kv_heads: int = 0, geometry: HeadGeometry | None = None) -> None:
+        """Register this process's paged KV caches: the target of peers' writes (D), or their source (P).
 
         Per layer, block ``b`` of K is at ``k_base + b * block_bytes``, likewise for V. Where one
         tensor holds both (each block K and V together, vLLM's CPU layout), pass 0 as V bases.
 
         ``kv_heads`` and ``geometry`` (tokens per block, bytes per head, NHD/HND) describe a block's
         local heads; with them, peers of another TP size can write or be written head slices
-        (``TransferSpec.route``). Without them only whole blocks move.
-
-        ``register=False`` publishes without registering the memory with the backend, so every
-        write to it is refused: a fault-injection switch for tests and ``bench --scenario faults``.
+        (``TransferSpec.route``). Without them only whole blocks move. Blocks until registered.
         """
         check_geometry(block_bytes, kv_heads, geometry, v_base)
-        self.loop_thread.call(self._register_layout(k_base, v_base, block_bytes, num_blocks, register,
-                                                    kv_heads, geometry),
+        self.loop_thread.call(self._register_layout(k_base, v_base, block_bytes, num_blocks, kv_heads, geometry),
                               timeout=self.timeouts.shutdown)
 
-    async def _register_layout(self, k_base, v_base, block_bytes: int, num_blocks: int, register: bool,
+    async def _register_layout(self, k_base, v_base, block_bytes: int, num_blocks: int,
                                kv_heads: int = 0, geometry: HeadGeometry | None = None) -> None:
         span = num_blocks * block_bytes
-        for base in list(k_base) + list(v_base) if register else ():
+        for base in list(k_base) + list(v_base) if not self._hooks.refuse_writes else ():
             if base:   # a V base of 0: K and V share one tensor per layer
                 self.backend.register(int(base), span)
         self.sender.set_local_layout(k_base, v_base, block_bytes, num_blocks, kv_heads, geometry)
@@ -178,6 +203,119 @@ class Runtime:
             block_bytes=block_bytes, num_blocks=num_blocks,
             layers=[m.LayerRegion(int(k), int(v)) for k, v in zip(k_base, v_base)], **geo)
 
+    # --- P: send (the forward thread; never blocks) ---------------------------------------------
+
+    def begin_step(self, specs: list[TransferSpec]) -> Step:
+        """Hand one forward step's transfers over; then ``step.layer_ready(i)`` per layer, ``step.end()``.
+
+        Raises at once (nothing queued) when the runtime cannot take them; a bad spec fails that
+        transfer alone, with its outcome in ``pop_outcomes``."""
+        sender = self._running_sender()
+        step = Step(sender, next(self._steps))
+        sender.begin_step(step.id, specs)
+        return step
+
+    def cancel_send(self, transfer_id: str, reason: str) -> None:
+        """Stop a send (its source blocks are needed back): it fails, never says DONE; never raises."""
+        if self.sender is not None:
+            self.sender.cancel(transfer_id, reason)
+
+    def pop_outcomes(self) -> list[Outcome]:
+        return [] if self.sender is None else self.sender.pop_outcomes()
+
+    def pop_released(self) -> list[str]:
+        """Transfer ids whose source blocks no write reads any more: the engine may reuse them."""
+        return [] if self.sender is None else self.sender.pop_released()
+
+    def wait_outcome(self, transfer_id: str, timeout: float) -> Outcome:
+        """Block until the send's outcome is known (never from the forward thread)."""
+        return self._running_sender().wait(transfer_id, timeout)
+
+    def _running_sender(self) -> Sender:
+        if self.sender is None:
+            raise RuntimeStateError("runtime not started")
+        return self.sender
+
+    # --- D: receive (any thread; returns at once) -------------------------------------------------
+
+    def receive(self, spec: ReceiveSpec, announce: Announce | None = None) -> Registration:
+        """Register a transfer into ``spec.block_ids``; returns the ``Registration`` to hand to P.
+
+        The registration is made on the loop before any message a peer sends after this call can be
+        served, so publishing the returned value right away is safe. A bad spec raises
+        ``ConfigError`` here; a refusal on the loop (an id already live or recently settled) comes back
+        as a failed ``Received`` with ``refused`` set. ``announce(registration)``, if given, runs on the
+        loop once registered (e.g. tell a proxy); if it raises, the transfer is aborted."""
+        if not spec.token:   # the caller hands the Registration (which carries it) to P
+            spec = msgspec.structs.replace(spec, token=secrets.token_hex(16))
+        spec.check()
+        if self._closed or not self.loop_thread.alive:
+            raise RuntimeStateError("runtime not running")
+        reg = Registration(transfer_id=spec.transfer_id, block_ids=list(spec.block_ids),
+                           first_block=spec.first_block, token=spec.token, incarnation=self.incarnation,
+                           decode_control=self.control_endpoint)
+        self._on_loop(self._register_receive, spec, announce, reg)
+        return reg
+
+    def _register_receive(self, spec: ReceiveSpec, announce: Announce | None, reg: Registration) -> None:
+        try:
+            self.receiver.register(spec.transfer_id, spec.block_ids, token=spec.token, forget=True,
+                                   sender_control=spec.sender_control, first_block=spec.first_block,
+                                   senders=spec.senders)
+        except Exception as exc:  # noqa: BLE001 - the caller learns it from the transfer's result
+            self.receiver.refuse(spec.transfer_id, f"registration refused: {type(exc).__name__}: {exc}")
+            return
+        if announce is not None:
+            self.loop_thread.spawn(self._announce(announce, reg), name=f"announce {reg.transfer_id}")
+
+    async def _announce(self, announce: Announce, reg: Registration) -> None:
+        try:
+            await asyncio.wait_for(announce(reg), self.timeouts.receive)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - nobody will dispatch P: give the transfer up now
+            reason = f"registration not announced: {type(exc).__name__}: {exc}"
+            log.warning("transfer %s: %s", reg.transfer_id, reason)
+            self._abort_receive(reg.transfer_id, reason)
+
+    def abort_receive(self, transfer_id: str, reason: str) -> None:
+        """Give a receive up: P is told to stop; its failure comes through ``pop_received`` once P is
+        quiet. An id that already ended (its result is on its way) is ignored."""
+        self._on_loop(self._abort_receive, transfer_id, str(reason))
+
+    def _abort_receive(self, transfer_id: str, reason: str) -> None:
+        try:
+            self.receiver.abort(transfer_id, reason)
+        except AiolayerError as exc:
+            log.debug("transfer %s: abort not needed: %s", transfer_id, exc)
+
+    def _on_loop(self, callback, *args) -> None:
+        """Run ``callback`` on the loop, in call order, before the loop serves anything that arrives later."""
+        try:
+            self.loop_thread.loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError as exc:   # the loop closed meanwhile
+            raise RuntimeStateError(f"runtime not running: {exc}") from None
+
+    def pop_received(self) -> list[Received]:
+        """Receives ended since the last call. A result is the release: no write lands after it."""
+        with self._inbox_lock:
+            out, self._inbox = self._inbox + self.receiver.pop_results(), []
+        return out
+
+    def wait_received(self, transfer_id: str, timeout: float) -> Received:
+        """Block until ``transfer_id``'s receive ended (never from the forward thread or the loop);
+        the other transfers' results stay for ``pop_received``."""
+        end = time.monotonic() + timeout
+        while True:
+            with self._inbox_lock:
+                self._inbox += self.receiver.pop_results()
+                for index, result in enumerate(self._inbox):
+                    if result.transfer_id == transfer_id:
+                        return self._inbox.pop(index)
+            if time.monotonic() >= end:
+                raise DeadlineExceeded("wait_received", timeout, f"transfer {transfer_id}")
+            time.sleep(WAIT_POLL_S)
+
     # --- control-plane routing -----------------------------------------------------------------
 
     async def _stop_sender(self, endpoint: str, transfer_id: str, token: str, reason: str) -> bool:
@@ -185,15 +323,15 @@ class Runtime:
         try:
             client = await self.peers.get(endpoint)
             reply = await client.call(m.Abort(transfer_id=transfer_id, reason=reason, token=token),
-                                      timeout=self.timeouts.layer_write + self.timeouts.control_call)
+                                      timeout=self.timeouts.abort_call)
         except (ControlError, DeadlineExceeded) as exc:   # e.g. Nack(settling): the fence asks again
             log.info("transfer %s: P at %s did not confirm it stopped: %s", transfer_id, endpoint, exc)
             return False
-        return isinstance(reply, m.Ack) and reply.detail == "stopped"
+        return m.confirms_stop(reply)
 
     async def _handle(self, msg: m.Message) -> m.Message:
-        if self.inbound_filter is not None:
-            self.inbound_filter(msg)
+        if self._hooks.inbound_filter is not None:
+            self._hooks.inbound_filter(msg)
         if isinstance(msg, (m.Done, m.Failed)):
             return self.receiver.handle(msg)
         if isinstance(msg, m.Abort):
@@ -209,11 +347,11 @@ class Runtime:
             # takes writes (P fetches it for every transfer before its first write)
             self.receiver.authorize_writer(msg.transfer_id, msg.token, f"layout request from {msg.requester!r}")
             if self.layout_reply is None:
-                raise ControlRejected("not_ready", "no KV layout registered yet")
+                raise ControlRejected(m.NackCode.NOT_READY, "no KV layout registered yet")
             return self.layout_reply
-        if self.extra_handler is not None:
-            return await self.extra_handler(msg)
-        raise ControlRejected("unknown", f"{type(msg).__name__} is not served here")
+        if self._hooks.extra_handler is not None:
+            return await self._hooks.extra_handler(msg)
+        raise ControlRejected(m.NackCode.UNKNOWN, f"{type(msg).__name__} is not served here")
 
     # --- metrics ---------------------------------------------------------------------------------
 

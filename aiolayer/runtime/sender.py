@@ -16,6 +16,9 @@ told nothing: its own deadline and fence take over, and P keeps the source held,
 
 One transfer's trouble stays its own: a bad spec, or any error in its coroutines (each ``guarded``),
 ends that transfer with a failed outcome and never reaches the runtime's TaskGroup.
+
+The layers themselves stream in ``stream``; its typed errors (``TransferStopped``) and a failed
+delivery (``DeliveryFailed``) become the outcome's reason here, where the outcome is published.
 """
 
 from __future__ import annotations
@@ -28,21 +31,21 @@ from typing import Callable
 
 import numpy as np
 
-from .. import compat
 from ..config import Timeouts
-from ..errors import AiolayerError, ControlRejected, DeadlineExceeded, RuntimeStateError, TransferTimeout
+from ..errors import AiolayerError, ControlRejected, DeliveryFailed, RuntimeStateError, TransferStopped, map_errors
 from ..protocol import messages as m
-from ..protocol.plan import HeadGeometry, check_block_bounds, merge_runs
-from ..protocol.state import State
+from ..protocol.codes import AckDetail, NackCode
+from ..protocol.plan import HeadGeometry, check_block_bounds, check_geometry, merge_runs
+from ..protocol.state import Event, State
 from ..stats import LatencyHistogram
 from .bridge import LayerBridge
 from .control import ControlPeers
-from .events import record_event, wait_event
+from .events import record_event
 from .fence import MAX_EARLY_ABORTS, EarlyAborts, Request, guarded
 from .metadata import LayoutCache
 from .results import Results
-from .spec import (LayerTiming, LocalLayout, Outcome, TransferSpec, check_geometry, check_layout, check_spec,
-                   layer_runs)
+from .spec import LayerTiming, LocalLayout, Outcome, TransferSpec, check_layout, check_spec
+from .stream import LayerStreamer
 
 __all__ = ["MAX_EARLY_ABORTS", "LayerTiming", "LocalLayout", "Outcome", "Sender", "TransferSpec", "check_geometry"]
 log = logging.getLogger(__name__)
@@ -77,6 +80,7 @@ class Sender:
         self.bytes_sent = 0
         self.deadlines: collections.Counter[str] = collections.Counter()
         self.handoff = LatencyHistogram()
+        self.stream = LayerStreamer(backend, timeouts, self.deadlines)
 
     # --- forward-thread API (never blocks) -------------------------------------------------
 
@@ -221,7 +225,7 @@ class Sender:
             log.warning("transfer %s cancelled by the engine: %s", transfer_id, reason)
             req.abort(reason[:500], by_p=True)
 
-    async def abort(self, transfer_id: str, reason: str, token: str) -> str:
+    async def abort(self, transfer_id: str, reason: str, token: str) -> AckDetail:
         """D asks us to stop: submit nothing more, and return once no write can still land.
 
         Only with the transfer's token: a stranger cannot stop another's transfer. Writes still
@@ -231,16 +235,16 @@ class Sender:
         if req is None:   # not started yet, or already quiet: make sure it never starts
             now = time.monotonic()
             self._aborted_early.add((transfer_id, token), now + self.timeouts.receive, now)
-            return "stopped"
+            return AckDetail.STOPPED
         if not m.same_token(token, req.spec.token):
             log.warning("transfer %s: abort with a wrong token refused", transfer_id)
-            raise ControlRejected("auth", f"abort: no transfer {transfer_id} with this token")
+            raise ControlRejected(NackCode.AUTH, f"abort: no transfer {transfer_id} with this token")
         req.abort(reason)
         try:
-            await asyncio.wait_for(req.quiet.wait(), self.timeouts.layer_write + self.timeouts.cleanup)
+            await asyncio.wait_for(req.quiet.wait(), self.timeouts.abort_settle)
         except asyncio.TimeoutError:
-            raise ControlRejected("settling", f"writes of {transfer_id} are still in flight") from None
-        return "stopped"
+            raise ControlRejected(NackCode.SETTLING, f"writes of {transfer_id} are still in flight") from None
+        return AckDetail.STOPPED
 
     @guarded
     async def _run_request(self, req: Request) -> None:
@@ -250,11 +254,13 @@ class Sender:
             layout = await self.layouts.get(req.spec.peer, (req.spec.transfer_id, req.spec.token),
                                             req.spec.dst_incarnation)
             req.spans = check_layout(self.local, req.spec, req.runs, layout)
-            req.state.apply("layout_ready")
-            settled, reason = await self._stream_layers(req, layout)
+            req.state.apply(Event.LAYOUT_READY)
+            settled = await self.stream.stream(req, self.local, layout)
         except asyncio.CancelledError:
             self._publish_safely(req, "runtime stopped")
             raise
+        except TransferStopped as exc:   # its text is the reason as published
+            settled, reason = exc.settled_s, str(exc)
         except AiolayerError as exc:
             reason = f"{type(exc).__name__}: {exc}"
         except Exception as exc:  # noqa: BLE001 - a bug must still end in a visible outcome
@@ -265,63 +271,6 @@ class Sender:
         if reason and not req.aborted:
             self.layouts.invalidate(req.spec.peer)  # the peer may have restarted: fetch afresh next time
         await self._finish(req, reason, settled)
-
-    async def _stream_layers(self, req: Request, layout) -> tuple[float, str]:
-        """Submit each layer as it arrives; returns (time all writes settled, failure reason)."""
-        local, t = self.local, self.timeouts
-        writes: list[asyncio.Task] = []
-        held: list[tuple[int, float]] = []   # bulk: layers ready but not yet submitted
-        reason = ""
-        async with compat.TaskGroup() as group:
-            for index in range(local.num_layers):
-                try:
-                    async with compat.timeout(t.layer_gap):
-                        item = await req.layers.get()
-                    if item is None:
-                        reason = req.aborted
-                        break
-                    layer, event, handed = item
-                    await wait_event(event, t.layer_event)
-                except TimeoutError:
-                    self.deadlines["layer_gap"] += 1
-                    reason = f"layer_gap: no next layer within {t.layer_gap:g}s"
-                    break
-                except DeadlineExceeded as exc:
-                    self.deadlines[exc.phase] += 1
-                    reason = str(exc)
-                    break
-                if req.aborted or any(w.done() and w.result() for w in writes):
-                    break  # stopped, or a write failed already: submit no more layers
-                held.append((layer, handed))
-                if req.spec.layerwise or index == local.num_layers - 1:
-                    for layer, handed in held:
-                        writes.append(group.create_task(self._write_layer(req, layout, layer, handed)))
-                    held.clear()
-        settled = time.perf_counter()
-        errors = [w.result() for w in writes if w.result()]
-        return settled, req.aborted or reason or (errors[0] if errors else "")
-
-    async def _write_layer(self, req: Request, layout, layer: int, handed: float) -> str:
-        """One layer's K and V runs; returns "" on success or the failure reason (never raises).
-
-        Runs that may still land after a failed write (``exc.pending``) go to ``req.pending`` for the fence.
-        """
-        try:
-            src, dst, lengths = layer_runs(self.local, req.runs, req.spans, layout, layer)
-            submitted = time.perf_counter()
-            await self.backend.write(layout.session, src, dst, lengths, self.timeouts.layer_write)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a backend bug too: the transfer fails, its siblings go on
-            req.pending.extend(getattr(exc, "pending", ()))
-            if isinstance(exc, TransferTimeout):
-                self.deadlines["layer_write"] += 1
-            elif not isinstance(exc, AiolayerError):
-                log.exception("transfer %s: layer %d write raised", req.spec.transfer_id, layer)
-            return f"layer {layer}: {type(exc).__name__}: {exc}"
-        req.timings.append(LayerTiming(layer, handed, submitted, time.perf_counter()))
-        req.bytes += int(lengths.sum())
-        return ""
 
     @guarded
     async def _finish(self, req: Request, reason: str, settled: float | None) -> None:
@@ -335,7 +284,7 @@ class Sender:
         if reason:
             self._publish(req, reason, settled)
             try:
-                await asyncio.wait_for(req.quiet.wait(), self.timeouts.quarantine + self.timeouts.cleanup)
+                await asyncio.wait_for(req.quiet.wait(), self.timeouts.quarantine_wait)
             except asyncio.TimeoutError:
                 log.error("transfer %s: writes still unresolved; D is not told (its deadline and fence "
                           "take over)", spec.transfer_id)
@@ -343,33 +292,38 @@ class Sender:
             if req.aborted and not req.by_p:
                 return   # D asked us to stop: it learns we are quiet from its Abort's reply
             msg = m.Failed(transfer_id=spec.transfer_id, sender=self.engine_id, reason=reason[:500], token=spec.token)
-            await self._tell_d(spec, msg)
+            try:
+                await self._tell_d(spec, msg)
+            except DeliveryFailed:
+                pass   # logged; D's own deadline and fence end the transfer there
             return
-        req.state.apply("all_layers_written")
+        req.state.apply(Event.ALL_LAYERS_WRITTEN)
         msg = m.Done(transfer_id=spec.transfer_id, sender=self.engine_id, incarnation=spec.dst_incarnation,
                      layers=len(req.timings), bytes=req.bytes, token=spec.token)
-        error = await self._tell_d(spec, msg)
-        self._publish(req, f"DONE not delivered: {error}" if error else "", settled)
-
-    async def _tell_d(self, spec: TransferSpec, msg: m.Message) -> str:
-        """Deliver DONE/FAILED with bounded retries; returns "" or what went wrong (never raises)."""
         try:
-            client = await self.peers.get(spec.peer)
-            await client.call_with_retries(msg, self.timeouts.done_delivery)
-        except asyncio.CancelledError:
+            await self._tell_d(spec, msg)
+        except DeliveryFailed as exc:
+            self._publish(req, f"DONE not delivered: {exc}", settled)
+            return
+        self._publish(req, "", settled)
+
+    async def _tell_d(self, spec: TransferSpec, msg: m.Message) -> None:
+        """Deliver DONE/FAILED with bounded retries; ``DeliveryFailed`` (logged) when D did not take it."""
+        try:
+            with map_errors(DeliveryFailed):   # a bad endpoint too: D's own deadline takes over
+                client = await self.peers.get(spec.peer)
+                await client.call_with_retries(msg, self.timeouts.done_delivery)
+        except DeliveryFailed as exc:
+            log.warning("transfer %s: could not tell D %s: %s", spec.transfer_id, type(msg).__name__, exc.cause)
             raise
-        except Exception as exc:  # noqa: BLE001 - a bad endpoint too: D's own deadline takes over
-            log.warning("transfer %s: could not tell D %s: %s", spec.transfer_id, type(msg).__name__, exc)
-            return f"{type(exc).__name__}: {exc}"
-        return ""
 
     def _publish(self, req: Request, reason: str, settled: float | None) -> None:
         if req.state.terminal:
             return
         if reason:
-            req.state.apply("fail", reason)
+            req.state.apply(Event.FAIL, reason)
         else:
-            req.state.apply("done_acked")
+            req.state.apply(Event.DONE_ACKED)
         now = time.perf_counter()
         self.outcome_counts["finished" if req.state.state is State.FINISHED else "failed"] += 1
         self.bytes_sent += req.bytes

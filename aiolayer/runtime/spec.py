@@ -27,6 +27,15 @@ class TransferSpec(msgspec.Struct, frozen=True, kw_only=True):
     # protocol.plan.map_ranks); both sides must have published their head geometry. None: whole blocks.
     route: RankRoute | None = None
 
+    @classmethod
+    def from_registration(cls, reg, *, src_blocks: list[int], peer: str = "", layerwise: bool = True,
+                          route: RankRoute | None = None) -> "TransferSpec":
+        """P's spec for the blocks D registered: ``reg`` is D's ``Registration`` (``Runtime.receive``)
+        or a ``DecodeNode``'s ``AllocReply``; ``peer`` is D's control endpoint where ``reg`` has none."""
+        return cls(transfer_id=reg.transfer_id, peer=peer or getattr(reg, "decode_control", ""),
+                   src_blocks=list(src_blocks), dst_blocks=list(reg.block_ids), dst_incarnation=reg.incarnation,
+                   token=reg.token, layerwise=layerwise, route=route)
+
     def __post_init__(self) -> None:
         if not self.dst_incarnation:
             raise ConfigError(f"transfer {self.transfer_id}: dst_incarnation is required (D's AllocReply)")
@@ -63,21 +72,6 @@ class LocalLayout(msgspec.Struct, frozen=True):
     @property
     def num_layers(self) -> int:
         return int(self.k_base.shape[0])
-
-
-def check_geometry(block_bytes: int, kv_heads: int, geometry: HeadGeometry | None, v_base) -> None:
-    """A published head geometry must describe the blocks exactly; ``ConfigError`` otherwise."""
-    if geometry is None:
-        if kv_heads:
-            raise ConfigError("kv_heads given without its geometry (block_size, head_bytes, layout)")
-        return
-    if isinstance(kv_heads, bool) or not isinstance(kv_heads, (int, np.integer)) or kv_heads < 1:
-        raise ConfigError(f"kv_heads must be a positive integer with a geometry, got {kv_heads!r}")
-    if kv_heads * geometry.block_size * geometry.head_bytes != block_bytes:
-        raise ConfigError(f"{kv_heads} heads x {geometry.block_size} tokens x {geometry.head_bytes} bytes "
-                          f"is not the block size {block_bytes}")
-    if any(int(v) == 0 for v in v_base):
-        raise ConfigError("a head geometry needs K and V in separate tensors (no V base of 0)")
 
 
 def check_spec(spec) -> None:

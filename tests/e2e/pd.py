@@ -52,10 +52,14 @@ class ProxyProcess:
     """``python -m aiolayer proxy`` on a free port; ``start()`` returns once /health answers."""
 
     def __init__(self, prefill: list[str], decode: list[str], *, extra_args: tuple[str, ...] = (),
-                 startup_timeout_s: float = 30.0, healthy: tuple[int, ...] = (200,)) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "aiolayer", "proxy", "--port", str(self.port), "--prefill", *prefill,
+                 startup_timeout_s: float = 30.0, healthy: tuple[int, ...] = (200,),
+                 netns: str | None = None, reach: str = "127.0.0.1", port: int | None = None) -> None:
+        # netns: run inside that network namespace (then give the port, and the address ``reach`` to
+        # call it at from here; --host/--public-url go in extra_args)
+        self.port = port or free_port()
+        self.url = f"http://{reach}:{self.port}"
+        self.cmd = [*(["ip", "netns", "exec", netns] if netns else []),
+                    sys.executable, "-m", "aiolayer", "proxy", "--port", str(self.port), "--prefill", *prefill,
                     "--decode", *decode, *extra_args]
         self.startup_timeout_s = startup_timeout_s
         self.healthy = healthy      # /health codes that count as started (503: no backend up yet)

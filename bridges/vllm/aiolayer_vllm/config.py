@@ -1,22 +1,39 @@
-"""Everything the connector is configured with, read in one place from ``kv_connector_extra_config``.
+"""Everything the connector is configured with, decoded in one place from ``kv_connector_extra_config``.
 
-Keys (all optional): ``engine_id``, ``control_host`` (default 127.0.0.1), ``control_port`` (0 = any;
-set it on P so that D and the proxy can reach it), ``backend`` ("mooncake" | "memory"), ``timeouts``
-(a dict of ``aiolayer.Timeouts`` fields), ``layerwise_min_tokens`` (shorter prompts go in bulk),
-``debug_zero_received`` (test-only negative control: zero the KV that arrived before D uses it).
+Keys (all optional; an unknown key or a value of the wrong type is refused with the key named):
+``engine_id``, ``control_port`` (0 = any; set it on P so that D and the proxy can reach it),
+``backend`` ("mooncake" | "memory"), ``transport`` (a dict of ``aiolayer.transport.Transport``
+fields: ``bind_host``, ``advertise_host``, ``protocol``, ``device_name``, ``metadata_server``; the
+same keys as ``aiolayer node``'s flags), ``timeouts`` (a dict of ``aiolayer.Timeouts`` fields),
+``layerwise_min_tokens`` (shorter prompts go in bulk).
+
+Test-only switches are not configuration: ``AIOLAYER_DEBUG_ZERO_RECEIVED=1`` in a D engine's
+environment zeroes the KV that arrived before D uses it (the end-to-end tests' negative control).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import msgspec
 
 from aiolayer.config import NodeConfig, Timeouts
 from aiolayer.errors import ConfigError
+from aiolayer.transport import Transport
 
-_KNOWN = {"engine_id", "control_host", "control_port", "backend", "timeouts", "layerwise_min_tokens",
-          "debug_zero_received"}
+DEBUG_ZERO_RECEIVED_ENV = "AIOLAYER_DEBUG_ZERO_RECEIVED"
+
+
+class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``kv_connector_extra_config`` as the user writes it."""
+
+    engine_id: str = ""
+    control_port: int = 0
+    backend: str = "mooncake"
+    transport: Transport = msgspec.field(default_factory=Transport)
+    timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
+    layerwise_min_tokens: int = 0
 
 
 class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -27,18 +44,19 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def from_extra_config(extra: dict[str, Any] | None, default_engine_id: str) -> BridgeConfig:
-    extra = dict(extra or {})
-    unknown = set(extra) - _KNOWN
-    if unknown:
-        raise ConfigError(f"unknown kv_connector_extra_config keys for aiolayer: {sorted(unknown)}")
     try:
-        timeouts = msgspec.convert(extra.get("timeouts") or {}, Timeouts)
-        node = NodeConfig(engine_id=str(extra.get("engine_id") or default_engine_id),
-                          control_host=str(extra.get("control_host", "127.0.0.1")),
-                          control_port=int(extra.get("control_port", 0)),
-                          backend=str(extra.get("backend", "mooncake")))
-    except (msgspec.ValidationError, TypeError, ValueError) as exc:
-        raise ConfigError(f"invalid aiolayer kv_connector_extra_config: {exc}") from exc
-    return BridgeConfig(node=node, timeouts=timeouts,
-                        layerwise_min_tokens=int(extra.get("layerwise_min_tokens", 0)),
-                        debug_zero_received=bool(extra.get("debug_zero_received", False)))
+        # strict: "false" is not a bool and "5600" not a port (a lax coercion once turned on a debug switch)
+        user = msgspec.convert(dict(extra or {}), ExtraConfig)
+        if user.layerwise_min_tokens < 0:
+            raise ConfigError(f"layerwise_min_tokens must be >= 0, got {user.layerwise_min_tokens}")
+        node = NodeConfig(engine_id=user.engine_id or default_engine_id, control_port=user.control_port,
+                          backend=user.backend, transport=user.transport)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid aiolayer kv_connector_extra_config: {exc}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"invalid aiolayer kv_connector_extra_config: {exc}") from None
+    zero = os.environ.get(DEBUG_ZERO_RECEIVED_ENV, "")
+    if zero not in ("", "0", "1"):
+        raise ConfigError(f"{DEBUG_ZERO_RECEIVED_ENV} must be 0 or 1, got {zero!r}")
+    return BridgeConfig(node=node, timeouts=user.timeouts, layerwise_min_tokens=user.layerwise_min_tokens,
+                        debug_zero_received=zero == "1")

@@ -24,7 +24,7 @@ from msgspec import Meta
 
 KEY = "aiolayer"
 MAX_ID_CHARS = 256
-MIN_TOKEN_CHARS = 16          # the receiver's own minimum (aiolayer.runtime.receiver)
+MIN_TOKEN_CHARS = 16          # the runtime's own minimum (aiolayer.ReceiveSpec)
 MAX_TOKEN_CHARS = 512
 MAX_URL_CHARS = 2048
 MAX_BLOCKS = 1 << 22          # more destination blocks than any engine has: refused before any I/O

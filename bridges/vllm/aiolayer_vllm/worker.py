@@ -1,8 +1,9 @@
 """The worker side (model-runner thread): hands steps and layers to aiolayer and reports results.
 
-It owns the process's aiolayer ``Runtime`` (started with the KV caches). Every call here returns
-at once: ``save_kv_layer`` appends to the bridge, ``wait_for_save`` does no network I/O, and D's
-registrations run on the loop. Results come back from thread-safe queues in ``transfer_results``.
+It owns the process's aiolayer ``Runtime`` (started with the KV caches) and uses only its public,
+thread-safe API. Every call here returns at once: ``save_kv_layer`` hands a layer to the step,
+``wait_for_save`` does no network I/O, and D's registrations are handed to the runtime's loop
+(``Runtime.receive``). Results come back from thread-safe queues in ``transfer_results``.
 Nothing here raises for one request (vLLM would take the engine down): a request that cannot be
 served fails alone, logged (D: failed_recving; P: not sent, its blocks handed back when finished).
 """
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import re
 
-from aiolayer import Runtime, TransferSpec
-from aiolayer.errors import AiolayerError, ConfigError
+from aiolayer import ReceiveSpec, Registration, Runtime, Step, TransferSpec
+from aiolayer.errors import ConfigError
 
 from .config import BridgeConfig
 from .metadata import AiolayerMetadata, RecvReq
@@ -73,8 +75,7 @@ class WorkerSide:
         self.runtime: Runtime | None = None
         self.layer_index: dict[str, int] = {}
         self._views: dict = {}
-        self._step = 0
-        self._active_step: int | None = None
+        self._active_step: Step | None = None
         self._req_of: dict[str, str] = {}                 # P: transfer id -> vLLM request id
         self._recv_of: dict[str, tuple[str, list[int]]] = {}   # D: transfer id -> (request id, its blocks)
         # D: (transfer id, reason, (request id, blocks) or None = look up the transfer id), any thread
@@ -84,15 +85,17 @@ class WorkerSide:
         self._finished: set[str] = set()                  # P: ... that vLLM reported finished
         self._load_errors: set[int] = set()
         self._reported: dict[str, float] = {}             # the totals of the last stats report
+        self._http = None   # D: one HTTP client for every registration POST, made and closed on the loop
 
     # --- set-up --------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         names, k_base, v_base, block_bytes, num_blocks, self._views = kv_layout(kv_caches, self.num_blocks)
         self.layer_index = {name: i for i, name in enumerate(names)}
-        self.runtime = Runtime(self.config.node, self.config.timeouts, forget_settled=True).start()
+        self.runtime = Runtime(self.config.node, self.config.timeouts).start()
+        self.runtime.on_stop(self._close_http)
         try:
-            self.runtime.publish_layout(k_base, v_base, block_bytes, num_blocks)
+            self.runtime.register_kv_memory(k_base, v_base, block_bytes, num_blocks)
         except BaseException:
             self.runtime.stop()
             raise
@@ -104,16 +107,27 @@ class WorkerSide:
     def bind(self, meta: AiolayerMetadata) -> None:
         for req_id, tid in meta.cancels:
             self._cancel(req_id, tid)
-        recvs = [recv for recv in meta.recvs if self._track_recv(recv)]
-        if recvs or meta.aborts:
+        for recv in meta.recvs:
+            if self._track_recv(recv):
+                self._receive(recv)
+        for _req_id, tid in meta.aborts:
             try:
-                self.runtime.loop_thread.submit(self._apply_on_loop(recvs, meta.aborts))
-            except Exception as exc:  # noqa: BLE001 - the runtime is gone: nothing was published, fail them
-                log.error("aiolayer: %d registrations not made: %s", len(recvs), exc)
-                for recv in recvs:
-                    self._recv_failures.append((recv.transfer_id, f"not registered: {exc}", None))
+                self.runtime.abort_receive(tid, "request aborted at D")
+            except Exception:  # noqa: BLE001 - the runtime is gone: the transfer ends with it
+                log.exception("transfer %s: abort not handed over", tid)
         if meta.sends:
             self._begin_sends(meta.sends)
+
+    def _receive(self, recv: RecvReq) -> None:
+        """D: register before anything is published; a refused registration fails the request alone."""
+        spec = ReceiveSpec(transfer_id=recv.transfer_id, block_ids=recv.block_ids, token=recv.token,
+                           sender_control=recv.prefill_control, first_block=recv.first_block)
+        announce = functools.partial(self._publish, url=recv.notify_url) if recv.notify_url else None
+        try:
+            self.runtime.receive(spec, announce)
+        except Exception as exc:  # noqa: BLE001 - a bad spec or a stopped runtime: this request fails
+            log.error("transfer %s: not registered: %s", recv.transfer_id, exc)
+            self._recv_failures.append((recv.transfer_id, f"not registered: {type(exc).__name__}: {exc}", None))
 
     def _track_recv(self, recv: RecvReq) -> bool:
         """D: map the transfer to its request; a second request for a live transfer id fails alone."""
@@ -145,83 +159,58 @@ class WorkerSide:
             self._req_of[send.transfer_id] = send.req_id
         if not specs:
             return
-        self._step += 1
         try:
-            self.runtime.sender.begin_step(self._step, specs)
+            self._active_step = self.runtime.begin_step(specs)
         except Exception as exc:  # noqa: BLE001 - refused before anything was queued: no write started
             log.error("aiolayer: %d transfers not sent: %s", len(specs), exc)
             for spec in specs:
                 self._released.add(self._req_of.pop(spec.transfer_id))
-            return
-        self._active_step = self._step
 
     def _cancel(self, req_id: str, tid: str) -> None:
         """P: vLLM freed the blocks of ``req_id`` (preempted): its send must fail, never say DONE."""
         if self._req_of.get(tid) != req_id:
             return   # never started, or already quiet
         try:
-            self.runtime.sender.cancel(tid, "preempted at P: vLLM freed its blocks")
+            self.runtime.cancel_send(tid, "preempted at P: vLLM freed its blocks")
         except Exception:  # noqa: BLE001 - logged; the send then ends by its own deadlines
             log.exception("transfer %s: cancel failed", tid)
 
-    async def _apply_on_loop(self, recvs: list[RecvReq], aborts: list[tuple[str, str]]) -> None:
-        """D: register before anything is published; a refused registration fails the request."""
-        receiver = self.runtime.receiver
-        for recv in recvs:
-            try:
-                receiver.register(recv.transfer_id, recv.block_ids, token=recv.token,
-                                  sender_control=recv.prefill_control,
-                                  first_block=recv.first_block)
-            except Exception as exc:  # noqa: BLE001 - one refused registration fails that request alone
-                self._recv_failures.append((recv.transfer_id, f"{type(exc).__name__}: {exc}", None))
-                continue
-            if recv.notify_url:
-                try:
-                    self.runtime.loop_thread.spawn(self._publish(recv), name=f"publish {recv.transfer_id}")
-                except Exception:  # noqa: BLE001 - the loop is stopping: the receive deadline ends it
-                    log.exception("transfer %s: registration not published", recv.transfer_id)
-        for _req_id, tid in aborts:
-            try:
-                receiver.abort(tid, "request aborted at D")
-            except AiolayerError:
-                pass  # already ended: its result is on its way
-            except Exception:  # noqa: BLE001 - logged; its deadline still ends it
-                log.exception("transfer %s: abort failed", tid)
-
-    async def _publish(self, recv: RecvReq) -> None:
-        """POST the registration to the proxy (bounded retries); if nobody takes it, give up the transfer."""
+    async def _publish(self, reg: Registration, url: str) -> None:
+        """POST the registration to the proxy (bounded retries); raising gives the transfer up."""
         import httpx
 
-        rt, t = self.runtime, self.runtime.timeouts
-        body = {"transfer_id": recv.transfer_id, "token": recv.token, "block_ids": recv.block_ids,
-                "first_block": recv.first_block,
-                "incarnation": rt.incarnation, "decode_control": rt.control_endpoint}
+        t = self.runtime.timeouts
+        body = {"transfer_id": reg.transfer_id, "token": reg.token, "block_ids": reg.block_ids,
+                "first_block": reg.first_block, "incarnation": reg.incarnation,
+                "decode_control": reg.decode_control}
         error = ""
-        async with httpx.AsyncClient(timeout=t.control_call) as client:
-            for attempt in range(t.control_retries):
-                try:
-                    reply = await client.post(recv.notify_url, json=body)
-                except Exception as exc:  # noqa: BLE001 - httpx raises more than HTTPError (InvalidURL)
-                    error = f"{type(exc).__name__}: {exc}"
-                else:
-                    if reply.status_code < 300:
-                        return
-                    error = f"HTTP {reply.status_code}: {reply.text[:200]}"
-                    if reply.status_code < 500:
-                        break  # the proxy refused it (e.g. 404 unknown transfer): retrying will not help
-                await asyncio.sleep(0.05 * (attempt + 1))
-        log.warning("transfer %s: registration not published to %s: %s", recv.transfer_id, recv.notify_url, error)
-        try:
-            rt.receiver.abort(recv.transfer_id, f"registration not published: {error}")
-        except AiolayerError:
-            pass
+        if self._http is None:   # made once: a client's TLS set-up alone costs ~20 ms per request
+            self._http = httpx.AsyncClient(timeout=t.control_call)
+        for attempt in range(t.control_retries):
+            try:
+                reply = await self._http.post(url, json=body)
+            except Exception as exc:  # noqa: BLE001 - httpx raises more than HTTPError (InvalidURL)
+                error = f"{type(exc).__name__}: {exc}"
+            else:
+                if reply.status_code < 300:
+                    return
+                error = f"HTTP {reply.status_code}: {reply.text[:200]}"
+                if reply.status_code < 500:
+                    break  # the proxy refused it (e.g. 404 unknown transfer): retrying will not help
+            await asyncio.sleep(0.05 * (attempt + 1))
+        raise ConnectionError(f"registration not published to {url}: {error}")
+
+    async def _close_http(self) -> None:
+        client, self._http = self._http, None
+        if client is not None:
+            await client.aclose()
 
     def save_kv_layer(self, layer_name: str) -> None:
         layer = self.layer_index.get(layer_name)
         if self._active_step is None or layer is None:
             return   # no send this step, or a layer whose KV we do not transfer
         try:
-            self.runtime.sender.layer_ready(self._active_step, layer)
+            self._active_step.layer_ready(layer)
         except Exception:  # noqa: BLE001 - the runtime is gone: its sends fail by their own deadlines
             log.exception("aiolayer: layer %s not handed over", layer_name)
             self._active_step = None
@@ -230,9 +219,9 @@ class WorkerSide:
         step, self._active_step = self._active_step, None
         if step is not None:
             try:
-                self.runtime.sender.end_step(step)
+                step.end()
             except Exception:  # noqa: BLE001 - as in save_kv_layer
-                log.exception("aiolayer: step %d not closed", step)
+                log.exception("aiolayer: step %d not closed", step.id)
 
     # --- results --------------------------------------------------------------------------------
 
@@ -241,10 +230,10 @@ class WorkerSide:
         sending, recving, failed = set(), set(), set()
         if self.runtime is None:
             return sending, recving, failed
-        for outcome in self.runtime.sender.pop_outcomes():
+        for outcome in self.runtime.pop_outcomes():
             if not outcome.ok:
                 log.warning("aiolayer transfer %s failed: %s", outcome.transfer_id, outcome.reason)
-        for tid in self.runtime.sender.pop_released():
+        for tid in self.runtime.pop_released():
             req_id = self._req_of.pop(tid, None)
             if req_id is not None:
                 self._released.add(req_id)
@@ -253,7 +242,7 @@ class WorkerSide:
         self._released -= sending
         self._finished -= sending
         self._sending -= sending
-        for result in self.runtime.receiver.pop_results():
+        for result in self.runtime.pop_received():
             self._record_received(self._recv_of.pop(result.transfer_id, None), result.transfer_id, result.ok,
                                   result.reason, recving, failed)
         while self._recv_failures:

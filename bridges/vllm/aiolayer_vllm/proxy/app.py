@@ -20,9 +20,9 @@ from starlette.requests import ClientDisconnect
 
 from aiolayer.config import Timeouts
 from aiolayer.protocol import messages as m
-from aiolayer.runtime.control import ControlPeers
+from aiolayer import ControlPeers
 
-from .flow import Exchange, ExchangeError, ProxyTimeouts, check_body
+from .flow import Exchange, ExchangeError, ProxyTimeouts, check_body, forwarded_headers
 from .pool import NoBackend, Pool
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class ProxyState:
             return await self._answer(self._error(exc), scope, receive, send)
         except NoBackend as exc:
             return await self._answer(self._error(ExchangeError(503, "no_backend", str(exc))), scope, receive, send)
-        exchange = Exchange(self, path, body, prefill, decode)   # leases both
+        exchange = Exchange(self, path, body, prefill, decode, forwarded_headers(scope["headers"]))   # leases both
         try:
             self.pending[exchange.transfer_id] = exchange
             response = await self._exchange(exchange, receive, send)
@@ -254,10 +254,11 @@ def create_app(pool: Pool, public_url: str, timeouts: ProxyTimeouts | None = Non
         return state.registered(body)
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
         try:
             backend = state.pool.pick("decode")
-            reply = await state.client.get(backend.url + "/v1/models", timeout=5.0)
+            reply = await state.client.get(backend.url + "/v1/models", timeout=5.0,
+                                           headers=forwarded_headers(request.scope["headers"]))
         except (NoBackend, httpx.HTTPError) as exc:
             return JSONResponse({"error": {"message": f"no decode backend answered: {exc}"}}, 503)
         return Response(reply.content, status_code=reply.status_code, media_type="application/json")

@@ -24,6 +24,19 @@ from aiolayer.protocol import messages as m
 from .pool import Backend, Lease
 
 log = logging.getLogger(__name__)
+# Passed on to P and D as the client sent them: vLLM servers started with --api-key check the first,
+# and the second ties the engines' logs to the client's request.
+FORWARDED_HEADERS = ("authorization", "x-request-id")
+
+
+def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The client's headers that go on to the engines, from an ASGI scope's ``headers``."""
+    wanted = {}
+    for name, value in raw:
+        key = name.decode("latin-1").lower()
+        if key in FORWARDED_HEADERS:
+            wanted[key] = value.decode("latin-1")
+    return wanted
 
 
 @dataclass(frozen=True)
@@ -70,8 +83,10 @@ def check_body(body) -> None:
 class Exchange:
     """Drives one request through D then P; its owner runs ``close`` in a ``finally``."""
 
-    def __init__(self, state, path: str, body: dict, prefill: Backend, decode: Backend) -> None:
+    def __init__(self, state, path: str, body: dict, prefill: Backend, decode: Backend,
+                 headers: dict[str, str] | None = None) -> None:
         self.state, self.path, self.body = state, path, body
+        self.headers = dict(headers or {})
         self.prefill, self.decode = prefill, decode
         self.p_lease, self.d_lease = Lease(prefill), Lease(decode)
         self.transfer_id = uuid.uuid4().hex
@@ -101,7 +116,7 @@ class Exchange:
 
     async def open_decode(self) -> httpx.Response:
         client, t = self.state.client, self.state.timeouts
-        req = client.build_request("POST", self.decode.url + self.path, json=self.d_body(),
+        req = client.build_request("POST", self.decode.url + self.path, json=self.d_body(), headers=self.headers,
                                    timeout=httpx.Timeout(t.request_s, connect=5.0))
         return await client.send(req, stream=self.stream)
 
@@ -136,7 +151,8 @@ class Exchange:
     async def _prefill(self, reg: dict) -> None:
         client, t = self.state.client, self.state.timeouts
         try:
-            reply = await client.post(self.prefill.url + self.path, json=self.p_body(reg), timeout=t.prefill_s)
+            reply = await client.post(self.prefill.url + self.path, json=self.p_body(reg), headers=self.headers,
+                                      timeout=t.prefill_s)
         except Exception as exc:  # noqa: BLE001 - any failure of the call to P is P's failure
             if not isinstance(exc, (httpx.HTTPError, asyncio.TimeoutError)):
                 # e.g. httpcore/anyio raising AttributeError when P dies mid-connect
@@ -167,7 +183,7 @@ class Exchange:
             await client.call(m.AbortRequest(transfer_id=self.transfer_id, reason=reason, token=self.token),
                               timeout=self.state.timeouts.abort_s)
         except AiolayerError as exc:
-            if isinstance(exc, ControlRejected) and exc.code == "unknown_transfer":   # D ended it: nothing to free
+            if isinstance(exc, ControlRejected) and exc.code == m.NackCode.UNKNOWN_TRANSFER:   # D ended it: nothing to free
                 log.debug("transfer %s: D no longer knows it: %s", self.transfer_id, exc)
             else:
                 log.warning("transfer %s: D was not told to abort: %s", self.transfer_id, exc)

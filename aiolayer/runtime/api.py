@@ -1,0 +1,89 @@
+"""The value types of the embedding API that are not the sender's: D's receive spec, the registration
+D hands to P, and P's per-step handle. No I/O here; ``Runtime`` does the work (runtime.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+import msgspec
+
+from ..errors import ConfigError
+from .receiver import MIN_TOKEN_CHARS
+
+if TYPE_CHECKING:
+    from .sender import Sender
+
+
+class ReceiveSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """D: the blocks that will receive one transfer, and whom it comes from."""
+
+    transfer_id: str
+    block_ids: list[int]
+    token: str = ""               # the transfer's secret (>= 16 characters) P must present; "" = mint one
+    # P's control endpoint: whom D tells to stop on an abort or deadline. "" = nobody can be told, so a
+    # given-up transfer keeps its blocks for the whole Timeouts.fence_grace
+    sender_control: str = ""
+    first_block: int = 0          # blocks before this index of the request were already at D (prefix hit)
+    senders: int = 1              # P ranks that each write a head slice and each say DONE/FAILED
+
+    def check(self) -> None:
+        """Raise ``ConfigError`` for a spec no receiver could serve (before anything is handed over)."""
+        tid = self.transfer_id
+        if not isinstance(tid, str) or not tid:
+            raise ConfigError(f"transfer id must be a non-empty string, got {tid!r}")
+        if not isinstance(self.token, str) or len(self.token) < MIN_TOKEN_CHARS:
+            raise ConfigError(f"transfer {tid}: a token of at least {MIN_TOKEN_CHARS} characters is required")
+        if not isinstance(self.block_ids, list) or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in self.block_ids):
+            raise ConfigError(f"transfer {tid}: block_ids must be a list of non-negative integers")
+        if isinstance(self.senders, bool) or not isinstance(self.senders, int) or self.senders < 1:
+            raise ConfigError(f"transfer {tid}: senders must be a positive integer, got {self.senders!r}")
+        if isinstance(self.first_block, bool) or not isinstance(self.first_block, int) or self.first_block < 0:
+            raise ConfigError(f"transfer {tid}: first_block must be a non-negative integer")
+
+
+class Registration(msgspec.Struct, frozen=True, kw_only=True):
+    """What D publishes once a transfer is registered: P builds its spec from it
+    (``TransferSpec.from_registration``). Plain data: send it to P by any means (msgspec, JSON)."""
+
+    transfer_id: str
+    block_ids: list[int]
+    first_block: int
+    token: str
+    incarnation: str              # D's runtime instance: P never writes into another one's blocks
+    decode_control: str           # D's control endpoint
+
+
+Announce = Callable[[Registration], Awaitable[None]]   # runs on the runtime's loop; raising aborts the transfer
+
+
+class Step:
+    """P: one forward step's transfers. ``layer_ready`` after each layer's KV is written, ``end`` after
+    the last; as a context manager it ends on exit. Called from the forward thread; never blocks."""
+
+    __slots__ = ("_sender", "_id", "_ended")
+
+    def __init__(self, sender: "Sender", step_id: int) -> None:
+        self._sender = sender
+        self._id = step_id
+        self._ended = False
+
+    @property
+    def id(self) -> int:
+        return self._id
+
+    def layer_ready(self, layer: int) -> None:
+        self._sender.layer_ready(self._id, layer)
+
+    def end(self) -> None:
+        """Close the step (idempotent): layers never handed over fail their transfers by deadline."""
+        if not self._ended:
+            self._ended = True
+            self._sender.end_step(self._id)
+
+    def __enter__(self) -> "Step":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.end()

@@ -1,0 +1,33 @@
+"""``--scenario scale``: many concurrent transfers between P and D tensor-parallel rank processes.
+
+``model`` is the data every process shares (config, plan items, the global seeded KV), ``rank`` the
+P rank child process, ``driver`` this process (D nodes, P ranks, the proxy's role, verification)."""
+
+from __future__ import annotations
+
+
+def add_args(g) -> None:
+    g.add_argument("--prefill-ranks", type=int, default=2, help="scale: P tensor-parallel rank processes")
+    g.add_argument("--kv-layout", default="HND", choices=["HND", "NHD"],
+                   help="scale: block layout; NHD splits each head slice into one write per token")
+
+
+def check(args) -> str:
+    from ..options import ranks_problem
+    from aiolayer.protocol.plan import map_ranks
+
+    problem = ranks_problem(args)
+    if problem:
+        return problem
+    if args.prefill_ranks < 1:
+        return "--prefill-ranks and --decode-ranks must be >= 1"
+    try:
+        map_ranks(args.kv_heads, args.prefill_ranks, args.decode_ranks)
+    except ValueError as exc:
+        return f"--kv-heads {args.kv_heads} with {args.prefill_ranks} P and {args.decode_ranks} D ranks: {exc}"
+    return ""
+
+
+def run(args) -> int:
+    from .driver import run_scale
+    return run_scale(args)

@@ -1,0 +1,1 @@
+"""Runnable examples of embedding aiolayer in an engine; not part of the installed packages."""

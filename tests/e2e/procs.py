@@ -1,0 +1,111 @@
+"""Process supervision for the end-to-end tests: free ports, log tails, a child that dies with its parent,
+liveness by (pid, start time), signals to a group or a pid, and /dev/shm segments left by a killed tree.
+Nothing here knows vLLM; ``vllm_server`` builds on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+from pathlib import Path
+
+try:
+    import psutil
+except ImportError:  # pragma: no cover - psutil ships with vllm's dependencies
+    psutil = None
+
+
+class ServerError(RuntimeError):
+    """A server failed to start, died, or could not be stopped; the message ends with its log tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path | None, max_bytes: int = 12000) -> str:
+    if path is None or not path.exists():
+        return "<no log>"
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - max_bytes))
+        data = f.read().decode("utf-8", "replace")
+    # Route listings are long and useless in a failure report.
+    lines = [ln for ln in data.splitlines() if "Route: " not in ln]
+    return "\n".join(lines)
+
+
+def die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG = 1
+
+
+def pid_alive(pid: int, create_time: float | None = None) -> bool:
+    """Alive and not a zombie (and, given ``create_time``, still the same process)."""
+    if psutil is not None:
+        try:
+            p = psutil.Process(pid)
+            if create_time is not None and abs(p.create_time() - create_time) > 0.05:
+                return False
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+_SHM_DIR = Path("/dev/shm")
+# multiprocessing.shared_memory segments (vLLM's message queues, ~400 MB of tmpfs per server). Named
+# semaphores (sem.*, 32 bytes) are left alone: their owner cannot be told apart reliably.
+_SHM_PREFIXES = ("psm_", "wnsm_")
+
+
+def shm_in_use(pids: set[int] | None = None) -> set[str]:
+    """Names under /dev/shm that the given live processes (default: all) map or hold open."""
+    used: set[str] = set()
+    for pid in (pids if pids is not None else [p for p in os.listdir("/proc") if p.isdigit()]):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    if "/dev/shm/" in line:
+                        used.add(line.rsplit("/dev/shm/", 1)[1].split()[0])
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("/dev/shm/"):
+                        used.add(target[len("/dev/shm/"):].split()[0])
+    return used
+
+
+def remove_orphan_shm(ours: set[str]) -> list[str]:
+    """Unlink those of ``ours`` (shm our now-dead processes used) that no live process uses."""
+    ours = {n for n in ours if n.startswith(_SHM_PREFIXES) and "/" not in n and (_SHM_DIR / n).exists()}
+    if not ours:
+        return []
+    removed = []
+    for name in sorted(ours - shm_in_use()):
+        with contextlib.suppress(OSError):
+            (_SHM_DIR / name).unlink()
+            removed.append(name)
+    return removed
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def signal_pid(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
