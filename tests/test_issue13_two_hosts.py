@@ -8,7 +8,6 @@ import select
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +15,18 @@ from aiolayer.bench import netns
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "available")]
-HERE = Path(__file__).resolve().parent
+# P's side: the network fault rows' driver (transfers one at a time, verifies, reports D's final states)
+P_DRIVER = "aiolayer.bench.scenarios.net_p"
+
+
+def summary(out: dict) -> dict:
+    """net_p's per-transfer records as counts: ok, verified, failure reasons, wall ms, D's states."""
+    recs = out["transfers"]
+    return {"ok": sum(r["ok"] for r in recs), "verified": sum(r["verified"] for r in recs),
+            "lost": sum(r["lost"] for r in recs),          # no outcome within --per-transfer-s
+            "failed": [r["reason"] for r in recs if not r["ok"]],
+            "ms": [round((r["end"] - r["start"]) * 1e3, 1) for r in recs],
+            "d_states": out.get("d_states", {}), "p_endpoint": out["p_endpoint"]}
 
 
 def start_node(hosts: netns.Hosts, host: netns.Host, receive_s: float = 120) -> dict:
@@ -34,16 +44,16 @@ def start_node(hosts: netns.Hosts, host: netns.Host, receive_s: float = 120) -> 
 
 
 def run_p(hosts: netns.Hosts, d_control: str, transfers: int, blocks: int, timeout: float = 120, *extra) -> dict:
-    done = hosts.run(hosts.a, [sys.executable, str(HERE / "two_host_driver.py"), d_control, hosts.a.address,
+    done = hosts.run(hosts.a, [sys.executable, "-m", P_DRIVER, d_control, hosts.a.address,
                                "--transfers", str(transfers), "--blocks", str(blocks), *extra],
                      timeout=timeout, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return summary(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def start_p(hosts: netns.Hosts, d_control: str, *extra: str) -> subprocess.Popen:
     """The P driver in the background; returns once its runtime is up (its first JSON line)."""
-    proc = hosts.popen(hosts.a, [sys.executable, str(HERE / "two_host_driver.py"), d_control, hosts.a.address,
+    proc = hosts.popen(hosts.a, [sys.executable, "-m", P_DRIVER, d_control, hosts.a.address,
                                  *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ready, _, _ = select.select([proc.stdout], [], [], 60)
     assert ready and "ready" in json.loads(proc.stdout.readline()), proc.stderr.read()[-2000:]
@@ -53,7 +63,7 @@ def start_p(hosts: netns.Hosts, d_control: str, *extra: str) -> subprocess.Popen
 def finish_p(proc: subprocess.Popen, timeout: float) -> dict:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
+    return summary(json.loads(out.strip().splitlines()[-1]))
 
 
 def test_issue13_node_pair_across_two_hosts_verifies():
@@ -101,7 +111,7 @@ def test_issue13_a_partition_mid_transfer_ends_every_transfer_visibly():
         time.sleep(8)
         hosts.link(up=True)
         result = finish_p(proc, timeout=200)
-        assert result["ok"] + len(result["failed"]) == 30, result           # every transfer ended at P
+        assert result["ok"] + len(result["failed"]) == 30 and result["lost"] == 0, result   # all ended at P
         assert result["failed"] and result["verified"] == result["ok"] > 0, result
         assert result["d_states"].get("unsettled", 0) == 0, result         # and at D: none lost
         late = result["ms"][-3:]
@@ -115,7 +125,7 @@ def test_issue13_a_link_slowed_to_a_crawl_ends_in_deadlines_not_hangs():
         started = time.monotonic()
         result = run_p(hosts, d["control"], 2, 48, 120, "--per-transfer-s", "40", "--settle-s", "40")
         assert time.monotonic() - started < 110
-        assert len(result["failed"]) == 2 and result["ok"] == 0, result
+        assert len(result["failed"]) == 2 and result["ok"] == 0 and result["lost"] == 0, result
         assert all("layer_write" in r or "deadline" in r or "timed out" in r for r in result["failed"]), result
         assert result["d_states"].get("unsettled", 0) == 0, result
 
