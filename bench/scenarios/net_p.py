@@ -38,6 +38,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--done-delivery", type=float, default=5.0, help="Timeouts.done_delivery")
     p.add_argument("--per-transfer-s", type=float, default=30.0, help="wait for each outcome at most this")
     p.add_argument("--pause-s", type=float, default=0.0, help="between transfers")
+    p.add_argument("--verify-s", type=float, default=30.0, help="ask D to verify a finished transfer until this")
     p.add_argument("--settle-s", type=float, default=0.0, help="then wait this long for D to end every transfer")
     p.add_argument("--status-at", default="", help="ask this D for the final states (default: d_control)")
     return p.parse_args(argv)
@@ -63,13 +64,26 @@ def one_transfer(rt: Runtime, cache: PagedKVCache, args, n: int) -> dict:
         return rec
     rec.update(end=time.time(), ok=outcome.ok, reason=outcome.reason)
     if outcome.ok:
+        verify_and_release(rt, cache, args, rec, src)
+    return rec
+
+
+def verify_and_release(rt: Runtime, cache: PagedKVCache, args, rec: dict, src: list[int]) -> None:
+    """Compare D's checksums with P's bytes. D keeps a finished transfer until it is released, so a
+    verify cut off by the fault itself (the link went down right after the outcome) is asked again,
+    until ``--verify-s``: an unreachable D is not a mismatch, and must not be counted as one."""
+    end = time.monotonic() + args.verify_s
+    while True:
         try:
             verify = rt.request(args.d_control, m.VerifyRequest(transfer_id=rec["tid"]), timeout=args.control_s)
             rec["verified"] = (verify.crc_k, verify.crc_v) == cache.checksums(src)
             rt.request(args.d_control, m.ReleaseRequest(transfer_id=rec["tid"]), timeout=args.control_s)
+            return
         except AiolayerError as exc:
             rec["reason"] = f"verify: {type(exc).__name__}: {exc}"
-    return rec
+            if time.monotonic() > end:
+                return
+            time.sleep(0.5)
 
 
 def d_states(rt: Runtime, control: str, tids: list[str], settle_s: float) -> dict:
