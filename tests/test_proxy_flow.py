@@ -45,7 +45,7 @@ async def test_an_unexpected_client_error_calling_p_is_a_502_and_d_is_told_to_ab
         prefill = Backend("prefill", "http://127.0.0.1:9", "tcp://127.0.0.1:9")
         decode = Backend("decode", "http://127.0.0.1:8", endpoint)
         exchange = Exchange(state, "/v1/completions", {"prompt": "x"}, prefill, decode)
-        exchange.registered.set_result({"block_ids": [1], "incarnation": "i", "decode_control": endpoint})
+        assert exchange.add_registration({"block_ids": [1], "incarnation": "i", "decode_control": endpoint}) == ""
         with pytest.raises(ExchangeError) as err:
             await exchange._prefill(exchange.registered.result())
         assert err.value.status == 502 and err.value.kind == "prefill_error"

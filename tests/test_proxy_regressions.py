@@ -120,7 +120,11 @@ class FakeEngine:
         if self.role == "prefill":
             while not self.gate.is_set():
                 await asyncio.sleep(0.01)
-            self.hub.event("prefilled " + params["transfer_id"]).set()
+            self.hub.event("prefilled " + params["transfer_id"]).set()   # the KV is at D
+            await asyncio.sleep(fake.get("p_reply_after_s", 0))   # P's own first token comes later
+            self.hub.event("p replied " + params["transfer_id"]).set()
+            if fake.get("p_status"):
+                return JSONResponse({"error": {"message": "P failed"}}, fake["p_status"])
             return JSONResponse({"choices": [{"text": "p"}], "usage": {"completion_tokens": 1}})
         if fake.get("register", True):   # the connector's worker POSTs it while the request is parked
             task = asyncio.get_running_loop().create_task(self._register(params))
@@ -225,7 +229,8 @@ def test_issue11_13_least_outstanding_picks_the_idle_d_while_another_streams(sta
         assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")   # decoding
         streaming = d1 if len(d1.requests) > seen["d1"] else d2
         idle = d2 if streaming is d1 else d1
-        # P's part ended with its answer; D's lasts while it streams
+        # P's part ended with its answer (which may come after D's first token); D's lasts while it streams
+        _wait_for(lambda: proxy.outstanding()[p.url] == 0, 10, "P's lease released with its answer")
         assert proxy.outstanding() == {p.url: 0, streaming.url: 1, idle.url: 0}
         for i in range(4):
             r = client.post(proxy.url + "/v1/completions", json={"prompt": f"short {i}", "max_tokens": 2})
@@ -255,8 +260,11 @@ def test_issue11_13_client_gone_before_the_first_chunk_releases_table_leases_and
     body = {"prompt": "slow first token", "stream": True, "fake": {"hold_s": 60, "chunks": 2}}
     # (a) the client has D's status line, D holds its first token: D stays leased until the client leaves
     _wait_for(proxy.idle, 10, "the proxy is idle")
+    asked = len(p.requests)
     sock = _raw_stream_request(proxy, body)
     assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    # D's status line is relayed as soon as D answers it, while P's call may still be on its way
+    _wait_for(lambda: len(p.requests) > asked, 10, "P got the prefill")
     tid = _last_transfer(p)
     d = _decode_of(stack, tid)
     assert proxy.outstanding()[d.url] == 1 and proxy.pending() == 1
@@ -379,3 +387,34 @@ def test_issue13_authorization_and_request_id_reach_both_engines(stack):
         assert seen.get("authorization") == "Bearer sk-test-key", (engine.name, seen)
         assert seen.get("x-request-id") == "client-req-7", (engine.name, seen)
     assert "cookie" not in p.headers[tid]        # only the two named headers go on
+
+
+def test_issue15_ds_first_token_is_relayed_before_ps_reply_arrives(stack):
+    """D decodes as soon as the KV is there; the client must not wait for P's own HTTP answer too."""
+    proxy, p = stack["proxy"], stack["p"]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    body = {"prompt": "early", "stream": True, "fake": {"p_reply_after_s": 3, "chunks": 2}}
+    with _client() as client, client.stream("POST", proxy.url + "/v1/completions", json=body) as resp:
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        tid = _last_transfer(p)
+        assert not stack["hub"].event("p replied " + tid).is_set(), "D's token waited for P's reply"
+        rest = [line for line in lines if line]
+    assert first.startswith("data: {") and rest[-1] == "data: [DONE]", rest
+    _wait_for(proxy.idle, 10, "every lease released")
+
+
+def test_issue15_p_failing_while_d_streams_ends_the_stream_with_ps_error_and_aborts_d(stack):
+    proxy, p = stack["proxy"], stack["p"]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    body = {"prompt": "p fails late", "stream": True,
+            "fake": {"p_reply_after_s": 1, "p_status": 500, "chunks": 400, "interval_s": 0.02}}
+    with _client() as client, client.stream("POST", proxy.url + "/v1/completions", json=body) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    tid = _last_transfer(p)
+    d = _decode_of(stack, tid)
+    assert lines[0].startswith("data: {") and "data: [DONE]" not in lines, lines[-3:]
+    error = json.loads(lines[-1][len("data: "):])["error"]
+    assert error["type"] == "prefill_error" and "HTTP 500" in error["message"], error
+    _wait_for(lambda: tid in d.aborts, 10, "D was told to abort")
+    _wait_for(proxy.idle, 10, "every lease released")

@@ -167,8 +167,8 @@ def test_register_kv_memory_refuses_a_geometry_that_does_not_describe_the_blocks
     with pytest.raises(ConfigError, match="is not the block size"):
         rt.register_kv_memory(cache.k_base, cache.v_base, cache.shape.block_bytes, NUM_BLOCKS, kv_heads=3,
                           geometry=_geometry("HND"))
-    with pytest.raises(ConfigError, match="separate tensors"):
-        rt.register_kv_memory(cache.k_base, [0] * LAYERS, cache.shape.block_bytes, NUM_BLOCKS, kv_heads=2,
+    with pytest.raises(ConfigError, match="is not the block size"):   # one plane (V bases 0): same check
+        rt.register_kv_memory(cache.k_base, [0] * LAYERS, cache.shape.block_bytes, NUM_BLOCKS, kv_heads=3,
                           geometry=_geometry("HND"))
     with pytest.raises(ConfigError, match="without its geometry"):
         rt.register_kv_memory(cache.k_base, cache.v_base, cache.shape.block_bytes, NUM_BLOCKS, kv_heads=2)

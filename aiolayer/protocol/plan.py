@@ -187,7 +187,11 @@ class HeadGeometry(msgspec.Struct, frozen=True):
 
 
 def check_geometry(block_bytes: int, kv_heads: int, geometry: HeadGeometry | None, v_base) -> None:
-    """A published head geometry must describe the blocks exactly; ``ConfigError`` otherwise."""
+    """A published head geometry must describe the blocks exactly; ``ConfigError`` otherwise.
+
+    A V base of 0 (K and V in one plane, e.g. vLLM's CPU cache: per (block, head) a K slab then a
+    V slab) is fine: the geometry then describes that one plane, ``head_bytes`` covering K and V.
+    """
     if geometry is None:
         if kv_heads:
             raise ConfigError("kv_heads given without its geometry (block_size, head_bytes, layout)")
@@ -197,8 +201,6 @@ def check_geometry(block_bytes: int, kv_heads: int, geometry: HeadGeometry | Non
     if kv_heads * geometry.block_size * geometry.head_bytes != block_bytes:
         raise ConfigError(f"{kv_heads} heads x {geometry.block_size} tokens x {geometry.head_bytes} bytes "
                           f"is not the block size {block_bytes}")
-    if any(int(v) == 0 for v in v_base):
-        raise ConfigError("a head geometry needs K and V in separate tensors (no V base of 0)")
 
 def _expand_runs(runs: BlockRuns) -> tuple[np.ndarray, np.ndarray]:
     """Every (src, dst) block of the runs, in order."""

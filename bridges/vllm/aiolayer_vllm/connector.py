@@ -9,6 +9,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorRole,
                                                                 KVConnectorTransferResults)
 
+from . import ranks
 from .config import from_extra_config
 from .metadata import AiolayerMetadata
 from .scheduler import SchedulerSide
@@ -39,7 +40,9 @@ class AiolayerConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.config, vllm_config.cache_config.block_size, producer, consumer)
         else:
-            self._worker = WorkerSide(self.config, producer, consumer, kv_cache_config.num_blocks)
+            self._worker = WorkerSide(self.config, producer, consumer, kv_cache_config.num_blocks,
+                                      ranks.from_vllm(vllm_config), block_size=vllm_config.cache_config.block_size,
+                                      head_size=vllm_config.model_config.get_head_size())
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -18,6 +18,11 @@ class RecvReq:
     prefill_control: str
     notify_url: str = ""
     token: str = ""
+    prefill_controls: tuple[str, ...] = ()   # P's TP ranks when it has several (then prefill_control is "")
+
+    @property
+    def prefill_ranks(self) -> list[str]:
+        return list(self.prefill_controls) or [self.prefill_control]
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,11 @@ class SendReq:
     dst_incarnation: str
     layerwise: bool = True
     token: str = ""
+    decode_ranks: tuple[tuple[str, str], ...] = ()   # (control, incarnation) per D TP rank when several
+
+    @property
+    def d_ranks(self) -> list[tuple[str, str]]:
+        return list(self.decode_ranks) or [(self.decode_control, self.dst_incarnation)]
 
 
 @dataclass

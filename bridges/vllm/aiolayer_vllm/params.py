@@ -2,9 +2,13 @@
 
 To D (remote prefill): ``{"transfer_id": str, "token": str, "prefill_control": "tcp://...",
 "notify_url": "http://..."}`` (P's control endpoint, so D can tell P to stop on abort or deadline;
-where to POST the registration). To P (remote decode): ``{"transfer_id": str, "token": str,
-"decode_control": "tcp://...", "dst_blocks": [int], "dst_incarnation": str, "first_block": int}``,
-the registration D published. Transfer ids are the proxy's own, never derived from vLLM's request
+where to POST the registration); a P with several tensor-parallel ranks is named by
+``"prefill_controls": [rank 0's, rank 1's, ...]`` instead (D's ranks work out which P ranks write
+into them). To P (remote decode): ``{"transfer_id": str, "token": str, "decode_control": "tcp://...",
+"dst_blocks": [int], "dst_incarnation": str, "first_block": int}``, the registration D published; a D
+with several tensor-parallel ranks is named by ``"decode_ranks": [{"decode_control": ...,
+"dst_incarnation": ...}, ...]`` in rank order instead of the two single fields (the blocks are the same
+on every rank: one scheduler allocates them). Transfer ids are the proxy's own, never derived from vLLM's request
 ids. The token is a secret the proxy mints per transfer (``secrets.token_hex(16)``) and gives only
 to this transfer's D and P: D refuses layout requests and DONE/FAILED without it.
 
@@ -62,29 +66,63 @@ def check_url(value: str, field: str) -> None:
         raise ValueError(f"{field} must be an http(s) URL with a host, got {ascii(value[:100])}")
 
 
+MAX_RANKS = 1024
+
+
 class RecvParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     transfer_id: Id
     token: Token
     prefill_control: Url = ""   # "" = no P to tell on abort (D then waits fence_grace)
     notify_url: Url = ""        # where D POSTs its registration (the proxy); "" = LookupRequest only
+    prefill_controls: Annotated[list[Url], Meta(max_length=MAX_RANKS)] = []   # P's TP ranks, in rank order
 
     def __post_init__(self) -> None:
+        if self.prefill_control and self.prefill_controls:
+            raise ValueError("give prefill_control (one P rank) or prefill_controls (several), not both")
         if self.prefill_control:
             check_endpoint(self.prefill_control, "prefill_control")
+        for i, control in enumerate(self.prefill_controls):
+            check_endpoint(control, f"prefill_controls[{i}]")
         if self.notify_url:
             check_url(self.notify_url, "notify_url")
+
+    @property
+    def prefill_ranks(self) -> list[str]:
+        """P's control endpoint per TP rank ("" = unknown: D cannot tell that P to stop)."""
+        return list(self.prefill_controls) or [self.prefill_control]
+
+
+class DecodeRank(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    decode_control: Url
+    dst_incarnation: Id
+
+    def __post_init__(self) -> None:
+        check_endpoint(self.decode_control, "decode_control")
 
 
 class SendParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     transfer_id: Id
     token: Token
-    decode_control: Url
     dst_blocks: Annotated[list[BlockId], Meta(min_length=1, max_length=MAX_BLOCKS)]
-    dst_incarnation: Id
+    decode_control: Url = ""
+    dst_incarnation: Annotated[str, Meta(max_length=MAX_ID_CHARS, pattern=r"^[\x21-\x7e]*$")] = ""
     first_block: Annotated[int, Meta(ge=0, lt=MAX_FIRST_BLOCK)] = 0
+    decode_ranks: Annotated[list[DecodeRank], Meta(max_length=MAX_RANKS)] = []
 
     def __post_init__(self) -> None:
+        if self.decode_ranks:
+            if self.decode_control or self.dst_incarnation:
+                raise ValueError("give decode_control and dst_incarnation (one D rank) or decode_ranks, not both")
+            return
         check_endpoint(self.decode_control, "decode_control")
+        if not self.dst_incarnation:
+            raise ValueError("dst_incarnation is required with decode_control")
+
+    @property
+    def ranks(self) -> list[DecodeRank]:
+        """D's ranks in TP order (one for a D without tensor parallelism)."""
+        return list(self.decode_ranks) or [DecodeRank(decode_control=self.decode_control,
+                                                      dst_incarnation=self.dst_incarnation)]
 
 
 _SEND_ONLY = frozenset(SendParams.__struct_fields__) - frozenset(RecvParams.__struct_fields__)

@@ -114,7 +114,8 @@ class SchedulerSide:
                 first = computed // self.block_size
                 self._receiving[req_id] = recv.transfer_id
                 self._meta.recvs.append(RecvReq(req_id, recv.transfer_id, list(all_blocks[first:]),
-                                                first, recv.prefill_control, recv.notify_url, token=recv.token))
+                                                first, recv.prefill_control, recv.notify_url, token=recv.token,
+                                                prefill_controls=tuple(recv.prefill_controls)))
         if self.is_producer and req_id not in self._sent:
             send = self._read(request)
             if isinstance(send, SendParams):
@@ -137,7 +138,8 @@ class SchedulerSide:
             out.append(SendReq(req_id, send.transfer_id, src, send.decode_control, send.dst_blocks,
                                send.dst_incarnation,
                                layerwise=use_layerwise(request.num_prompt_tokens, self.config.layerwise_min_tokens),
-                               token=send.token))
+                               token=send.token,
+                               decode_ranks=tuple((r.decode_control, r.dst_incarnation) for r in send.decode_ranks)))
         return out
 
     def _cancels_for(self, scheduler_output) -> list[tuple[str, str]]:

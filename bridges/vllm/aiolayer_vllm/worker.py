@@ -1,6 +1,6 @@
 """The worker side (model-runner thread): hands steps and layers to aiolayer and reports results.
 
-It owns the process's aiolayer ``Runtime`` (started with the KV caches) and uses only its public,
+It owns its rank's aiolayer ``Runtime`` (started with the KV caches; one per TP/DP rank, see ``ranks``) and uses only its public,
 thread-safe API. Every call here returns at once: ``save_kv_layer`` hands a layer to the step,
 ``wait_for_save`` does no network I/O, and D's registrations are handed to the runtime's loop
 (``Runtime.receive``). Results come back from thread-safe queues in ``transfer_results``.
@@ -14,69 +14,34 @@ import asyncio
 import collections
 import functools
 import logging
-import re
+
+import msgspec
 
 from aiolayer import ReceiveSpec, Registration, Runtime, Step, TransferSpec
 from aiolayer.errors import ConfigError
 
 from .config import BridgeConfig
-from .metadata import AiolayerMetadata, RecvReq
+from .layout import describe
+from .metadata import AiolayerMetadata, RecvReq, SendReq
+from .ranks import Topology, rank_transfer_id, routes_for_p, whole_blocks, writers_of_d
 from .stats import AiolayerStats, delta, totals
 
 log = logging.getLogger(__name__)
-_LAYER_NUMBER = re.compile(r"\.(\d+)\.")
-
-
-def layer_order(names) -> list[str]:
-    """Layer names in model order, by the layer number in each name (identity by name, not a counter)."""
-    def key(name: str):
-        found = _LAYER_NUMBER.search(name)
-        return (int(found.group(1)) if found else 1 << 30, name)
-    return sorted(names, key=key)
-
-
-def kv_layout(kv_caches: dict, num_blocks: int) -> tuple[list[str], list[int], list[int], int, int, dict]:
-    """(names, K bases, V bases, block bytes, num blocks, per-name planes) of vLLM's caches.
-
-    Two layouts: [2, num_blocks, ...] (K and V tensors, e.g. flash attention on CUDA) and
-    [num_blocks, ...] with each block holding its K and V together (the CPU backend's
-    [num_blocks, kv_heads, block_size, 2 * head_size]): then the whole block is one plane and the
-    V bases are 0. Each plane must be contiguous, so block ``b`` is one run of bytes.
-    """
-    names = layer_order(kv_caches)
-    k_base, v_base, views, geometry = [], [], {}, set()
-    for name in names:
-        t = kv_caches[name]
-        if t.dim() >= 2 and t.shape[0] == num_blocks:
-            planes = (t,)
-        elif t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] == num_blocks:
-            planes = (t[0], t[1])
-        else:
-            raise ConfigError(f"layer {name}: KV cache of shape {tuple(t.shape)} has no {num_blocks}-block "
-                              "dimension first (or after a K/V dimension of 2)")
-        if not all(p.is_contiguous() for p in planes):
-            raise ConfigError(f"layer {name}: each KV plane must be contiguous")
-        geometry.add((planes[0][0].numel() * planes[0].element_size(), len(planes)))
-        k_base.append(planes[0].data_ptr())
-        v_base.append(planes[1].data_ptr() if len(planes) == 2 else 0)
-        views[name] = planes
-    if len(geometry) != 1:
-        raise ConfigError(f"layers differ in (block_bytes, planes): {sorted(geometry)}")
-    block_bytes, _ = geometry.pop()
-    return names, k_base, v_base, block_bytes, num_blocks, views
-
-
 class WorkerSide:
-    def __init__(self, config: BridgeConfig, is_producer: bool, is_consumer: bool, num_blocks: int) -> None:
+    def __init__(self, config: BridgeConfig, is_producer: bool, is_consumer: bool, num_blocks: int,
+                 topology: Topology | None = None, block_size: int = 16, head_size: int = 64) -> None:
         self.config = config
+        self.topology = topology or Topology()
         self.num_blocks = num_blocks
+        self.block_size, self.head_size = block_size, head_size
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.runtime: Runtime | None = None
         self.layer_index: dict[str, int] = {}
         self._views: dict = {}
         self._active_step: Step | None = None
-        self._req_of: dict[str, str] = {}                 # P: transfer id -> vLLM request id
+        self._req_of: dict[str, str] = {}                 # P: (rank) transfer id -> vLLM request id
+        self._open_sends: dict[str, set[str]] = {}        # P: request id -> its sends not yet quiet
         self._recv_of: dict[str, tuple[str, list[int]]] = {}   # D: transfer id -> (request id, its blocks)
         # D: (transfer id, reason, (request id, blocks) or None = look up the transfer id), any thread
         self._recv_failures: collections.deque = collections.deque()
@@ -90,17 +55,23 @@ class WorkerSide:
     # --- set-up --------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
-        names, k_base, v_base, block_bytes, num_blocks, self._views = kv_layout(kv_caches, self.num_blocks)
-        self.layer_index = {name: i for i, name in enumerate(names)}
-        self.runtime = Runtime(self.config.node, self.config.timeouts).start()
+        """Start this rank's runtime (its own endpoint, ``ranks``) and publish its caches with their
+        head geometry (``layout``), so that engines of another TP size can write head slices."""
+        topo, node = self.topology, self.config.node
+        layout = describe(kv_caches, self.num_blocks, self.block_size, self.head_size, topo.local_heads(), topo.mla)
+        self._views = layout.views
+        self.layer_index = {name: i for i, name in enumerate(layout.names)}
+        node = msgspec.structs.replace(node, engine_id=topo.engine_id(node.engine_id),
+                                       control_port=topo.control_port(node.control_port))
+        self.runtime = Runtime(node, self.config.timeouts).start()
         self.runtime.on_stop(self._close_http)
         try:
-            self.runtime.register_kv_memory(k_base, v_base, block_bytes, num_blocks)
+            layout.register(self.runtime)
         except BaseException:
             self.runtime.stop()
             raise
-        log.info("aiolayer %s: %d layers, %d blocks of %d bytes, control %s", self.config.node.engine_id,
-                 len(names), num_blocks, block_bytes, self.runtime.control_endpoint)
+        log.info("aiolayer %s: %d layers, %d blocks of %d bytes (%s), control %s", node.engine_id,
+                 len(layout.names), layout.num_blocks, layout.block_bytes, layout.kind, self.runtime.control_endpoint)
 
     # --- per step (model-runner thread) ----------------------------------------------------------
 
@@ -111,6 +82,7 @@ class WorkerSide:
             if self._track_recv(recv):
                 self._receive(recv)
         for _req_id, tid in meta.aborts:
+            tid = self._rank_tid(tid)
             try:
                 self.runtime.abort_receive(tid, "request aborted at D")
             except Exception:  # noqa: BLE001 - the runtime is gone: the transfer ends with it
@@ -118,25 +90,37 @@ class WorkerSide:
         if meta.sends:
             self._begin_sends(meta.sends)
 
+    def _rank_tid(self, transfer_id: str) -> str:
+        return rank_transfer_id(transfer_id, self.topology.tp_rank, self.topology.tp_size)
+
     def _receive(self, recv: RecvReq) -> None:
-        """D: register before anything is published; a refused registration fails the request alone."""
-        spec = ReceiveSpec(transfer_id=recv.transfer_id, block_ids=recv.block_ids, token=recv.token,
-                           sender_control=recv.prefill_control, first_block=recv.first_block)
-        announce = functools.partial(self._publish, url=recv.notify_url) if recv.notify_url else None
+        """D: register before anything is published; a refused registration fails the request alone.
+
+        This rank waits for every P rank that writes into it (``ranks.writers_of_d``); it can tell P to
+        stop only where exactly one P rank writes (else its fence waits ``fence_grace``)."""
+        tid = self._rank_tid(recv.transfer_id)
         try:
+            p_ranks = recv.prefill_ranks
+            writers = writers_of_d(self.topology, len(p_ranks))
+            spec = ReceiveSpec(transfer_id=tid, block_ids=recv.block_ids, token=recv.token,
+                               sender_control=p_ranks[writers[0]] if len(writers) == 1 else "",
+                               first_block=recv.first_block, senders=len(writers))
+            announce = functools.partial(self._publish, url=recv.notify_url, transfer_id=recv.transfer_id) \
+                if recv.notify_url else None
             self.runtime.receive(spec, announce)
         except Exception as exc:  # noqa: BLE001 - a bad spec or a stopped runtime: this request fails
-            log.error("transfer %s: not registered: %s", recv.transfer_id, exc)
-            self._recv_failures.append((recv.transfer_id, f"not registered: {type(exc).__name__}: {exc}", None))
+            log.error("transfer %s: not registered: %s", tid, exc)
+            self._recv_failures.append((tid, f"not registered: {type(exc).__name__}: {exc}", None))
 
     def _track_recv(self, recv: RecvReq) -> bool:
         """D: map the transfer to its request; a second request for a live transfer id fails alone."""
-        other = self._recv_of.get(recv.transfer_id)
+        tid = self._rank_tid(recv.transfer_id)
+        other = self._recv_of.get(tid)
         if other is not None:
-            reason = f"transfer {recv.transfer_id} is already received by request {other[0]}"
-            self._recv_failures.append((recv.transfer_id, reason, (recv.req_id, recv.block_ids)))
+            reason = f"transfer {tid} is already received by request {other[0]}"
+            self._recv_failures.append((tid, reason, (recv.req_id, recv.block_ids)))
             return False
-        self._recv_of[recv.transfer_id] = (recv.req_id, recv.block_ids)
+        self._recv_of[tid] = (recv.req_id, recv.block_ids)
         return True
 
     def _begin_sends(self, sends) -> None:
@@ -145,18 +129,17 @@ class WorkerSide:
         for send in sends:
             self._sending.add(send.req_id)
             try:
-                if send.transfer_id in self._req_of:
-                    raise ValueError(f"transfer {send.transfer_id} is already sent by request "
-                                     f"{self._req_of[send.transfer_id]}")
-                specs.append(TransferSpec(transfer_id=send.transfer_id, peer=send.decode_control,
-                                          src_blocks=send.src_blocks, dst_blocks=send.dst_blocks,
-                                          dst_incarnation=send.dst_incarnation, token=send.token,
-                                          layerwise=send.layerwise))
+                mine = self._rank_specs(send)
             except Exception as exc:  # noqa: BLE001 - one request's bad spec must not stop the step
                 log.error("request %s: transfer %s not sent: %s", send.req_id, send.transfer_id, exc)
                 self._released.add(send.req_id)   # nothing reads its blocks
                 continue
-            self._req_of[send.transfer_id] = send.req_id
+            if not mine:   # this rank holds no head that D needs from it (replicas, MLA)
+                self._released.add(send.req_id)
+                continue
+            self._open_sends[send.req_id] = {spec.transfer_id for spec in mine}
+            self._req_of.update((spec.transfer_id, send.req_id) for spec in mine)
+            specs += mine
         if not specs:
             return
         try:
@@ -164,25 +147,58 @@ class WorkerSide:
         except Exception as exc:  # noqa: BLE001 - refused before anything was queued: no write started
             log.error("aiolayer: %d transfers not sent: %s", len(specs), exc)
             for spec in specs:
-                self._released.add(self._req_of.pop(spec.transfer_id))
+                self._send_quiet(spec.transfer_id)
+
+    def _rank_specs(self, send: SendReq) -> list[TransferSpec]:
+        """This P rank's transfers of one request: one per D rank it writes (whole blocks or head slices)."""
+        d_ranks = send.d_ranks
+        specs = []
+        for route in routes_for_p(self.topology, len(d_ranks)):
+            tid = rank_transfer_id(send.transfer_id, route.d_rank, len(d_ranks))
+            if tid in self._req_of:
+                raise ValueError(f"transfer {tid} is already sent by request {self._req_of[tid]}")
+            control, incarnation = d_ranks[route.d_rank]
+            specs.append(TransferSpec(transfer_id=tid, peer=control, src_blocks=send.src_blocks,
+                                      dst_blocks=send.dst_blocks, dst_incarnation=incarnation, token=send.token,
+                                      layerwise=send.layerwise,
+                                      route=None if whole_blocks(route, self.topology, len(d_ranks)) else route))
+        return specs
+
+    def _send_quiet(self, tid: str) -> None:
+        """P: a send of ours can no longer read its blocks; its request's are free once all of them are."""
+        req_id = self._req_of.pop(tid, None)
+        if req_id is None:
+            return
+        open_sends = self._open_sends.get(req_id)
+        if open_sends is not None:
+            open_sends.discard(tid)
+            if open_sends:
+                return
+            del self._open_sends[req_id]
+        self._released.add(req_id)
 
     def _cancel(self, req_id: str, tid: str) -> None:
-        """P: vLLM freed the blocks of ``req_id`` (preempted): its send must fail, never say DONE."""
-        if self._req_of.get(tid) != req_id:
-            return   # never started, or already quiet
-        try:
-            self.runtime.cancel_send(tid, "preempted at P: vLLM freed its blocks")
-        except Exception:  # noqa: BLE001 - logged; the send then ends by its own deadlines
-            log.exception("transfer %s: cancel failed", tid)
+        """P: vLLM freed the blocks of ``req_id`` (preempted): its sends must fail, never say DONE."""
+        for rank_tid in sorted(self._open_sends.get(req_id, ())):   # none: never started, or already quiet
+            if self._req_of.get(rank_tid) != req_id:
+                continue
+            try:
+                self.runtime.cancel_send(rank_tid, "preempted at P: vLLM freed its blocks")
+            except Exception:  # noqa: BLE001 - logged; the send then ends by its own deadlines
+                log.exception("transfer %s: cancel failed", rank_tid)
 
-    async def _publish(self, reg: Registration, url: str) -> None:
-        """POST the registration to the proxy (bounded retries); raising gives the transfer up."""
+    async def _publish(self, reg: Registration, url: str, transfer_id: str) -> None:
+        """POST the registration to the proxy (bounded retries); raising gives the transfer up.
+
+        ``transfer_id`` is the proxy's (the request's); ``rank``/``ranks`` say which of D's tensor-parallel
+        ranks this is: the proxy hands P every rank's endpoint once all of them registered."""
         import httpx
 
-        t = self.runtime.timeouts
-        body = {"transfer_id": reg.transfer_id, "token": reg.token, "block_ids": reg.block_ids,
+        t, topo = self.runtime.timeouts, self.topology
+        body = {"transfer_id": transfer_id, "token": reg.token, "block_ids": reg.block_ids,
                 "first_block": reg.first_block, "incarnation": reg.incarnation,
-                "decode_control": reg.decode_control}
+                "decode_control": reg.decode_control, "rank": topo.tp_rank, "ranks": topo.tp_size,
+                "dp_rank": topo.dp_rank}
         error = ""
         if self._http is None:   # made once: a client's TLS set-up alone costs ~20 ms per request
             self._http = httpx.AsyncClient(timeout=t.control_call)
@@ -234,9 +250,7 @@ class WorkerSide:
             if not outcome.ok:
                 log.warning("aiolayer transfer %s failed: %s", outcome.transfer_id, outcome.reason)
         for tid in self.runtime.pop_released():
-            req_id = self._req_of.pop(tid, None)
-            if req_id is not None:
-                self._released.add(req_id)
+            self._send_quiet(tid)
         self._finished.update(r for r in finished_req_ids if r in self._sending)   # only ours: no leak
         sending = self._released & self._finished     # vLLM wants ids it told us are finished
         self._released -= sending

@@ -81,8 +81,9 @@ class ProxyState:
         if not isinstance(token, str) or not m.same_token(token, exchange.token):
             self.rejected_registrations += 1   # only the D we sent the token to may redirect P's writes
             return JSONResponse({"error": {"message": f"wrong token for transfer {tid}", "type": "auth"}}, 403)
-        if not exchange.registered.done():
-            exchange.registered.set_result(body)
+        problem = exchange.add_registration(body)
+        if problem:
+            return JSONResponse({"error": {"message": problem, "type": "invalid_registration"}}, 409)
         return JSONResponse({"accepted": tid}, 202)   # answered at once; P is dispatched by the exchange
 
     # --- the OpenAI routes ------------------------------------------------------------------------
@@ -156,12 +157,14 @@ class ProxyState:
             exchange.relaying = True
             tail, outcome = b"", "ok"
             try:
-                async for chunk in d_resp.aiter_bytes():
+                async for chunk in exchange.decoded_chunks(d_resp):
                     if b"data: [DONE]" in chunk:
                         exchange.outcome = "ok"   # the client may close as soon as it has the end marker
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except OSError:
                 raise
+            except ExchangeError as exc:   # P failed while D streamed (D was told to abort)
+                outcome, tail = exc.kind, b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
             except Exception as exc:  # noqa: BLE001 - D (or a proxy bug) failed after the status line
                 outcome = "decode_error" if isinstance(exc, httpx.HTTPError) else "internal_error"
                 if outcome == "internal_error":

@@ -4,7 +4,10 @@ Each step has its own deadline (``ProxyTimeouts``); every failure ends in a JSON
 client and, where D already holds blocks, an ``AbortRequest`` to D so it frees them only once P is
 quiet. Closing an HTTP call to vLLM aborts that request inside vLLM, so cancelling the exchange
 (client gone, deadline) drops the request on both engines. The exchange leases its P until P's
-prefill answered and its D until ``close``, which its owner runs in a ``finally``.
+prefill answered and its D until ``close``, which its owner runs in a ``finally``. P's call runs in
+its own task: D's answer is relayed as soon as D has one, and P failing meanwhile still aborts D and
+ends the client's answer with P's error. Each exchange keeps a timeline of its stages (``stamps``,
+logged at debug level when it closes: ``--log-level debug``).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -21,6 +25,7 @@ from aiolayer import compat
 from aiolayer.errors import AiolayerError, ControlRejected
 from aiolayer.protocol import messages as m
 
+from ..ranks import rank_transfer_id
 from .pool import Backend, Lease
 
 log = logging.getLogger(__name__)
@@ -37,6 +42,9 @@ def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
         if key in FORWARDED_HEADERS:
             wanted[key] = value.decode("latin-1")
     return wanted
+
+
+MAX_D_RANKS = 1024
 
 
 @dataclass(frozen=True)
@@ -93,7 +101,11 @@ class Exchange:
         self.token = secrets.token_hex(16)   # only this transfer's D and P learn it
         self.stream = body.get("stream") is True
         self.registered: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.d_ranks: dict[int, dict] = {}   # D's tensor-parallel rank -> its registration
         self.d_task: asyncio.Task | None = None
+        self.p_task: asyncio.Task | None = None
+        self.started = time.perf_counter()
+        self.stamps: dict[str, float] = {}
         self.d_response: httpx.Response | None = None
         self.aborted_d = False
         self.relaying = False       # D's status line went to the client: errors now go in the stream
@@ -101,17 +113,43 @@ class Exchange:
         self._closing: asyncio.Task | None = None
 
     def d_body(self) -> dict:
-        params = {"transfer_id": self.transfer_id, "token": self.token, "prefill_control": self.prefill.control,
-                  "notify_url": self.state.notify_url}
+        params = {"transfer_id": self.transfer_id, "token": self.token, "notify_url": self.state.notify_url}
+        controls = self.prefill.controls
+        if len(controls) == 1:
+            params["prefill_control"] = controls[0]
+        else:
+            params["prefill_controls"] = controls
         return {**self.body, "kv_transfer_params": {"aiolayer": params}}
 
-    def p_body(self, reg: dict) -> dict:
+    def add_registration(self, body: dict) -> str:
+        """One of D's ranks registered; P goes once every rank did. A problem with it, or ""."""
+        rank, ranks = body.get("rank", 0), body.get("ranks", 1)
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (rank, ranks)) \
+                or not 0 <= rank < ranks <= MAX_D_RANKS:
+            return f"rank {rank!r} of {ranks!r}: not a rank of at most {MAX_D_RANKS}"
+        first = next(iter(self.d_ranks.values()), body)
+        if (body.get("ranks", 1), body["block_ids"], body.get("first_block", 0)) != \
+                (first.get("ranks", 1), first["block_ids"], first.get("first_block", 0)):
+            return f"rank {rank} registered other ranks, blocks or first block than rank {first.get('rank', 0)}"
+        known = self.d_ranks.get(rank)
+        if known is not None and known != body:
+            return f"rank {rank} registered twice, differently"
+        self.d_ranks[rank] = body
+        if len(self.d_ranks) == ranks and not self.registered.done():
+            self.registered.set_result([self.d_ranks[r] for r in range(ranks)])
+        return ""
+
+    def p_body(self, regs: list[dict]) -> dict:
         body = {k: v for k, v in self.body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
         body["max_tokens"] = 1
-        body["kv_transfer_params"] = {"aiolayer": {
-            "transfer_id": self.transfer_id, "token": self.token, "decode_control": reg["decode_control"],
-            "dst_blocks": reg["block_ids"], "dst_incarnation": reg["incarnation"],
-            "first_block": reg.get("first_block", 0)}}
+        params = {"transfer_id": self.transfer_id, "token": self.token, "dst_blocks": regs[0]["block_ids"],
+                  "first_block": regs[0].get("first_block", 0)}
+        if len(regs) == 1:
+            params.update(decode_control=regs[0]["decode_control"], dst_incarnation=regs[0]["incarnation"])
+        else:
+            params["decode_ranks"] = [{"decode_control": r["decode_control"], "dst_incarnation": r["incarnation"]}
+                                      for r in regs]
+        body["kv_transfer_params"] = {"aiolayer": params}
         return body
 
     async def open_decode(self) -> httpx.Response:
@@ -138,15 +176,54 @@ class Exchange:
                 if self.d_task.exception() is not None or self.d_task.result().status_code != 200 or not self.stream:
                     raise await self._decode_error("D answered before registering the transfer")
                 waiting = {self.registered}
-        await self._prefill(self.registered.result())
+        self.stamp("registered")
+        # P runs in its own task: D's answer is relayed as soon as D has one, not after P's whole reply
+        self.p_task = self.state.spawn(self._prefill(self.registered.result()), f"prefill {self.transfer_id}")
         try:
             async with compat.timeout(t.request_s):
-                self.d_response = await self.d_task
+                while not self.d_task.done():
+                    await asyncio.wait({self.d_task, self.p_task} if not self.p_task.done() else {self.d_task},
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    self.raise_if_prefill_failed()
+                self.d_response = self.d_task.result()
         except TimeoutError:
             raise ExchangeError(504, "decode_timeout", f"D did not answer within {t.request_s:g}s") from None
         except httpx.HTTPError as exc:
             raise ExchangeError(502, "decode_error", f"D failed: {type(exc).__name__}: {exc}") from None
+        self.stamp("d_answered")
         return self.d_response
+
+    def raise_if_prefill_failed(self) -> None:
+        """P's failure (an ``ExchangeError``; D was told to abort already), once P's call ended with one."""
+        p = self.p_task
+        if p is not None and p.done() and not p.cancelled() and p.exception() is not None:
+            raise p.exception()
+
+    async def decoded_chunks(self, d_resp: httpx.Response):
+        """D's body as it comes; P failing meanwhile ends it with P's ``ExchangeError``."""
+        chunks = d_resp.aiter_bytes()
+        while True:
+            nxt = asyncio.ensure_future(anext(chunks))
+            try:
+                while not nxt.done():
+                    p_running = self.p_task is not None and not self.p_task.done()
+                    await asyncio.wait({nxt, self.p_task} if p_running else {nxt}, return_when=asyncio.FIRST_COMPLETED)
+                    self.raise_if_prefill_failed()
+            except BaseException:
+                nxt.cancel()
+                await asyncio.gather(nxt, return_exceptions=True)
+                raise
+            try:
+                chunk = nxt.result()
+            except StopAsyncIteration:
+                return
+            if "first_chunk" not in self.stamps:
+                self.stamp("first_chunk")
+            yield chunk
+
+    def stamp(self, stage: str) -> None:
+        """The request's timeline (ms since the proxy took it), logged at debug when the exchange closes."""
+        self.stamps[stage] = round((time.perf_counter() - self.started) * 1e3, 1)
 
     async def _prefill(self, reg: dict) -> None:
         client, t = self.state.client, self.state.timeouts
@@ -161,6 +238,7 @@ class Exchange:
             raise ExchangeError(502, "prefill_error", f"P failed: {type(exc).__name__}: {exc}") from None
         finally:
             self.p_lease.release()   # P's part of the request ends with its answer
+            self.stamp("p_answered")
         if reply.status_code != 200:
             await self.abort_decode(f"prefill answered HTTP {reply.status_code}")
             raise ExchangeError(502, "prefill_error", f"P answered HTTP {reply.status_code}: {reply.text[:300]}")
@@ -174,19 +252,24 @@ class Exchange:
         return ExchangeError(502, "decode_error", f"{what}: HTTP {resp.status_code}: {text}")
 
     async def abort_decode(self, reason: str) -> None:
-        """Tell D to give the transfer up (bounded); D keeps the blocks until P is quiet."""
+        """Tell each of D's ranks to give the transfer up (bounded, at once); D keeps the blocks until P is quiet."""
         if self.aborted_d or not self.registered.done():
             return
         self.aborted_d = True
+        regs = self.registered.result()
+        await asyncio.gather(*(self._abort_rank(reg["decode_control"], rank_transfer_id(self.transfer_id, i, len(regs)),
+                                                reason) for i, reg in enumerate(regs)))
+
+    async def _abort_rank(self, control: str, tid: str, reason: str) -> None:
         try:
-            client = await self.state.peers.get(self.decode.control)
-            await client.call(m.AbortRequest(transfer_id=self.transfer_id, reason=reason, token=self.token),
+            client = await self.state.peers.get(control)
+            await client.call(m.AbortRequest(transfer_id=tid, reason=reason, token=self.token),
                               timeout=self.state.timeouts.abort_s)
         except AiolayerError as exc:
             if isinstance(exc, ControlRejected) and exc.code == m.NackCode.UNKNOWN_TRANSFER:   # D ended it: nothing to free
-                log.debug("transfer %s: D no longer knows it: %s", self.transfer_id, exc)
+                log.debug("transfer %s: D no longer knows it: %s", tid, exc)
             else:
-                log.warning("transfer %s: D was not told to abort: %s", self.transfer_id, exc)
+                log.warning("transfer %s: D was not told to abort: %s", tid, exc)
 
     async def close(self) -> None:
         """Drop everything this exchange holds: its table entry, its leases, D's call (vLLM aborts it).
@@ -195,6 +278,9 @@ class Exchange:
         """
         self.state.pending.pop(self.transfer_id, None)
         self.p_lease.release()
+        if self.stamps and log.isEnabledFor(logging.DEBUG):
+            log.debug("transfer %s timeline (ms): %s", self.transfer_id,
+                      ", ".join(f"{k} {v:g}" for k, v in self.stamps.items()))
         try:
             if self._closing is None:
                 self._closing = self.state.spawn(self._close_decode(), f"close {self.transfer_id}")
@@ -203,6 +289,9 @@ class Exchange:
             self.d_lease.release()
 
     async def _close_decode(self) -> None:
+        if self.p_task is not None:   # still running: the exchange ended first (closing the call aborts it in P)
+            self.p_task.cancel()
+            await asyncio.gather(self.p_task, return_exceptions=True)
         response = self.d_response
         if self.d_task is not None:
             self.d_task.cancel()   # no-op once it answered

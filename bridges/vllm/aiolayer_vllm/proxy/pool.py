@@ -22,17 +22,29 @@ class Backend:
     role: str                 # "prefill" | "decode"
     url: str                  # http://host:port of the vLLM OpenAI server
     control: str              # tcp://host:port of its aiolayer connector
+    tp: int = 1               # tensor-parallel ranks: rank r listens on CONTROL's port + r
     healthy: bool = True
     outstanding: int = 0
     served: int = 0
 
+    @property
+    def controls(self) -> list[str]:
+        """Every rank's control endpoint, by the connector's per-rank rule (aiolayer_vllm.ranks)."""
+        host, _, port = self.control.rpartition(":")
+        return [f"{host}:{int(port) + r}" for r in range(self.tp)]
+
     @classmethod
     def parse(cls, role: str, spec: str) -> "Backend":
-        """``URL,CONTROL``, e.g. ``http://127.0.0.1:8100,tcp://127.0.0.1:5600``."""
-        url, sep, control = spec.partition(",")
-        if not sep or not url.startswith(("http://", "https://")) or not control.startswith("tcp://"):
-            raise ValueError(f"--{role} expects URL,CONTROL (http://host:port,tcp://host:port), got {spec!r}")
-        return cls(role, url.rstrip("/"), control)
+        """``URL,CONTROL[,tp=N]``, e.g. ``http://127.0.0.1:8100,tcp://127.0.0.1:5600,tp=2``."""
+        url, sep, rest = spec.partition(",")
+        control, _, extra = rest.partition(",")
+        tp = extra.removeprefix("tp=")
+        port = control.rpartition(":")[2]
+        if not sep or not url.startswith(("http://", "https://")) or not control.startswith("tcp://") \
+                or not port.isdigit() or (extra and not (extra.startswith("tp=") and tp.isdigit() and 1 <= int(tp) <= 1024)) \
+                or int(port) + int(tp or 1) - 1 > 65535:
+            raise ValueError(f"--{role} expects URL,CONTROL[,tp=N] (http://host:port,tcp://host:port,tp=2), got {spec!r}")
+        return cls(role, url.rstrip("/"), control, tp=int(tp or 1))
 
 
 class NoBackend(Exception):

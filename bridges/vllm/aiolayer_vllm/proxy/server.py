@@ -18,9 +18,11 @@ WILDCARDS = ("0.0.0.0", "::", "")
 
 
 def add_proxy_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL,CONTROL",
-                   help="P servers: http://host:port of vLLM, tcp://host:port of its aiolayer control socket")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL,CONTROL", help="D servers, same form")
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL,CONTROL[,tp=N]",
+                   help="P servers: http://host:port of vLLM, tcp://host:port of its aiolayer control socket "
+                        "(its control_port); tp=N for a P with N tensor-parallel ranks (rank r: that port + r)")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL,CONTROL",
+                   help="D servers, same form; D's tensor-parallel and data-parallel ranks register themselves")
     p.add_argument("--host", default="127.0.0.1", help="address the proxy listens on")
     p.add_argument("--port", type=int, default=8000, help="port the proxy listens on")
     p.add_argument("--public-url", default="",
