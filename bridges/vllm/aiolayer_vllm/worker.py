@@ -18,7 +18,6 @@ import logging
 import msgspec
 
 from aiolayer import ReceiveSpec, Registration, Runtime, Step, TransferSpec
-from aiolayer.errors import ConfigError
 
 from .config import BridgeConfig
 from .layout import describe
