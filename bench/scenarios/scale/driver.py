@@ -11,7 +11,9 @@ which D rank and where). Each P rank begins ONE step with all its transfers, mar
 ready at once and waits for every outcome. Where several P ranks write disjoint head slices of one
 D transfer (P_tp > D_tp), D registers it with ``senders=k`` and ends it once all k said DONE; its
 fence then has no single P to ask and waits ``fence_grace`` instead. Every transfer is verified at
-its D rank (per-layer CRC32 of K and V against the global KV), then released.
+its D rank (per-layer CRC32 of K and V against the global KV). Then every P rank pushes the same
+spans again with Mooncake alone (``raw.py``: the baseline, timed the same way, reported as
+``raw_gbps`` and ``raw_ratio``), and the transfers are released.
 
 Shape: ``--num-layers/--kv-heads/--head-dim/--block-size/--dtype`` are honoured as given; each
 request gets ``blocks_per_request`` blocks chosen so that the global KV stays near ``BUDGET_BYTES``
@@ -47,10 +49,12 @@ from aiolayer.protocol.plan import HeadGeometry, local_heads, map_ranks, merge_r
 from ...child import ChildProcess
 from ...node import MOONCAKE_ENV, NodeProcess
 from .model import PlanItem, ScaleConfig, kv_layer, rank_heads
+from .raw import RawLayout, print_raw, raw_report
 
 BUDGET_BYTES = 1 << 30          # global KV of one run (both planes, all layers), at least one block a request
 MAX_BLOCKS_PER_REQUEST = 4
 CALL_S = 10.0                   # one control call of the proxy (alloc, verify, release)
+START_S = 120.0                 # a rank process fills its cache first: slow on a busy 2-core host
 
 
 # --- the driver (this process): ranks as child processes -----------------------------------------
@@ -264,15 +268,15 @@ def run_scenario(cfg: ScaleConfig) -> dict:
     with tempfile.TemporaryDirectory(prefix="aiolayer-scale-") as tmp:
         cfg_path = Path(tmp) / "config.json"
         cfg_path.write_bytes(msgspec.json.encode(cfg))
-        nodes = [NodeProcess(cfg.shape(d_heads, cfg.total_blocks), extra_args=[*node_args, "--engine-id", f"scale-d{d}"])
-                 for d in range(cfg.d_tp)]
+        nodes = [NodeProcess(cfg.shape(d_heads, cfg.total_blocks), extra_args=[*node_args, "--engine-id", f"scale-d{d}"],
+                             start_timeout=START_S) for d in range(cfg.d_tp)]
         ranks: list[RankProcess] = []
         proxy = None
         try:
             ranks = [RankProcess(p, cfg_path) for p in range(cfg.p_tp)]
             with ThreadPoolExecutor(len(nodes)) as pool:
                 list(pool.map(NodeProcess.start, nodes))
-            ready = collect(ranks, "ready", 120.0)
+            ready = collect(ranks, "ready", START_S)
             proxy = Runtime(NodeConfig(engine_id="scale-proxy", backend="memory"), Timeouts(control_call=CALL_S)).start()
             return _drive(cfg, Path(tmp), nodes, ranks, ready, proxy)
         finally:
@@ -298,6 +302,7 @@ def _drive(cfg: ScaleConfig, tmp: Path, nodes, ranks, ready, proxy) -> dict:
     items = rank_items(cfg, routes, allocs, replies, d_controls)
     for p in items:
         (tmp / f"plan-{p}.json").write_bytes(msgspec.json.encode(items[p]))
+    (tmp / "raw-layouts.json").write_bytes(msgspec.json.encode(raw_layouts(cfg, proxy, d_controls, allocs)))
     total, counts = sum(len(v) for v in items.values()), {}
 
     def note(rank: int, msg: dict) -> None:
@@ -314,12 +319,32 @@ def _drive(cfg: ScaleConfig, tmp: Path, nodes, ranks, ready, proxy) -> dict:
     verify = call_all(proxy, [(d_controls[d], m.VerifyRequest(transfer_id=msg.transfer_id)) for _, d, msg in allocs],
                       "verifying")
     verdict = check_all(cfg, allocs, verify)
+    for rank in ranks:   # after D verified aiolayer's bytes, before it frees the blocks
+        rank.send(str(tmp / "raw-layouts.json"))
+    raw = collect(ranks, "raw", cfg.wait_s + 60.0)
     call_all(proxy, [(d_controls[d], m.ReleaseRequest(transfer_id=msg.transfer_id)) for _, d, msg in allocs],
              "releasing")
-    return build_report(cfg, routes, writers, allocs, summaries, verdict, wall)
+    return build_report(cfg, routes, writers, allocs, summaries, verdict, wall, raw)
 
 
-def build_report(cfg: ScaleConfig, routes, writers, allocs, summaries: dict[int, dict], verdict: dict, wall: float) -> dict:
+def raw_layouts(cfg: ScaleConfig, proxy: Runtime, d_controls: list[str], allocs) -> list[RawLayout]:
+    """Each D rank's layout for the raw baseline, fetched with one of its transfers' credentials
+    before the transfers start (D shows it only while they take writes)."""
+    first = {}
+    for _, d, msg in allocs:
+        first.setdefault(d, msg)
+    replies = call_all(proxy, [(d_controls[d], m.LayoutRequest(requester="scale-raw", transfer_id=msg.transfer_id,
+                                                               token=msg.token)) for d, msg in sorted(first.items())],
+                       "layouts")
+    bad = [r for r in replies if not isinstance(r, m.LayoutReply)]
+    if bad:
+        raise RuntimeError(f"D refused a layout request: {bad[0]!r}")
+    return [RawLayout(d, r.session, [x.k_base for x in r.layers], [x.v_base for x in r.layers], r.kv_heads)
+            for d, r in zip(sorted(first), replies)]
+
+
+def build_report(cfg: ScaleConfig, routes, writers, allocs, summaries: dict[int, dict], verdict: dict, wall: float,
+                 raw: dict[int, dict]) -> dict:
     finished = {tid: t for s in summaries.values() for tid, t in s["finished"].items()}
     begin = {p: s["t_begin"] for p, s in summaries.items()}
     spans: dict[int, list[float]] = {}   # request -> [first begin, last outcome] over the ranks writing it
@@ -340,7 +365,10 @@ def build_report(cfg: ScaleConfig, routes, writers, allocs, summaries: dict[int,
               **{k: s[k] for k in ("specs", "ok", "failed", "lost", "bytes", "peak_active", "peak_backend_writes",
                                    "writes_submitted")},
               "seconds": round(s["t_end"] - s["t_begin"], 3),
-              "gbps": round(s["bytes"] / max(1e-9, s["t_end"] - s["t_begin"]) / 1e9, 3)}
+              "gbps": round(s["bytes"] / max(1e-9, s["t_end"] - s["t_begin"]) / 1e9, 3),
+              "cpu_s": s["cpu_s"], "loop_cpu_s": s["loop_cpu_s"],
+              "raw_gbps": round(raw[p]["bytes"] / max(1e-9, raw[p]["t_end"] - raw[p]["t_begin"]) / 1e9, 3),
+              "raw_cpu_s": raw[p]["cpu_s"]}
              for p, s in sorted(summaries.items())]
     failures = [f"{tid}: {why}" for tid, why in verdict.items() if why][:10]
     failures += [f"{tid}: {why}" for s in summaries.values() for tid, why in s["reasons"].items()][:10]
@@ -349,6 +377,7 @@ def build_report(cfg: ScaleConfig, routes, writers, allocs, summaries: dict[int,
             "transfers": len(allocs), "p_transfers": sum(s["specs"] for s in summaries.values()),
             "concurrent": max_in_flight([a for a, _ in spans.values()], [b for _, b in spans.values()]),
             "bytes": nbytes, "seconds": round(secs, 3), "wall_s": round(wall, 3), "gbps": round(nbytes / secs / 1e9, 3),
+            **raw_report(summaries, raw, nbytes, secs),
             "verified": verified, "failed": len(verdict) - verified,
             "lost": sum(s["lost"] for s in summaries.values()),
             "all_verified": verified == len(allocs) and not any(s["lost"] for s in summaries.values()),
@@ -362,15 +391,17 @@ def print_scale(r: dict) -> None:
           f"({r['transfers']} D transfers, {r['p_transfers']} P transfers), {c['layout']}, {c['num_layers']} layers, "
           f"{c['kv_heads']}x{c['head_dim']} {c['dtype']} heads, {c['blocks_per_request']} x {c['block_size']}-token blocks")
     print(f"{'rank':<6}{'heads':<14}{'transfers':>10}{'ok':>7}{'failed':>7}{'MB':>9}{'s':>8}{'GB/s':>7}"
-          f"{'peak active':>12}{'peak writes':>12}")
+          f"{'raw GB/s':>9}{'loop CPU s':>11}{'peak active':>12}{'peak writes':>12}")
     for p in r["per_p_rank"]:
         print(f"{'P' + str(p['rank']):<6}{str(p['heads']):<14}{p['specs']:>10}{p['ok']:>7}{p['failed'] + p['lost']:>7}"
-              f"{p['bytes'] / 1e6:>9.1f}{p['seconds']:>8.2f}{p['gbps']:>7.2f}{p['peak_active']:>12}"
+              f"{p['bytes'] / 1e6:>9.1f}{p['seconds']:>8.2f}{p['gbps']:>7.2f}{p['raw_gbps']:>9.2f}"
+              f"{p['loop_cpu_s']:>11.2f}{p['peak_active']:>12}"
               f"{p['peak_backend_writes']:>12}")
     for d in r["per_d_rank"]:
         print(f"{'D' + str(d['rank']):<6}{str(d['heads']):<14}{d['transfers']:>10}{d['verified']:>7}"
               f"{d['transfers'] - d['verified']:>7}{d['bytes'] / 1e6:>9.1f}   (senders per transfer: {d['senders']})")
     print(f"total: {r['concurrent']} requests in flight at once, {r['bytes'] / 1e9:.3f} GB in {r['seconds']:.2f} s "
           f"= {r['gbps']:.2f} GB/s; verified {r['verified']}/{r['transfers']}, failed {r['failed']}, lost {r['lost']}")
+    print_raw(r)
     for line in r["failures"]:
         print(f"  {line}")

@@ -4,13 +4,16 @@ It fills a paged KV cache with its local heads of the global seeded KV (``model.
 its own Runtime (Mooncake over TCP), prints ``SCALE {"kind": "ready", "control": ...}``, reads the
 path of its plan (a msgspec JSON list of ``PlanItem``) from stdin, begins ONE step with every
 transfer, marks every layer ready at once, waits for every outcome (bounded by ``wait_s``) and
-prints a ``summary`` line.
+prints a ``summary`` line (with the process's and the loop thread's CPU seconds during the stream).
+Then, once D verified, the path of D's layouts: it pushes the same spans with Mooncake alone
+(``raw``) and prints a ``raw`` line.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,8 +25,10 @@ from aiolayer.kvcache import PagedKVCache
 from aiolayer.protocol.plan import HeadGeometry
 
 from .model import PlanItem, ScaleConfig, kv_layer, rank_heads, request_blocks
+from .raw import RawLayout, push, raw_batches
 
-P_TIMEOUTS = Timeouts(control_call=5.0, layout_fetch=20.0, layer_write=60.0, done_delivery=30.0, quarantine=60.0)
+# layout_fetch: every transfer asks D for its layout at once; on a loaded host D answers 2,000 of them slowly
+P_TIMEOUTS = Timeouts(control_call=5.0, layout_fetch=60.0, layer_write=60.0, done_delivery=30.0, quarantine=60.0)
 
 
 # --- a P rank (child process) -----------------------------------------------------------------------
@@ -53,6 +58,11 @@ def rank_main(rank: int, cfg: ScaleConfig) -> int:
         specs = [TransferSpec.from_registration(it, src_blocks=request_blocks(cfg, it.request), peer=it.peer,
                                                 route=it.route) for it in items]
         _say(kind="summary", rank=rank, **_stream(rt, cfg, specs, rank))
+        line = sys.stdin.readline().strip()
+        if line:   # D's layouts: the raw baseline over the same spans, with this rank's engine
+            layouts = msgspec.json.decode(Path(line).read_bytes(), type=list[RawLayout])
+            batches = raw_batches(cfg, items, {x.d_rank: x for x in layouts}, cache.k_base, cache.v_base, len(heads))
+            _say(kind="raw", rank=rank, **push(rt.backend._engine, batches))
     finally:
         rt.stop()
     return 0
@@ -61,6 +71,8 @@ def rank_main(rank: int, cfg: ScaleConfig) -> int:
 def _stream(rt: Runtime, cfg: ScaleConfig, specs: list[TransferSpec], rank: int) -> dict:
     """One step with every transfer, every layer ready at once; every outcome, bounded by wait_s."""
     backend = rt.backend
+    loop_clock = time.pthread_getcpuclockid(_loop_thread(rt).ident)
+    cpu0, loop0 = time.process_time(), time.clock_gettime(loop_clock)
     t_begin = time.perf_counter()
     with rt.begin_step(specs) as step:
         for layer in range(cfg.num_layers):
@@ -77,14 +89,21 @@ def _stream(rt: Runtime, cfg: ScaleConfig, specs: list[TransferSpec], rank: int)
         if time.perf_counter() - last_note > 1.0:
             last_note = time.perf_counter()
             _say(kind="progress", rank=rank, done=len(outcomes), total=len(specs), writes=writes)
+    cpu_s, loop_cpu_s = time.process_time() - cpu0, time.clock_gettime(loop_clock) - loop0
     failed = {tid: o.reason for tid, o in outcomes.items() if not o.ok}
     return {"specs": len(specs), "ok": len(outcomes) - len(failed), "failed": len(failed),
             "lost": len(specs) - len(outcomes), "bytes": sum(o.bytes for o in outcomes.values()),
             "t_begin": t_begin, "t_end": max((o.finished_s for o in outcomes.values()), default=t_begin),
             "peak_active": peak_active, "peak_backend_writes": peak_writes,
             "writes_submitted": getattr(backend, "runs_submitted", 0),
+            "cpu_s": round(cpu_s, 3), "loop_cpu_s": round(loop_cpu_s, 3),
             "finished": {tid: o.finished_s for tid, o in outcomes.items()},
             "reasons": dict(list(failed.items())[:20])}
+
+
+def _loop_thread(rt: Runtime) -> threading.Thread:
+    """The runtime's loop thread (an internal attribute, read for the report's CPU figures)."""
+    return rt.loop_thread._thread
 
 
 def _writes_in_flight(backend) -> int:
