@@ -4,6 +4,11 @@ registration before it calls P."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
@@ -130,3 +135,41 @@ def test_issue14_pipeline_parallel_is_refused_at_start():
                           model_config=None)
     with pytest.raises(ConfigError, match="pipeline"):
         from_vllm(cfg)
+
+
+def test_issue14_a_dense_models_dp_rank_is_read_where_vllm_keeps_it():
+    """vLLM runs the DP ranks of a dense model as independent engines: it resets data_parallel_rank/size
+    to 0/1 and keeps the rank in data_parallel_index (two DP ranks once bound the same port)."""
+    from types import SimpleNamespace
+
+    from aiolayer_vllm.ranks import from_vllm
+
+    model = SimpleNamespace(get_total_num_kv_heads=lambda: 2, use_mla=False)
+    ranks = [from_vllm(SimpleNamespace(model_config=model, parallel_config=SimpleNamespace(
+        pipeline_parallel_size=1, tensor_parallel_size=1, data_parallel_rank=0, data_parallel_size=1,
+        data_parallel_index=index))) for index in (0, 1)]
+    assert [r.control_port(5600) for r in ranks] == [5600, 5601]
+    assert ranks[0].engine_id("d") != ranks[1].engine_id("d")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_issue14_aiolayers_threads_leave_the_forwards_pinned_core():
+    """vLLM pins a CPU worker's main thread (OpenMP binding); a thread it starts inherits that core.
+    Threads started under ``unpinned`` get the engine's CPUs (the parent's), and the caller keeps its own."""
+    code = textwrap.dedent("""
+        import os, threading
+        from aiolayer_vllm.threads import unpinned
+        os.sched_setaffinity(0, {0})                    # what OMP binding does to the worker's main thread
+        seen = {}
+        def probe():
+            seen["thread"] = os.sched_getaffinity(0)
+        with unpinned():
+            t = threading.Thread(target=probe)
+            t.start()
+        t.join()
+        print(sorted(seen["thread"]), sorted(os.sched_getaffinity(0)))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    thread, main = out.stdout.split("] [")
+    assert thread.strip("[") == ", ".join(str(c) for c in sorted(os.sched_getaffinity(0))) and main.strip("]\n") == "0"

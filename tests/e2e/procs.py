@@ -27,6 +27,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> int:
+    """A base port with ``count`` free ports from it on (the connector's per-rank rule: base + rank)."""
+    def free(port: int) -> bool:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                return False
+        return True
+
+    for _ in range(50):
+        base = free_port(host)
+        if base + count < 65536 and all(free(base + i) for i in range(1, count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
 def log_tail(path: Path | None, max_bytes: int = 12000) -> str:
     if path is None or not path.exists():
         return "<no log>"

@@ -1,4 +1,5 @@
-"""Tiny random-weight models (Llama or Qwen2), built offline with transformers + tokenizers, for real vLLM runs.
+"""Tiny random-weight models (Llama, Qwen2, DeepSeek-V2 MLA), built offline with transformers + tokenizers,
+for real vLLM runs.
 
 ``tiny_model_dir()`` returns a folder vLLM can load (config.json, model.safetensors, tokenizer files),
 building it once per spec and caching it under ``$AIOLAYER_E2E_CACHE`` (default: the system temp dir,
@@ -46,7 +47,10 @@ VOCAB_SIZE = 512
 
 # Bump when the build procedure changes, so old cached folders are not reused.
 BUILD_VERSION = 3   # 2: chat template, model_max_length, architecture in the name; 3: tokenizer/ folder
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
+MLA_ARCHITECTURES = ("deepseek_v2",)   # latent attention: the MLA fields below apply
+# Fields only MLA models use; left out of other models' keys, so models cached before they existed stay valid.
+_MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 # Joins the messages' contents; no BOS: vLLM renders chat prompts without adding special tokens.
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
 
@@ -65,6 +69,11 @@ class TinySpec:
     dtype: str = "float32"          # vLLM CPU: float32 and bfloat16 both load
     init_std: float = 0.5           # Llama's default 0.02 gives near-flat logits at this size
     seed: int = 0
+    # MLA (DeepSeek-V2): vLLM CPU_MLA wants kv_lora_rank + qk_rope_head_dim = 576 (its head size)
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 64
+    v_head_dim: int = 64
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -75,7 +84,11 @@ class TinySpec:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
 
     def key(self) -> str:
-        blob = json.dumps({**dataclasses.asdict(self), "v": BUILD_VERSION, "vocab": VOCAB_SIZE}, sort_keys=True)
+        fields = dataclasses.asdict(self)
+        if self.architecture not in MLA_ARCHITECTURES:
+            for name in _MLA_FIELDS:
+                del fields[name]
+        blob = json.dumps({**fields, "v": BUILD_VERSION, "vocab": VOCAB_SIZE}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -84,6 +97,10 @@ LLAMA_GQA = TinySpec(num_layers=4, hidden_size=256, intermediate_size=512, num_h
                      max_position_embeddings=8192)
 QWEN2_BIAS = TinySpec(architecture="qwen2", attention_bias=True, num_layers=4, hidden_size=512,
                       intermediate_size=512, num_heads=8, num_kv_heads=2, max_position_embeddings=2048)
+# DeepSeek-V2 with MLA, dense MLPs only (no MoE), served by vLLM CPU's CPU_MLA backend (block size 16,
+# head size 576). Init 0.02: with larger weights CPU_MLA's prefill and decode paths disagree (notes:
+# peers.md), so aggregated and P/D answers would differ even with a right transfer.
+DEEPSEEK_V2_MLA = TinySpec(architecture="deepseek_v2", num_kv_heads=2, init_std=0.02)
 
 
 def vocabulary() -> list[str]:
@@ -149,7 +166,7 @@ def _save_tokenizer(dest: Path, spec: TinySpec) -> None:
 
 
 def _config(spec: TinySpec):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import DeepseekV2Config, LlamaConfig, Qwen2Config
 
     vocab = vocabulary()
     common = dict(
@@ -171,6 +188,11 @@ def _config(spec: TinySpec):
     )
     if spec.architecture == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
+    if spec.architecture == "deepseek_v2":
+        # first_k_dense_replace = every layer: dense MLPs, no MoE; q_lora_rank None: plain q projection
+        return DeepseekV2Config(**common, first_k_dense_replace=spec.num_layers, q_lora_rank=None,
+                                kv_lora_rank=spec.kv_lora_rank, qk_rope_head_dim=spec.qk_rope_head_dim,
+                                qk_nope_head_dim=spec.qk_nope_head_dim, v_head_dim=spec.v_head_dim)
     return LlamaConfig(**common, attention_bias=spec.attention_bias)
 
 

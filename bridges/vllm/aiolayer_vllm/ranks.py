@@ -69,8 +69,12 @@ def from_vllm(vllm_config) -> Topology:
         tp_rank = 0   # a worker built outside vLLM's process groups (in-process tests)
     else:
         raise ConfigError("tensor_parallel_size > 1 but vLLM's model-parallel groups are not set up yet")
+    # vLLM runs each DP rank of a dense (non-MoE) model as an independent engine: it resets
+    # data_parallel_rank/size to 0/1 there and keeps the rank in data_parallel_index
+    dp_rank = getattr(par, "data_parallel_index", None)
+    dp_rank = par.data_parallel_rank if dp_rank is None else dp_rank
     return Topology(tp_rank=tp_rank, tp_size=par.tensor_parallel_size,
-                    dp_rank=par.data_parallel_rank, dp_size=par.data_parallel_size,
+                    dp_rank=dp_rank, dp_size=max(par.data_parallel_size, dp_rank + 1),
                     total_kv_heads=model.get_total_num_kv_heads(), mla=bool(model.use_mla))
 
 

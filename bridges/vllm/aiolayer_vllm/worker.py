@@ -24,6 +24,7 @@ from .layout import describe
 from .metadata import AiolayerMetadata, RecvReq, SendReq
 from .ranks import Topology, rank_transfer_id, routes_for_p, whole_blocks, writers_of_d
 from .stats import AiolayerStats, delta, totals
+from .threads import unpinned
 
 log = logging.getLogger(__name__)
 class WorkerSide:
@@ -62,7 +63,8 @@ class WorkerSide:
         self.layer_index = {name: i for i, name in enumerate(layout.names)}
         node = msgspec.structs.replace(node, engine_id=topo.engine_id(node.engine_id),
                                        control_port=topo.control_port(node.control_port))
-        self.runtime = Runtime(node, self.config.timeouts).start()
+        with unpinned():   # the loop and Mooncake's threads must not share the forward's pinned core
+            self.runtime = Runtime(node, self.config.timeouts).start()
         self.runtime.on_stop(self._close_http)
         try:
             layout.register(self.runtime)
