@@ -98,8 +98,8 @@ LLAMA_GQA = TinySpec(num_layers=4, hidden_size=256, intermediate_size=512, num_h
 QWEN2_BIAS = TinySpec(architecture="qwen2", attention_bias=True, num_layers=4, hidden_size=512,
                       intermediate_size=512, num_heads=8, num_kv_heads=2, max_position_embeddings=2048)
 # DeepSeek-V2 with MLA, dense MLPs only (no MoE), served by vLLM CPU's CPU_MLA backend (block size 16,
-# head size 576). Init 0.02: with larger weights CPU_MLA's prefill and decode paths disagree (notes:
-# peers.md), so aggregated and P/D answers would differ even with a right transfer.
+# head size 576). Init 0.02: with larger weights CPU_MLA's prefill and decode paths disagree
+# (docs/vllm.md), so aggregated and P/D answers would differ even with a right transfer.
 DEEPSEEK_V2_MLA = TinySpec(architecture="deepseek_v2", num_kv_heads=2, init_std=0.02)
 
 
