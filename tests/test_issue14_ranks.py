@@ -114,6 +114,7 @@ async def test_issue14_the_proxy_calls_p_only_once_every_d_rank_registered():
     assert ex.add_registration(_reg(1, 2)) == "" and not ex.registered.done()
     assert "rank 0 registered other" in ex.add_registration(_reg(0, 2, blocks=(9,)))   # refused, not stored
     assert "not a rank" in ex.add_registration(_reg(2, 2))
+    assert "tcp://host:port" in ex.add_registration({**_reg(1, 2), "decode_control": "http://d:1"})
     assert ex.add_registration(_reg(0, 2)) == "" and ex.registered.done()
     params = ex.p_body(ex.registered.result())["kv_transfer_params"]["aiolayer"]
     assert params["decode_ranks"] == [{"decode_control": "tcp://d:5600", "dst_incarnation": "inc0"},

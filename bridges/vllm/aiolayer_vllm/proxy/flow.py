@@ -25,6 +25,7 @@ from aiolayer import compat
 from aiolayer.errors import AiolayerError, ControlRejected
 from aiolayer.protocol import messages as m
 
+from ..params import check_endpoint
 from ..ranks import rank_transfer_id
 from .pool import Backend, Lease
 
@@ -127,6 +128,11 @@ class Exchange:
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in (rank, ranks)) \
                 or not 0 <= rank < ranks <= MAX_D_RANKS:
             return f"rank {rank!r} of {ranks!r}: not a rank of at most {MAX_D_RANKS}"
+        control = body["decode_control"]
+        try:   # the proxy dials it to abort: refused here, not when a failure needs it
+            check_endpoint(control if isinstance(control, str) else "", "decode_control")
+        except ValueError as exc:
+            return str(exc)
         first = next(iter(self.d_ranks.values()), body)
         if (body.get("ranks", 1), body["block_ids"], body.get("first_block", 0)) != \
                 (first.get("ranks", 1), first["block_ids"], first.get("first_block", 0)):
