@@ -167,14 +167,15 @@ async def test_proxy_takes_a_registration_only_with_the_transfers_token():
     """Only the D the proxy gave the token to can tell it where P must write."""
     pytest.importorskip("fastapi")
     import json
-    import types
 
     from aiolayer_vllm.proxy.app import ProxyState
-    from aiolayer_vllm.proxy.flow import ProxyTimeouts
-    from aiolayer_vllm.proxy.pool import Pool
+    from aiolayer_vllm.proxy.flow import Exchange, ProxyTimeouts
+    from aiolayer_vllm.proxy.pool import Backend, Pool
 
     state = ProxyState(Pool([], []), "http://127.0.0.1:1", ProxyTimeouts())
-    exchange = types.SimpleNamespace(token="a" * 32, registered=asyncio.get_running_loop().create_future())
+    exchange = Exchange(state, "/v1/completions", {"prompt": "x"}, Backend.parse("prefill", "http://p:1,tcp://p:2"),
+                        Backend.parse("decode", "http://d:1,tcp://d:2"))
+    exchange.token = "a" * 32
     state.pending["t"] = exchange
     body = {"transfer_id": "t", "block_ids": [1], "incarnation": "i", "decode_control": "tcp://127.0.0.1:9"}
     forged = state.registered({**body, "token": WRONG})
@@ -182,5 +183,5 @@ async def test_proxy_takes_a_registration_only_with_the_transfers_token():
     assert state.registered(body).status_code == 403                # no token at all
     assert not exchange.registered.done() and state.rejected_registrations == 2
     assert state.registered({**body, "token": "a" * 32}).status_code == 202
-    assert exchange.registered.result()["block_ids"] == [1]
+    assert exchange.registered.result()[0]["block_ids"] == [1]   # one registration per D rank
     assert "aiolayer_proxy_rejected_registrations_total 2" in state.metrics()

@@ -191,12 +191,14 @@ def test_issue11_6_stats_from_another_thread_while_the_loop_churns_transfers():
     pytest.importorskip("vllm")
     import torch
     from aiolayer_vllm.config import BridgeConfig
+    from aiolayer_vllm.ranks import Topology
     from aiolayer_vllm.worker import WorkerSide
 
     blocks = 64
     config = BridgeConfig(node=NodeConfig(engine_id="d6", backend="memory"), timeouts=Timeouts(receive=30))
-    worker = WorkerSide(config, is_producer=False, is_consumer=True, num_blocks=blocks)
-    kv = {f"model.layers.{i}.attn": torch.zeros(blocks, 2, 16, 8) for i in range(2)}
+    worker = WorkerSide(config, is_producer=False, is_consumer=True, num_blocks=blocks,
+                        topology=Topology(total_kv_heads=2), block_size=16, head_size=4)
+    kv = {f"model.layers.{i}.attn": torch.zeros(blocks, 2, 16, 8) for i in range(2)}   # vLLM CPU's [B, H, N, 2*D]
     worker.register_kv_caches(kv)
     rt = worker.runtime
     stop = threading.Event()
