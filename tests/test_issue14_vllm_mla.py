@@ -71,7 +71,10 @@ def _logging_config() -> str:
 def _engine(name: str, control_port: int, *, role: str = "kv_both", tp: int = 1, env: dict | None = None) -> VllmServer:
     model = tiny_model_dir(DEEPSEEK_V2_MLA)
     return VllmServer(model, tokenizer=tokenizer_dir(model), name=name, enforce_eager=True, dtype="float32",
-                      block_size=BLOCK, omp_bind="0|1" if tp == 2 else "nobind",
+                      # both ranks of a TP=2 engine on core 0: pinned one per core, they and a parked D's
+                      # spinning engine left D's aiolayer loop without a core for 30 s (a layout fetch timed
+                      # out in CI); core 1 stays for D, the proxy and the loops
+                      block_size=BLOCK, omp_bind="0|0" if tp == 2 else "nobind",
                       kv_transfer_config=connector(role, name, control_port, timeouts=TIMEOUTS),
                       extra_args=["--tensor-parallel-size", str(tp)] if tp > 1 else [],
                       env=MC_ENV | {"VLLM_LOGGING_CONFIG_PATH": _logging_config()} | (env or {}),
