@@ -69,6 +69,15 @@ def _from_body(d: dict[str, Any], elapsed_s: float) -> Completion:
                       ch.get("finish_reason"), d.get("kv_transfer_params"), elapsed_s, None, d)
 
 
+class StreamError(Exception):
+    """An SSE error event ended a stream whose status line was 200 (``error``: its JSON object)."""
+
+    def __init__(self, error: dict) -> None:
+        super().__init__(f"stream ended with an error event: {error}")
+        self.error = error
+        self.status = error.get("code") if isinstance(error.get("code"), int) else 500
+
+
 class _StreamAccumulator:
     def __init__(self, t0: float) -> None:
         self.t0, self.chunks, self.text, self.ids = t0, [], [], []
@@ -84,6 +93,8 @@ class _StreamAccumulator:
         if payload == "[DONE]":
             return False
         d = json.loads(payload)
+        if isinstance(d.get("error"), dict) and not d.get("choices"):   # the server ended the stream with an error
+            raise StreamError(d["error"])
         self.chunks.append(d)
         if d.get("prompt_token_ids") is not None:   # chat streams carry them at the top level
             self.prompt_ids = d["prompt_token_ids"]

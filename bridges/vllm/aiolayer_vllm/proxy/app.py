@@ -126,6 +126,8 @@ class ProxyState:
                     await exchange.abort_decode(outcome)
                 return None
             content = await d_resp.aread()
+            if d_resp.status_code == 200:
+                exchange.outcome = "ok"
             self.outcomes["ok" if d_resp.status_code == 200 else "decode_http_error"] += 1
             return Response(content, status_code=d_resp.status_code,
                             media_type=d_resp.headers.get("content-type", "application/json"))

@@ -295,9 +295,15 @@ class Exchange:
             self.d_lease.release()
 
     async def _close_decode(self) -> None:
-        if self.p_task is not None:   # still running: the exchange ended first (closing the call aborts it in P)
-            self.p_task.cancel()
-            await asyncio.gather(self.p_task, return_exceptions=True)
+        p = self.p_task
+        if p is not None and not p.done():
+            if self.outcome == "ok":
+                # the client has its answer; P's reply only ends P's request normally (its prefix cache
+                # keeps the prompt): never cut it. Bounded by prefill_s, owned by the proxy's tasks.
+                p.add_done_callback(_retrieve)
+            else:   # the exchange failed or the client left: closing P's call aborts the request in P
+                p.cancel()
+                await asyncio.gather(p, return_exceptions=True)
         response = self.d_response
         if self.d_task is not None:
             self.d_task.cancel()   # no-op once it answered
@@ -309,3 +315,9 @@ class Exchange:
                 await response.aclose()
             except Exception as exc:  # noqa: BLE001 - the connection is dropped either way
                 log.debug("transfer %s: closing D's response: %r", self.transfer_id, exc)
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """Mark a finished task's exception as seen (its failure was handled where it happened)."""
+    if not task.cancelled():
+        task.exception()
