@@ -19,6 +19,7 @@ _EXPORTS = {
     **dict.fromkeys(("ReceiveSpec", "Registration", "Step"), "aiolayer.runtime.api"),
     "Received": "aiolayer.runtime.receiver",
     **dict.fromkeys(("HeadGeometry", "RankRoute", "map_ranks"), "aiolayer.protocol.plan"),
+    "MIN_TOKEN_CHARS": "aiolayer.protocol.checks",
     "ControlPeers": "aiolayer.runtime.control",   # control calls from a driver's own asyncio loop (a proxy)
     "DecodeNode": "aiolayer.node",
     **dict.fromkeys((

@@ -186,7 +186,7 @@ class HeadGeometry(msgspec.Struct, frozen=True):
             raise ValueError(f"layout must be 'NHD' or 'HND', got {self.layout!r}")
 
 
-def check_geometry(block_bytes: int, kv_heads: int, geometry: HeadGeometry | None, v_base) -> None:
+def check_geometry(block_bytes: int, kv_heads: int, geometry: HeadGeometry | None) -> None:
     """A published head geometry must describe the blocks exactly; ``ConfigError`` otherwise.
 
     A V base of 0 (K and V in one plane, e.g. vLLM's CPU cache: per (block, head) a K slab then a
@@ -201,6 +201,7 @@ def check_geometry(block_bytes: int, kv_heads: int, geometry: HeadGeometry | Non
     if kv_heads * geometry.block_size * geometry.head_bytes != block_bytes:
         raise ConfigError(f"{kv_heads} heads x {geometry.block_size} tokens x {geometry.head_bytes} bytes "
                           f"is not the block size {block_bytes}")
+
 
 def _expand_runs(runs: BlockRuns) -> tuple[np.ndarray, np.ndarray]:
     """Every (src, dst) block of the runs, in order."""

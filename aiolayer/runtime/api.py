@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 import msgspec
 
 from ..errors import ConfigError
-from .receiver import MIN_TOKEN_CHARS
+from ..protocol.checks import check_senders, check_token
 
 if TYPE_CHECKING:
     from .sender import Sender
@@ -32,13 +32,11 @@ class ReceiveSpec(msgspec.Struct, frozen=True, kw_only=True):
         tid = self.transfer_id
         if not isinstance(tid, str) or not tid:
             raise ConfigError(f"transfer id must be a non-empty string, got {tid!r}")
-        if not isinstance(self.token, str) or len(self.token) < MIN_TOKEN_CHARS:
-            raise ConfigError(f"transfer {tid}: a token of at least {MIN_TOKEN_CHARS} characters is required")
+        check_token(tid, self.token)
         if not isinstance(self.block_ids, list) or not all(
                 isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in self.block_ids):
             raise ConfigError(f"transfer {tid}: block_ids must be a list of non-negative integers")
-        if isinstance(self.senders, bool) or not isinstance(self.senders, int) or self.senders < 1:
-            raise ConfigError(f"transfer {tid}: senders must be a positive integer, got {self.senders!r}")
+        check_senders(tid, self.senders)
         if isinstance(self.first_block, bool) or not isinstance(self.first_block, int) or self.first_block < 0:
             raise ConfigError(f"transfer {tid}: first_block must be a non-negative integer")
 

@@ -35,8 +35,9 @@ from typing import Awaitable, Callable
 import msgspec
 
 from ..config import Timeouts
-from ..errors import ConfigError, ControlRejected
+from ..errors import ControlRejected
 from ..protocol import messages as m
+from ..protocol.checks import check_senders, check_token
 from ..protocol.codes import AckDetail, NackCode
 from ..protocol.state import Event, IllegalTransition, State, receiver_transfer
 
@@ -46,7 +47,6 @@ log = logging.getLogger(__name__)
 StopSender = Callable[[str, str, str, str], Awaitable[bool]]
 MAX_EARLY = 4096          # DONE/FAILED kept for unregistered transfers: a stranger cannot grow it further
 MAX_SETTLED = 16384       # settled ids remembered: the oldest go first beyond this
-MIN_TOKEN_CHARS = 16
 ASK_PAUSE_S = (0.05, 1.0)  # fence: first and longest pause before asking a settling P again
 
 
@@ -114,10 +114,8 @@ class Receiver:
         ``senders`` > 1: that many P ranks (distinct engine ids) write disjoint head slices of the
         blocks; the transfer ends once every one of them said DONE or FAILED (or by its deadline).
         """
-        if len(token) < MIN_TOKEN_CHARS:
-            raise ConfigError(f"transfer {transfer_id}: a token of at least {MIN_TOKEN_CHARS} characters is required")
-        if isinstance(senders, bool) or not isinstance(senders, int) or senders < 1:
-            raise ConfigError(f"transfer {transfer_id}: senders must be a positive integer, got {senders!r}")
+        check_token(transfer_id, token)
+        check_senders(transfer_id, senders)
         if transfer_id in self._entries:
             raise ControlRejected(NackCode.DUPLICATE, f"transfer {transfer_id} is already registered")
         if self._settled_token(transfer_id) is not None:

@@ -185,7 +185,7 @@ class Runtime:
         local heads; with them, peers of another TP size can write or be written head slices
         (``TransferSpec.route``). Without them only whole blocks move. Blocks until registered.
         """
-        check_geometry(block_bytes, kv_heads, geometry, v_base)
+        check_geometry(block_bytes, kv_heads, geometry)
         self.loop_thread.call(self._register_layout(k_base, v_base, block_bytes, num_blocks, kv_heads, geometry),
                               timeout=self.timeouts.shutdown)
 

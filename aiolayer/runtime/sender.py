@@ -86,7 +86,7 @@ class Sender:
 
     def set_local_layout(self, k_base, v_base, block_bytes: int, num_blocks: int, heads: int = 0,
                          geometry: HeadGeometry | None = None) -> None:
-        check_geometry(block_bytes, heads, geometry, v_base)
+        check_geometry(block_bytes, heads, geometry)
         self.local = LocalLayout(np.asarray(k_base, dtype=np.int64), np.asarray(v_base, dtype=np.int64),
                                  block_bytes, num_blocks, heads, geometry)
 

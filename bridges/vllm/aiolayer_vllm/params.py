@@ -26,9 +26,10 @@ from urllib.parse import urlsplit
 import msgspec
 from msgspec import Meta
 
+from aiolayer import MIN_TOKEN_CHARS   # the runtime's own minimum: refused here, before any I/O
+
 KEY = "aiolayer"
 MAX_ID_CHARS = 256
-MIN_TOKEN_CHARS = 16          # the runtime's own minimum (aiolayer.ReceiveSpec)
 MAX_TOKEN_CHARS = 512
 MAX_URL_CHARS = 2048
 MAX_BLOCKS = 1 << 22          # more destination blocks than any engine has: refused before any I/O
