@@ -16,6 +16,7 @@ is refused at start: its stages hold different layers, which the protocol does n
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from aiolayer.errors import ConfigError
@@ -83,12 +84,17 @@ def rank_transfer_id(transfer_id: str, d_rank: int, d_tp: int) -> str:
     return transfer_id if d_tp == 1 else f"{transfer_id}.d{d_rank}"
 
 
+@functools.lru_cache(maxsize=64)   # asked per request; the answer depends on the sizes only
+def _routes(total_kv_heads: int, p_tp: int, d_tp: int, mla: bool) -> tuple[RankRoute, ...]:
+    try:
+        return tuple(map_ranks(total_kv_heads, p_tp, d_tp, mla))
+    except ValueError as exc:
+        raise ConfigError(f"P tp={p_tp} -> D tp={d_tp}: {exc}") from None
+
+
 def routes_for_p(topo: Topology, d_tp: int) -> list[RankRoute]:
     """The routes this P rank writes, into D ranks of tensor-parallel size ``d_tp``."""
-    try:
-        routes = map_ranks(topo.total_kv_heads, topo.tp_size, d_tp, topo.mla)
-    except ValueError as exc:
-        raise ConfigError(f"P tp={topo.tp_size} -> D tp={d_tp}: {exc}") from None
+    routes = _routes(topo.total_kv_heads, topo.tp_size, d_tp, topo.mla)
     mine = [r for r in routes if r.p_rank == topo.tp_rank]
     if len({r.d_rank for r in mine}) != len(mine):   # one spec per (transfer id, D rank)
         raise ConfigError(f"P tp={topo.tp_size} -> D tp={d_tp}: rank {topo.tp_rank} would write two "
@@ -98,10 +104,7 @@ def routes_for_p(topo: Topology, d_tp: int) -> list[RankRoute]:
 
 def writers_of_d(topo: Topology, p_tp: int) -> list[int]:
     """The P ranks (of ``p_tp``) that write into this D rank: each must report before it finishes."""
-    try:
-        routes = map_ranks(topo.total_kv_heads, p_tp, topo.tp_size, topo.mla)
-    except ValueError as exc:
-        raise ConfigError(f"P tp={p_tp} -> D tp={topo.tp_size}: {exc}") from None
+    routes = _routes(topo.total_kv_heads, p_tp, topo.tp_size, topo.mla)
     return sorted({r.p_rank for r in routes if r.d_rank == topo.tp_rank})
 
 
