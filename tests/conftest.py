@@ -11,7 +11,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "vllm: starts real vLLM (CPU) servers; slow (tens of seconds)")
 
 
-SMALL_SHAPE = KVShape(num_layers=4, num_blocks=64, block_size=16, kv_heads=2, head_dim=64)
+from helpers_node import SMALL_SHAPE  # noqa: E402  (one shape for every small test)
 
 
 @pytest.fixture

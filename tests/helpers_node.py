@@ -113,6 +113,16 @@ def spawn_node(*extra: str, shape: KVShape | None = SMALL_SHAPE, backend: str = 
         node.close()
 
 
+@contextlib.contextmanager
+def stoppable_node(shape: KVShape = SMALL_SHAPE):
+    """A Mooncake D node a test may SIGSTOP: continued (SIGCONT) before it is stopped, whatever happened."""
+    with spawn_node(shape=shape) as node:
+        try:
+            yield node
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+
+
 def run_node_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
     """Run ``python -m aiolayer <args>`` to completion (for argument errors), bounded."""
     return subprocess.run([sys.executable, "-m", "aiolayer", *args], stdin=subprocess.DEVNULL,

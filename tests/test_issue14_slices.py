@@ -18,7 +18,7 @@ import zlib
 import numpy as np
 import pytest
 
-from helpers_node import SMALL_SHAPE, apply_mc_env, spawn_node
+from helpers_node import SMALL_SHAPE, apply_mc_env, stoppable_node
 
 apply_mc_env()  # before any Mooncake engine exists in this process
 
@@ -37,11 +37,8 @@ HALF = SHAPE.block_bytes // 2
 
 @pytest.fixture
 def d_node():
-    with spawn_node(shape=SHAPE) as node:
-        try:
-            yield node
-        finally:
-            os.kill(node.pid, signal.SIGCONT)
+    with stoppable_node(SHAPE) as node:
+        yield node
 
 
 @pytest.fixture

@@ -28,18 +28,9 @@ WRONG = "w" * 32
 
 
 @pytest.fixture
-def runtimes():
-    """Factory: ``runtimes(engine_id, timeouts=None)`` -> a started memory Runtime."""
-    made: list[Runtime] = []
-
-    def make(engine_id: str, timeouts: Timeouts | None = None) -> Runtime:
-        rt = Runtime(NodeConfig(engine_id=engine_id, backend="memory"), timeouts)
-        made.append(rt)
-        return rt.start()
-
-    yield make
-    for rt in reversed(made):
-        rt.stop()
+def runtimes(memory_runtime):
+    """Factory: ``runtimes(engine_id, timeouts=None)`` -> a started memory Runtime (conftest's)."""
+    return memory_runtime
 
 
 def on_loop(rt: Runtime, fn, timeout: float = 5.0):

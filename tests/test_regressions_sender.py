@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers_node import SMALL_SHAPE, apply_mc_env, spawn_node
+from helpers_node import SMALL_SHAPE, apply_mc_env, stoppable_node
 
 apply_mc_env()  # before any Mooncake engine exists in this process
 
@@ -136,12 +136,8 @@ def test_issue11_1_sender_stop_does_not_declare_live_writes_quiet(memory_runtime
 
 @pytest.fixture
 def frozen_d():
-    """A Mooncake D node of its own, continued (SIGCONT) at teardown whatever happened."""
-    with spawn_node(shape=SHAPE) as node:
-        try:
-            yield node
-        finally:
-            os.kill(node.pid, signal.SIGCONT)
+    with stoppable_node(SHAPE) as node:
+        yield node
 
 
 @pytest.fixture
