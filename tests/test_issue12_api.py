@@ -59,13 +59,7 @@ def in_thread(fn, *args):
 
 
 def received(rt: Runtime, transfer_id: str, timeout: float = 10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        for result in rt.pop_received():
-            if result.transfer_id == transfer_id:
-                return result
-        time.sleep(0.01)
-    raise AssertionError(f"no result for {transfer_id} within {timeout}s")
+    return rt.wait_received(transfer_id, timeout)
 
 
 def test_issue12_receive_and_step_from_plain_threads_move_the_kv(pair):

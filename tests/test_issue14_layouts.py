@@ -8,8 +8,6 @@ byte-exactly between real Runtimes of other TP sizes (P TP=2 -> D TP=1, P TP=1 -
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -228,13 +226,7 @@ def _rank(engine_id: str, caches: dict, heads: int, mla: bool) -> Runtime:
 
 
 def _received(rt: Runtime, transfer_id: str, timeout: float = 10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        for result in rt.pop_received():
-            if result.transfer_id == transfer_id:
-                return result
-        time.sleep(0.01)
-    raise AssertionError(f"no result for {transfer_id} within {timeout}s")
+    return rt.wait_received(transfer_id, timeout)
 
 
 def _transfer(p_caches: list, d_caches: list, routes, heads: tuple[int, int], src, dst, mla: bool = False) -> None:
