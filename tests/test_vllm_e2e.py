@@ -41,7 +41,7 @@ def cluster():
     p_ctl, d_ctl, z_ctl = free_port(), free_port(), free_port()
     # vLLM's default OMP binding pins every server's worker to core 0; their busy loops then starve
     # each other's sockets for seconds on this 2-core box. Let the kernel place them.
-    # The configuration this file was written for, pinned against tests/e2e's vLLM defaults (the
+    # The configuration this file was written for, pinned against the e2e harness's vLLM defaults (the
     # matrix, tests/test_vllm_matrix.py, covers those): float32, block size 32, 512 tokens, eager
     # (no ~40 s torch.compile per engine), prefix caching off.
     common = {"env": MC_ENV, "prefix_caching": False, "omp_bind": "nobind", "dtype": "float32", "block_size": 32,

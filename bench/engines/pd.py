@@ -1,5 +1,5 @@
-"""P/D plumbing for end-to-end tests: connector configs, ``aiolayer proxy`` as a process, and the
-D-first flow played directly (what the proxy does, without it).
+"""P/D plumbing for the engine benchmark and the end-to-end tests: connector configs, ``aiolayer
+proxy`` as a process, and the D-first flow played directly (what the proxy does, without it).
 
     p = VllmServer(model, kv_transfer_config=connector("kv_producer", "p", p_port), env=MC_ENV)
     d = VllmServer(model, kv_transfer_config=connector("kv_consumer", "d", d_port), env=MC_ENV)

@@ -1,5 +1,6 @@
-"""The end-to-end harness under one import (``from e2e.servers import VllmServer, completion``): process
-supervision (``procs``), the vLLM server (``vllm_server``) and the client (``client``), re-exported."""
+"""The engine harness under one import (``from aiolayer.bench.engines.servers import VllmServer,
+completion``; tests: ``e2e.servers``): process supervision (``procs``), the vLLM server
+(``vllm_server``) and the client (``client``), re-exported."""
 
 from __future__ import annotations
 

@@ -1,0 +1,23 @@
+"""The options of ``aiolayer bench --engine vllm`` (``run.py``), importable without vLLM: ``aiolayer bench
+--help`` shows them on any install."""
+
+from __future__ import annotations
+
+import argparse
+
+ROWS = ("aggregated", "aiolayer", "aiolayer-bulk", "mooncake", "nixl")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("real engines (--engine vllm; make bench-vllm)")
+    g.add_argument("--engine", choices=["vllm"], default=None,
+                   help="run the real-engine benchmark on vLLM CPU engines instead of a transfer scenario")
+    g.add_argument("--engine-rows", default=",".join(ROWS), help=f"comma-separated, from {', '.join(ROWS)}")
+    g.add_argument("--engine-layers", type=int, default=16, help="layers of the offline model built for the run")
+    g.add_argument("--engine-prompt-tokens", type=int, default=2000, help="tokens per prompt (about)")
+    g.add_argument("--engine-prompts", type=int, default=6, help="measured requests at concurrency 1 per row")
+    g.add_argument("--engine-concurrency", type=int, default=8, help="requests of the concurrent burst per row")
+    g.add_argument("--engine-max-tokens", type=int, default=20, help="output tokens per request")
+    g.add_argument("--engine-cores", default="0,1", help="P's core, D's core (the aggregated engine: P's)")
+    g.add_argument("--engine-eager", action="store_true",
+                   help="--enforce-eager on every engine (vLLM's default compiles: ~40 s more per start)")

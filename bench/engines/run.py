@@ -1,0 +1,188 @@
+"""``aiolayer bench --engine vllm``: the time to first token of real requests on vLLM CPU engines, each
+system through its own request flow, side by side in one run.
+
+Rows (``--engine-rows``): ``aggregated`` (one engine, the floor), ``aiolayer`` (layer-wise) and
+``aiolayer-bulk`` (the same connector sending after the last layer) through ``aiolayer proxy``, and
+vLLM's own connectors where they run here (``peers.py``). P and D sit on disjoint cores (P on
+``--engine-cores``' first, D on its second), as two hosts would; the aggregated engine on the first.
+Every answer is checked against the aggregated engine's under greedy sampling: a row's requests that
+differ or fail are counted, never dropped. Writes ``engines.json`` and ``engines.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from ..node import mooncake_env
+from . import peers
+from .client import acompletion
+from .pd import ProxyProcess, connector
+from .procs import free_port
+from .tiny_model import TinySpec, long_prompt, tiny_model_dir
+from .options import ROWS
+from .vllm_server import VllmServer, running
+
+REQUEST_TIMEOUT_S = 120.0
+
+
+def model_spec(args: argparse.Namespace) -> TinySpec:
+    """A Llama sized so the KV matters: 2 KV heads of 64, bf16 by vLLM's default (~32 KiB per token
+    over 16 layers, ~64 MB for a 2,000-token prompt)."""
+    return TinySpec(num_layers=args.engine_layers, hidden_size=256, intermediate_size=512, num_heads=4,
+                    num_kv_heads=2, max_position_embeddings=max(4096, 2 * args.engine_prompt_tokens))
+
+
+def prompts(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Distinct prompts for each phase (a repeated prompt would hit the prefix cache of one row and
+    not of another); one word is about one token of the tiny model's vocabulary."""
+    words = args.engine_prompt_tokens
+    return {"warmup": [long_prompt(words, seed=900)],
+            "serial": [long_prompt(words, seed=s) for s in range(args.engine_prompts)],
+            "burst": [long_prompt(words, seed=100 + s) for s in range(args.engine_concurrency)]}
+
+
+def _engine(model: Path, name: str, core: str, args: argparse.Namespace, **kw) -> VllmServer:
+    return VllmServer(model, name=name, omp_bind=core, enforce_eager=args.engine_eager, kv_cache_gib=2,
+                      startup_timeout_s=400, **kw)
+
+
+def via_url(url: str, model: Path):
+    """The completion call of a system that takes the request on one URL (an engine, a proxy)."""
+    async def complete(text: str, max_tokens: int):
+        return await acompletion(url, text, model=str(model), max_tokens=max_tokens, stream=True,
+                                 timeout_s=REQUEST_TIMEOUT_S)
+    return complete
+
+
+@contextlib.contextmanager
+def aggregated(model: Path, args: argparse.Namespace):
+    p_core = args.engine_cores.split(",")[0]
+    with running(_engine(model, "aggregated", p_core, args)) as (srv,):
+        yield via_url(srv.base_url, model), {"engine": "one vLLM engine"}
+
+
+@contextlib.contextmanager
+def aiolayer_pd(model: Path, args: argparse.Namespace, *, bulk: bool):
+    p_core, d_core = args.engine_cores.split(",")[:2]
+    extra = {"layerwise_min_tokens": 1 << 30} if bulk else {}
+    p_ctl, d_ctl = free_port(), free_port()
+    env = mooncake_env()
+    p = _engine(model, "prefill", p_core, args, env=env, kv_transfer_config=connector("kv_producer", "p", p_ctl, **extra))
+    d = _engine(model, "decode", d_core, args, env=env, kv_transfer_config=connector("kv_consumer", "d", d_ctl, **extra))
+    with running(p, d):
+        with ProxyProcess([f"{p.base_url},tcp://127.0.0.1:{p_ctl}"], [f"{d.base_url},tcp://127.0.0.1:{d_ctl}"],
+                          extra_args=("--request-timeout", str(REQUEST_TIMEOUT_S))) as proxy:
+            yield via_url(proxy.url, model), {"flow": "D first, through aiolayer proxy (a process)",
+                                              "connector": "AiolayerConnector", "layerwise": not bulk,
+                                              "transport": "Mooncake TCP, 127.0.0.1"}
+
+
+SYSTEMS = {
+    "aggregated": aggregated,
+    "aiolayer": lambda model, args: aiolayer_pd(model, args, bulk=False),
+    "aiolayer-bulk": lambda model, args: aiolayer_pd(model, args, bulk=True),
+    **peers.SYSTEMS,
+}
+
+
+async def _measure(complete, texts: list[str], concurrent: bool, max_tokens: int) -> list[dict]:
+    async def one(text: str) -> dict:
+        try:
+            out = await complete(text, max_tokens)
+            return {"ttft_ms": out.ttft_s * 1e3 if out.ttft_s else None, "total_ms": out.elapsed_s * 1e3,
+                    "tokens": out.token_ids}
+        except Exception as exc:   # counted in the row as a failure, with its reason
+            return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+    if concurrent:
+        return list(await asyncio.gather(*(one(t) for t in texts)))
+    return [await one(t) for t in texts]
+
+
+def run_row(name: str, model: Path, args: argparse.Namespace, texts: dict[str, list[str]]) -> dict:
+    t0 = time.monotonic()
+    try:
+        with SYSTEMS[name](model, args) as (complete, how):
+            print(f"  {name}: engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+            asyncio.run(_measure(complete, texts["warmup"], False, args.engine_max_tokens))
+            serial = asyncio.run(_measure(complete, texts["serial"], False, args.engine_max_tokens))
+            burst = asyncio.run(_measure(complete, texts["burst"], True, args.engine_max_tokens))
+    except Exception as exc:   # a row that cannot run is reported as such, the others still run
+        return {"row": name, "ran": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+    return {"row": name, "ran": True, "how": how, "serial": serial, "burst": burst,
+            "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def _summary(results: list[dict], reference: list[dict] | None) -> dict:
+    ttft = [r["ttft_ms"] for r in results if r.get("ttft_ms") is not None]
+    failed = sum(1 for r in results if "error" in r)
+    differ = 0 if reference is None else sum(
+        1 for r, ref in zip(results, reference) if "error" not in r and r["tokens"] != ref.get("tokens"))
+    return {"requests": len(results), "failed": failed, "differ": differ,
+            "verified": len(results) - failed - differ if reference is not None else None,
+            "ttft_ms_median": round(statistics.median(ttft), 1) if ttft else None,
+            "ttft_ms_max": round(max(ttft), 1) if ttft else None,
+            "errors": sorted({r["error"] for r in results if "error" in r})[:3]}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    ref = next((r for r in rows if r["row"] == "aggregated" and r["ran"]), None)
+    out = []
+    for row in rows:
+        if not row["ran"]:
+            out.append({"row": row["row"], "ran": False, "error": row["error"]})
+            continue
+        same = ref is not None and row is not ref
+        out.append({"row": row["row"], "ran": True, "how": row["how"], "wall_s": row["wall_s"],
+                    "c1": _summary(row["serial"], ref["serial"] if same else None),
+                    "c8": _summary(row["burst"], ref["burst"] if same else None)})
+    return out
+
+
+def print_table(summary: list[dict]) -> None:
+    print(f"{'row':<16} {'c1 TTFT p50':>12} {'c1 max':>9} {'burst p50':>10} {'burst max':>10}  verified / failed")
+    for s in summary:
+        if not s["ran"]:
+            print(f"{s['row']:<16} not run: {s['error'][:200]}")
+            continue
+        c1, c8 = s["c1"], s["c8"]
+        ok = "reference" if c1["verified"] is None else (
+            f"{c1['verified'] + c8['verified']}/{c1['requests'] + c8['requests']} / {c1['failed'] + c8['failed']}")
+        print(f"{s['row']:<16} {c1['ttft_ms_median'] or '-':>12} {c1['ttft_ms_max'] or '-':>9} "
+              f"{c8['ttft_ms_median'] or '-':>10} {c8['ttft_ms_max'] or '-':>10}  {ok}")
+
+
+def run_engines(args: argparse.Namespace) -> int:
+    names = [n.strip() for n in args.engine_rows.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        print(f"aiolayer bench: unknown --engine-rows {unknown}; choose from {', '.join(ROWS)}", file=sys.stderr)
+        return 2
+    if "aggregated" in names:   # the reference runs first: every other row is checked against it
+        names.remove("aggregated")
+        names.insert(0, "aggregated")
+    model = tiny_model_dir(model_spec(args))
+    texts = prompts(args)
+    rows = []
+    for i, name in enumerate(names):
+        print(f"[{i + 1}/{len(names)}] {name}", file=sys.stderr, flush=True)
+        rows.append(run_row(name, model, args, texts))
+    summary = summarize(rows)
+    print_table(summary)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in vars(args).items() if k.startswith("engine")}
+    (out / "engines.json").write_text(json.dumps({"config": config, "summary": summary, "rows": rows}, indent=1))
+    from .plot import plot_engines
+    plot_engines(summary, out / "engines.png")
+    print(f"wrote {out / 'engines.json'} and {out / 'engines.png'}")
+    bad = any(s["ran"] and (s["c1"]["failed"] or s["c1"]["differ"] or s["c8"]["failed"] or s["c8"]["differ"])
+              for s in summary)
+    return 1 if bad else 0

@@ -1,0 +1,14 @@
+"""vLLM's ``MooncakeConnector`` on a CPU host (``kv_connector_module_path`` of the bench's mooncake row).
+
+The class is vLLM's, unmodified. Its worker asks ``torch.accelerator.current_device_index()`` at start,
+which raises on a host without an accelerator; here it answers 0 (the device index a CPU engine has).
+"""
+
+import torch
+
+if torch.accelerator.current_accelerator() is None:
+    torch.accelerator.current_device_index = lambda: 0
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import MooncakeConnector  # noqa: E402
+
+__all__ = ["MooncakeConnector"]

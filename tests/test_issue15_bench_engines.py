@@ -1,0 +1,56 @@
+"""``aiolayer bench --engine vllm`` (bench/engines/run.py): its rows are verified against the aggregated
+engine, failures and differing answers are counted, and a real small run writes its JSON and PNG."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from aiolayer.bench.engines.run import summarize
+
+
+def _row(name: str, tokens: list[list[int]], errors: tuple[int, ...] = ()) -> dict:
+    results = [{"error": "TimeoutError: x"} if i in errors else {"ttft_ms": 10.0 + i, "total_ms": 50.0, "tokens": t}
+               for i, t in enumerate(tokens)]
+    return {"row": name, "ran": True, "how": {}, "serial": results, "burst": results, "wall_s": 1.0}
+
+
+def test_rows_are_checked_against_the_aggregated_engine_and_every_bad_answer_counts():
+    ref = _row("aggregated", [[1, 2], [3, 4], [5, 6]])
+    good = _row("aiolayer", [[1, 2], [3, 4], [5, 6]])
+    bad = _row("mooncake", [[1, 2], [3, 9], [5, 6]], errors=(2,))
+    missing = {"row": "nixl", "ran": False, "error": "ServerError: no start"}
+    by_row = {s["row"]: s for s in summarize([ref, good, bad, missing])}
+    assert by_row["aggregated"]["c1"]["verified"] is None   # the reference checks nothing
+    assert by_row["aiolayer"]["c1"] == {**by_row["aiolayer"]["c1"], "verified": 3, "failed": 0, "differ": 0}
+    assert (by_row["mooncake"]["c1"]["failed"], by_row["mooncake"]["c1"]["differ"]) == (1, 1)
+    assert by_row["mooncake"]["c1"]["verified"] == 1
+    assert by_row["nixl"] == missing
+
+
+def test_an_unknown_row_is_refused_before_any_engine_starts():
+    r = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "--engine", "vllm", "--engine-rows", "aggregated,nope"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown --engine-rows ['nope']" in r.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_a_small_real_run_verifies_aiolayer_against_the_aggregated_engine(tmp_path):
+    # small on purpose (2 layers, ~100-token prompts, eager): the full run is make bench-vllm
+    r = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "--engine", "vllm", "--engine-rows",
+                        "aggregated,aiolayer", "--engine-layers", "2", "--engine-prompt-tokens", "100",
+                        "--engine-prompts", "2", "--engine-concurrency", "2", "--engine-max-tokens", "8",
+                        "--engine-eager", "--out", str(tmp_path)], capture_output=True, text=True, timeout=840)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads((tmp_path / "engines.json").read_text())
+    rows = {s["row"]: s for s in report["summary"]}
+    assert rows["aiolayer"]["ran"], rows["aiolayer"]
+    for key in ("c1", "c8"):
+        stats = rows["aiolayer"][key]
+        assert (stats["verified"], stats["failed"], stats["differ"]) == (2, 0, 0), stats
+        assert stats["ttft_ms_median"] > 0
+    assert (tmp_path / "engines.png").stat().st_size > 1000
