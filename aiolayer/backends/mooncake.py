@@ -2,14 +2,11 @@
 
 Every run is submitted as its own single-request batch (``transfer_submit_write``) because
 ``transfer_check_status`` only looks at a batch's first request and frees the batch when that one
-is done, and Mooncake's waiters for a whole batch spin a core. The runs of one ``write`` call form
-a group with ONE future, polled by one poller task with a cursor in submission order: each tick
-checks a group from its first unsettled run and stops at the first still pending (a peer's writes
-complete roughly in order), and per target looks at only a few pending groups ahead, so a tick
-costs O(targets), not O(writes in flight). A group's every remaining run is checked only at its
-deadline. Mooncake's status call frees an id once it reported 1 or -1: an id is never checked again
-after that. The first write to a new target opens its segment, a network handshake, so it is
-submitted from a worker thread.
+is done, and Mooncake's waiters for a whole batch spin a core (so ``batch_transfer_async_write``,
+whose batch only those could watch, is not used). The runs of one ``write`` call form a group with
+ONE future, watched by one poller task (``mooncake_poll.GroupPoller``: O(targets) per tick, not
+O(writes in flight)). The first write to a new target opens its segment, a network handshake, so
+it is submitted from a worker thread.
 
 Every exception ``write`` raises carries, in ``pending``, a future for each run that may still
 land (``TransferTimeout``, ``WriteRefused``): a thread cannot be cancelled, so a submit that
@@ -19,15 +16,14 @@ outlives its deadline is adopted when it returns and watched like any timed-out 
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import logging
 import os
 
 import numpy as np
 
-from ..errors import BackendError, TransferTimeout, WriteRefused
+from ..errors import BackendError, TransferTimeout
 from ..transport import Transport, check_rdma_devices
+from .mooncake_poll import GroupPoller, Group
 
 log = logging.getLogger(__name__)
 
@@ -38,17 +34,6 @@ ENGINE_ENV = {
     "MC_LOG_LEVEL": "WARNING",
 }
 _INVALID_IDS = (0, -1, (1 << 64) - 1)
-# The poller's tick. uvloop timers tick in whole milliseconds: a shorter sleep returns at once and
-# would spin a core. Yielding at once after progress (as before) spun a core while writes streamed,
-# taking it from Mooncake's own threads; a tick sees every run that ended since the last one.
-_POLL_TICK_S = 0.001
-# Timed-out writes only need to be seen ending, not fast: checking a backlog of them every tick
-# would keep a core busy (a refusing peer's backlog drains at ~5 writes per second).
-_QUARANTINE_POLL_S = 0.05
-# Pending groups looked at per target and tick: completions to one peer come nearly in submission
-# order (measured: a few inversions in 20,000, at most ~130 places apart), so the groups behind
-# these are, almost always, pending too; they are reached as the ones ahead settle.
-_SCAN_AHEAD = 4
 
 
 def _import_engine():
@@ -63,25 +48,6 @@ def _import_engine():
     return TransferEngine
 
 
-class _Group:
-    """The runs of one ``write`` call: ids in submission order, settled up to ``cursor``."""
-
-    __slots__ = ("ids", "cursor", "failed", "late", "future", "deadline", "timeout")
-
-    def __init__(self, future: asyncio.Future, deadline: float, timeout: float) -> None:
-        self.ids: list[int] = []
-        self.cursor = 0                         # ids[:cursor] settled (and freed by Mooncake)
-        self.failed = 0                         # runs Mooncake reported failed (-1)
-        self.late: list[asyncio.Future] = []    # runs timed out, quarantined: settle when they end
-        self.future = future                    # set once every run settled
-        self.deadline = deadline
-        self.timeout = timeout
-
-    @property
-    def settled(self) -> bool:
-        return self.cursor == len(self.ids)
-
-
 class MooncakeBackend:
     name = "mooncake"
 
@@ -92,19 +58,13 @@ class MooncakeBackend:
         self._session = ""
         self._regions: dict[int, int] = {}
         self._opened_targets: set[str] = set()
-        self._inflight: dict[str, list[_Group]] = {}         # target -> its unsettled groups, in order
-        self._deadlines: list[tuple[float, int, _Group]] = []  # heap; settled groups dropped lazily
-        self._seq = itertools.count()
-        self._groups = 0                                      # unsettled groups
-        self._runs = 0                                        # unsettled runs in them
-        self._quarantine: dict[int, asyncio.Future] = {}   # timed out, may still land: id -> settled
+        self._poll = GroupPoller()
         self._opening: set[asyncio.Future] = set()          # settled of submits still running in a thread
         self._openers: dict[str, asyncio.Future] = {}       # target -> the threaded first submit opening it
-        self._wake: asyncio.Event | None = None
-        self._quarantine_due = 0.0
         self._poller: asyncio.Task | None = None
         self.runs_submitted = 0
         self.bytes_submitted = 0
+        self.writes_started = 0   # write/start_write calls that submitted (groups)
 
     @property
     def session(self) -> str:
@@ -121,7 +81,15 @@ class MooncakeBackend:
     @property
     def inflight(self) -> int:
         """Submitted runs not yet settled."""
-        return self._runs
+        return self._poll.runs
+
+    @property
+    def _inflight(self) -> dict:   # target -> unsettled groups (read by the soak's leak report)
+        return self._poll._inflight
+
+    @property
+    def _quarantine(self) -> dict:   # id -> settled, of runs that timed out and may still land
+        return self._poll._quarantine
 
     async def open(self, spawn) -> None:
         for key, value in ENGINE_ENV.items():
@@ -138,8 +106,8 @@ class MooncakeBackend:
                                f"device {t.device_name or 'auto'}) returned {rc}")
         self._engine = engine
         self._session = f"{self.host}:{engine.get_rpc_port()}"
-        self._wake = asyncio.Event()
-        self._poller = spawn(self._poll(), name="mooncake-poller")
+        self._poll.start(engine.transfer_check_status)
+        self._poller = spawn(self._poll.run(), name="mooncake-poller")
 
     def register(self, addr: int, length: int) -> None:
         rc = self._engine.register_memory(addr, length)
@@ -155,35 +123,50 @@ class MooncakeBackend:
 
     async def write(self, target: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
                     timeout: float) -> None:
+        settled = self.start_write(target, src, dst, lengths, timeout)
+        if settled is None:   # the target's segment is not open yet: open it first
+            settled = await self._open_and_submit(target, src.tolist(), dst.tolist(), lengths.tolist(), timeout)
+        # Settle everything already submitted before reporting, so the caller may trust its fence.
+        # Cancelled here, the group is still watched to its end (timed-out runs quarantined).
+        await settled
+
+    def start_write(self, target: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
+                    timeout: float) -> asyncio.Future | None:
+        """``write`` with no coroutine, for callers of many small writes (``runtime.stream``): submits
+        now and returns a future that settles as ``write`` would return or raise. None, with nothing
+        submitted, while the target's segment is not open (``write`` opens it)."""
         if self._engine is None:
             raise BackendError("Mooncake backend is not open")
+        if target not in self._opened_targets:
+            return None
         loop = asyncio.get_running_loop()
-        group = _Group(loop.create_future(), loop.time() + timeout, timeout)
-        srcs, dsts, lens = src.tolist(), dst.tolist(), lengths.tolist()
+        group = Group(loop.create_future(), loop.time() + timeout, timeout, target)
+        group.refused = self._submit_all(target, group, src.tolist(), dst.tolist(), lengths.tolist(), 0)
+        self._settle_or_watch(target, group)
+        return group.future
+
+    async def _open_and_submit(self, target: str, srcs: list, dsts: list, lens: list,
+                               timeout: float) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        group = Group(loop.create_future(), loop.time() + timeout, timeout, target)
         first = 0
         if target not in self._opened_targets and lens and target in self._openers:
             await self._wait_opened(target, group.deadline, timeout, loop)   # submits nothing until then
         if target not in self._opened_targets and lens:
             group.ids.append(await self._open_target(target, (srcs[0], dsts[0], lens[0]), timeout, loop))
             first = 1
-        refused = self._submit_all(target, group, srcs, dsts, lens, first)
-        if group.ids:
-            self._watch(target, group)
-            # Settle everything already submitted before reporting, so the caller may trust its fence.
-            # Cancelled here, the group is still watched to its end (timed-out runs quarantined).
-            await group.future
-        pending = group.late
-        if refused is not None:
-            if not pending:
-                raise refused
-            raise WriteRefused(f"{refused}; {len(pending)} runs submitted before it still pending", pending)
-        if pending:
-            raise TransferTimeout("layer_write", timeout, f"{len(pending)} of {len(group.ids)} runs to {target} "
-                                  "still pending; remote region unknown", pending=pending)
-        if group.failed:
-            raise BackendError(f"Mooncake reported {group.failed} of {len(group.ids)} writes to {target} failed")
+        group.refused = self._submit_all(target, group, srcs, dsts, lens, first)
+        self._settle_or_watch(target, group)
+        return group.future
 
-    def _submit_all(self, target: str, group: _Group, srcs: list, dsts: list, lens: list,
+    def _settle_or_watch(self, target: str, group: Group) -> None:
+        if group.ids:
+            self.writes_started += 1
+            self._poll.watch(target, group)
+        else:   # nothing submitted: empty, or refused at once
+            group.finish()
+
+    def _submit_all(self, target: str, group: Group, srcs: list, dsts: list, lens: list,
                     first: int) -> BackendError | None:
         """Submit runs ``first``.. into ``group.ids``; the refusal that stopped it, if one did."""
         submit, ids, refused = self._engine.transfer_submit_write, group.ids, None
@@ -199,13 +182,6 @@ class MooncakeBackend:
         self.runs_submitted += len(ids) - done
         self.bytes_submitted += sum(lens[first:first + len(ids) - done])
         return refused
-
-    def _watch(self, target: str, group: _Group) -> None:
-        self._inflight.setdefault(target, []).append(group)
-        heapq.heappush(self._deadlines, (group.deadline, next(self._seq), group))
-        self._groups += 1
-        self._runs += len(group.ids)
-        self._wake.set()
 
     async def _open_target(self, target: str, run: tuple[int, int, int], timeout: float, loop) -> int:
         """Submit the first run to a new target from a worker thread (opening its segment is a
@@ -270,8 +246,7 @@ class MooncakeBackend:
             elif fut.exception() is not None:   # refused: nothing was submitted
                 settled.set_result(None)
             else:
-                self._quarantine[fut.result()] = settled
-                self._wake.set()
+                self._poll.adopt(fut.result(), settled)
 
         submit.add_done_callback(adopt)
         return settled
@@ -285,122 +260,14 @@ class MooncakeBackend:
         self.bytes_submitted += length
         return bid
 
-    async def _poll(self) -> None:
-        """Check the groups in flight once per timer tick."""
-        loop = asyncio.get_running_loop()
-        while True:
-            if not self._groups and not self._quarantine:
-                self._wake.clear()
-                await self._wake.wait()
-            self._check_all(loop.time())
-            if self._groups:
-                await asyncio.sleep(_POLL_TICK_S)
-            else:   # only quarantined writes left: look rarely, but a new write wakes us at once
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), _QUARANTINE_POLL_S)
-                except asyncio.TimeoutError:
-                    pass
-
-    def _check_all(self, now: float) -> bool:
-        check = self._engine.transfer_check_status
-        progressed = False
-        heap = self._deadlines
-        while heap and heap[0][0] <= now:   # first, so that the scan below drops them from their queue
-            group = heapq.heappop(heap)[2]
-            if not group.settled:
-                self._expire(group, check)
-                progressed = True
-        if len(heap) > 2 * self._groups + 1024:   # settled groups' entries: drop them now and then
-            self._deadlines = heap = [e for e in heap if not e[2].settled]
-            heapq.heapify(heap)
-        for target, queue in list(self._inflight.items()):
-            progressed |= self._check_target(queue, check)
-            if not queue:
-                del self._inflight[target]
-        if self._quarantine and now >= self._quarantine_due:
-            self._quarantine_due = now + _QUARANTINE_POLL_S
-            self._check_quarantine(check)
-        return progressed
-
-    def _check_target(self, queue: list[_Group], check) -> bool:
-        """Advance the first groups of one target's queue; drop the settled ones from it."""
-        progressed = False
-        ahead = scanned = 0
-        for group in queue:
-            if ahead >= _SCAN_AHEAD:
-                break
-            scanned += 1
-            ids, cursor = group.ids, group.cursor
-            end = len(ids)
-            while cursor < end:
-                status = check(ids[cursor])
-                if status == 0:
-                    break
-                if status == -1:
-                    group.failed += 1
-                elif status != 1:   # -2, Mooncake's own timeout: the data may still land later
-                    group.late.append(self._quarantine_run(ids[cursor]))
-                cursor += 1
-            if cursor != group.cursor:
-                progressed = True
-                self._runs -= cursor - group.cursor
-                group.cursor = cursor
-                if cursor == end:
-                    self._settle(group)
-            if cursor != end:
-                ahead += 1
-        if scanned:
-            head = queue[:scanned]
-            kept = [g for g in head if not g.settled]
-            if len(kept) != len(head):
-                queue[:scanned] = kept
-        return progressed
-
-    def _expire(self, group: _Group, check) -> None:
-        """The group's deadline: check every run left once; the pending ones go to quarantine."""
-        for bid in group.ids[group.cursor:]:
-            status = check(bid)
-            if status == -1:
-                group.failed += 1
-            elif status != 1:   # pending (0) or Mooncake's timeout (-2): the data may still land
-                group.late.append(self._quarantine_run(bid))
-        self._runs -= len(group.ids) - group.cursor
-        group.cursor = len(group.ids)
-        self._settle(group)
-
-    def _settle(self, group: _Group) -> None:
-        self._groups -= 1
-        if not group.future.done():
-            group.future.set_result(None)
-
-    def _quarantine_run(self, bid: int) -> asyncio.Future:
-        settled = asyncio.get_running_loop().create_future()
-        self._quarantine[bid] = settled
-        return settled
-
-    def _check_quarantine(self, check) -> None:
-        for bid, settled in list(self._quarantine.items()):
-            if check(bid) in (1, -1):
-                del self._quarantine[bid]
-                if not settled.done():
-                    settled.set_result(None)
-
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
             self._poller = None
-        for queue in self._inflight.values():
-            for group in queue:
-                if not group.future.done():
-                    group.future.set_exception(BackendError("backend closed with the write in flight"))
-        self._inflight.clear()
-        self._deadlines.clear()
-        self._groups = self._runs = 0
-        for settled in [*self._quarantine.values(), *self._opening]:
+        self._poll.close()
+        for settled in self._opening:
             settled.cancel()
-        self._quarantine.clear()
         self._opening.clear()
         if self._engine is not None:
             for addr in list(self._regions):

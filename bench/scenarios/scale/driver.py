@@ -44,12 +44,13 @@ from aiolayer import Runtime
 from aiolayer.config import DTYPE_BYTES, NodeConfig, Timeouts
 from aiolayer.errors import AiolayerError
 from aiolayer.protocol import messages as m
-from aiolayer.protocol.plan import HeadGeometry, local_heads, map_ranks, merge_runs, routes_from, slice_addresses
+from aiolayer.protocol.plan import local_heads, map_ranks, routes_from
 
 from ...child import ChildProcess
 from ...node import MOONCAKE_ENV, NodeProcess
 from .model import PlanItem, ScaleConfig, kv_layer, rank_heads
-from .raw import RawLayout, print_raw, raw_report
+from .raw import METHODS, RawLayout
+from .report import build_report, print_scale, writes_per_peer
 
 BUDGET_BYTES = 1 << 30          # global KV of one run (both planes, all layers), at least one block a request
 MAX_BLOCKS_PER_REQUEST = 4
@@ -158,16 +159,6 @@ def _progress(text: str, final: bool = False) -> None:
         sys.stderr.flush()
 
 
-def writes_per_peer(cfg: ScaleConfig, routes) -> int:
-    """Most Mooncake writes one P rank has in flight to one D rank at once (every layer ready at once),
-    for contiguous blocks; Mooncake's per-peer queues hold MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER."""
-    geom = HeadGeometry(cfg.block_size, cfg.head_bytes, cfg.layout)
-    p_heads, d_heads = local_heads(cfg.kv_heads, cfg.p_tp), local_heads(cfg.kv_heads, cfg.d_tp)
-    runs = merge_runs(range(cfg.blocks_per_request), range(cfg.blocks_per_request))
-    spans = max(slice_addresses(runs, 0, 0, p_heads, d_heads, r, geom)[0].size for r in routes)
-    return cfg.requests * cfg.num_layers * 2 * spans
-
-
 def plan(cfg: ScaleConfig, d_controls: list[str], p_controls: list[str]):
     """Routes, senders per D rank, and every (transfer id, D rank, AllocRequest) to make."""
     routes = map_ranks(cfg.kv_heads, cfg.p_tp, cfg.d_tp)
@@ -227,14 +218,6 @@ def check_all(cfg: ScaleConfig, allocs, replies) -> dict[str, str]:
             same = rep.crc_k == k[req].tolist() and rep.crc_v == v[req].tolist()
             verdict[msg.transfer_id] = "" if same else "bytes at D differ from the global KV"
     return verdict
-
-
-def max_in_flight(starts, ends) -> int:
-    """Most intervals [start, end] open at once."""
-    starts, ends = np.sort(np.asarray(starts, dtype=float)), np.sort(np.asarray(ends, dtype=float))
-    if not starts.size:
-        return 0
-    return int((np.searchsorted(starts, starts, side="right") - np.searchsorted(ends, starts, side="left")).max())
 
 
 def config_from_args(args) -> ScaleConfig:
@@ -319,12 +302,14 @@ def _drive(cfg: ScaleConfig, tmp: Path, nodes, ranks, ready, proxy) -> dict:
     verify = call_all(proxy, [(d_controls[d], m.VerifyRequest(transfer_id=msg.transfer_id)) for _, d, msg in allocs],
                       "verifying")
     verdict = check_all(cfg, allocs, verify)
-    for rank in ranks:   # after D verified aiolayer's bytes, before it frees the blocks
-        rank.send(str(tmp / "raw-layouts.json"))
-    raw = collect(ranks, "raw", cfg.wait_s + 60.0)
+    raws = {}
+    for method in METHODS:   # after D verified aiolayer's bytes, before it frees the blocks; every rank at once
+        for rank in ranks:
+            rank.send(f"{method} {tmp / 'raw-layouts.json'}")
+        raws[method] = collect(ranks, "raw", cfg.wait_s + 60.0)
     call_all(proxy, [(d_controls[d], m.ReleaseRequest(transfer_id=msg.transfer_id)) for _, d, msg in allocs],
              "releasing")
-    return build_report(cfg, routes, writers, allocs, summaries, verdict, wall, raw)
+    return build_report(cfg, routes, writers, allocs, summaries, verdict, wall, raws)
 
 
 def raw_layouts(cfg: ScaleConfig, proxy: Runtime, d_controls: list[str], allocs) -> list[RawLayout]:
@@ -341,67 +326,3 @@ def raw_layouts(cfg: ScaleConfig, proxy: Runtime, d_controls: list[str], allocs)
         raise RuntimeError(f"D refused a layout request: {bad[0]!r}")
     return [RawLayout(d, r.session, [x.k_base for x in r.layers], [x.v_base for x in r.layers], r.kv_heads)
             for d, r in zip(sorted(first), replies)]
-
-
-def build_report(cfg: ScaleConfig, routes, writers, allocs, summaries: dict[int, dict], verdict: dict, wall: float,
-                 raw: dict[int, dict]) -> dict:
-    finished = {tid: t for s in summaries.values() for tid, t in s["finished"].items()}
-    begin = {p: s["t_begin"] for p, s in summaries.items()}
-    spans: dict[int, list[float]] = {}   # request -> [first begin, last outcome] over the ranks writing it
-    for req, d, msg in allocs:
-        for p in writers[d]:
-            lo, hi = spans.get(req, [np.inf, -np.inf])
-            spans[req] = [min(lo, begin[p]), max(hi, finished.get(msg.transfer_id, np.inf))]
-    t0, t1 = min(begin.values()), max(s["t_end"] for s in summaries.values())
-    nbytes, secs = sum(s["bytes"] for s in summaries.values()), max(1e-9, t1 - t0)
-    verified = sum(1 for v in verdict.values() if not v)
-    d_block = cfg.shape(local_heads(cfg.kv_heads, cfg.d_tp), 1).block_bytes
-    per_d = [{"rank": d, "heads": rank_heads(cfg.kv_heads, cfg.d_tp, d), "senders": len(writers[d]),
-              "transfers": cfg.requests,
-              "verified": sum(1 for _, dd, msg in allocs if dd == d and not verdict[msg.transfer_id]),
-              "bytes": cfg.requests * cfg.blocks_per_request * d_block * 2 * cfg.num_layers} for d in range(cfg.d_tp)]
-    per_p = [{"rank": p, "heads": rank_heads(cfg.kv_heads, cfg.p_tp, p),
-              "d_ranks": [r.d_rank for r in routes_from(routes, p)],
-              **{k: s[k] for k in ("specs", "ok", "failed", "lost", "bytes", "peak_active", "peak_backend_writes",
-                                   "writes_submitted")},
-              "seconds": round(s["t_end"] - s["t_begin"], 3),
-              "gbps": round(s["bytes"] / max(1e-9, s["t_end"] - s["t_begin"]) / 1e9, 3),
-              "cpu_s": s["cpu_s"], "loop_cpu_s": s["loop_cpu_s"],
-              "raw_gbps": round(raw[p]["bytes"] / max(1e-9, raw[p]["t_end"] - raw[p]["t_begin"]) / 1e9, 3),
-              "raw_cpu_s": raw[p]["cpu_s"]}
-             for p, s in sorted(summaries.items())]
-    failures = [f"{tid}: {why}" for tid, why in verdict.items() if why][:10]
-    failures += [f"{tid}: {why}" for s in summaries.values() for tid, why in s["reasons"].items()][:10]
-    return {"scenario": "scale", "config": msgspec.to_builtins(cfg), "routes": msgspec.to_builtins(routes),
-            "prefill_ranks": cfg.p_tp, "decode_ranks": cfg.d_tp, "requests": cfg.requests,
-            "transfers": len(allocs), "p_transfers": sum(s["specs"] for s in summaries.values()),
-            "concurrent": max_in_flight([a for a, _ in spans.values()], [b for _, b in spans.values()]),
-            "bytes": nbytes, "seconds": round(secs, 3), "wall_s": round(wall, 3), "gbps": round(nbytes / secs / 1e9, 3),
-            **raw_report(summaries, raw, nbytes, secs),
-            "verified": verified, "failed": len(verdict) - verified,
-            "lost": sum(s["lost"] for s in summaries.values()),
-            "all_verified": verified == len(allocs) and not any(s["lost"] for s in summaries.values()),
-            "writes_per_peer": writes_per_peer(cfg, routes),
-            "per_p_rank": per_p, "per_d_rank": per_d, "failures": failures}
-
-
-def print_scale(r: dict) -> None:
-    c = r["config"]
-    print(f"scale: {r['prefill_ranks']} P ranks -> {r['decode_ranks']} D ranks, {r['requests']} requests "
-          f"({r['transfers']} D transfers, {r['p_transfers']} P transfers), {c['layout']}, {c['num_layers']} layers, "
-          f"{c['kv_heads']}x{c['head_dim']} {c['dtype']} heads, {c['blocks_per_request']} x {c['block_size']}-token blocks")
-    print(f"{'rank':<6}{'heads':<14}{'transfers':>10}{'ok':>7}{'failed':>7}{'MB':>9}{'s':>8}{'GB/s':>7}"
-          f"{'raw GB/s':>9}{'loop CPU s':>11}{'peak active':>12}{'peak writes':>12}")
-    for p in r["per_p_rank"]:
-        print(f"{'P' + str(p['rank']):<6}{str(p['heads']):<14}{p['specs']:>10}{p['ok']:>7}{p['failed'] + p['lost']:>7}"
-              f"{p['bytes'] / 1e6:>9.1f}{p['seconds']:>8.2f}{p['gbps']:>7.2f}{p['raw_gbps']:>9.2f}"
-              f"{p['loop_cpu_s']:>11.2f}{p['peak_active']:>12}"
-              f"{p['peak_backend_writes']:>12}")
-    for d in r["per_d_rank"]:
-        print(f"{'D' + str(d['rank']):<6}{str(d['heads']):<14}{d['transfers']:>10}{d['verified']:>7}"
-              f"{d['transfers'] - d['verified']:>7}{d['bytes'] / 1e6:>9.1f}   (senders per transfer: {d['senders']})")
-    print(f"total: {r['concurrent']} requests in flight at once, {r['bytes'] / 1e9:.3f} GB in {r['seconds']:.2f} s "
-          f"= {r['gbps']:.2f} GB/s; verified {r['verified']}/{r['transfers']}, failed {r['failed']}, lost {r['lost']}")
-    print_raw(r)
-    for line in r["failures"]:
-        print(f"  {line}")

@@ -5,12 +5,13 @@ its own Runtime (Mooncake over TCP), prints ``SCALE {"kind": "ready", "control":
 path of its plan (a msgspec JSON list of ``PlanItem``) from stdin, begins ONE step with every
 transfer, marks every layer ready at once, waits for every outcome (bounded by ``wait_s``) and
 prints a ``summary`` line (with the process's and the loop thread's CPU seconds during the stream).
-Then, once D verified, the path of D's layouts: it pushes the same spans with Mooncake alone
-(``raw``) and prints a ``raw`` line.
+Then, once D verified, lines "METHOD PATH" (PATH: D's layouts): for each it pushes the same spans
+with Mooncake alone that way (``raw.METHODS``) and prints a ``raw`` line.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import threading
@@ -25,7 +26,7 @@ from aiolayer.kvcache import PagedKVCache
 from aiolayer.protocol.plan import HeadGeometry
 
 from .model import PlanItem, ScaleConfig, kv_layer, rank_heads, request_blocks
-from .raw import RawLayout, push, raw_batches
+from .raw import METHODS, RawLayout, raw_batches
 
 # layout_fetch: every transfer asks D for its layout at once; on a loaded host D answers 2,000 of them slowly
 P_TIMEOUTS = Timeouts(control_call=5.0, layout_fetch=60.0, layer_write=60.0, done_delivery=30.0, quarantine=60.0)
@@ -58,11 +59,14 @@ def rank_main(rank: int, cfg: ScaleConfig) -> int:
         specs = [TransferSpec.from_registration(it, src_blocks=request_blocks(cfg, it.request), peer=it.peer,
                                                 route=it.route) for it in items]
         _say(kind="summary", rank=rank, **_stream(rt, cfg, specs, rank))
-        line = sys.stdin.readline().strip()
-        if line:   # D's layouts: the raw baseline over the same spans, with this rank's engine
-            layouts = msgspec.json.decode(Path(line).read_bytes(), type=list[RawLayout])
-            batches = raw_batches(cfg, items, {x.d_rank: x for x in layouts}, cache.k_base, cache.v_base, len(heads))
-            _say(kind="raw", rank=rank, **push(rt.backend._engine, batches))
+        batches = None
+        while line := sys.stdin.readline().strip():   # "METHOD PATH-OF-D's-LAYOUTS": raw Mooncake, same spans
+            method, path = line.split(" ", 1)
+            if batches is None:
+                layouts = msgspec.json.decode(Path(path).read_bytes(), type=list[RawLayout])
+                batches = raw_batches(cfg, items, {x.d_rank: x for x in layouts}, cache.k_base, cache.v_base,
+                                      len(heads))
+            _say(kind="raw", rank=rank, method=method, **METHODS[method][0](rt.backend._engine, batches))
     finally:
         rt.stop()
     return 0
@@ -72,6 +76,7 @@ def _stream(rt: Runtime, cfg: ScaleConfig, specs: list[TransferSpec], rank: int)
     """One step with every transfer, every layer ready at once; every outcome, bounded by wait_s."""
     backend = rt.backend
     loop_clock = time.pthread_getcpuclockid(_loop_thread(rt).ident)
+    gc_s = _GcClock()
     cpu0, loop0 = time.process_time(), time.clock_gettime(loop_clock)
     t_begin = time.perf_counter()
     with rt.begin_step(specs) as step:
@@ -90,15 +95,37 @@ def _stream(rt: Runtime, cfg: ScaleConfig, specs: list[TransferSpec], rank: int)
             last_note = time.perf_counter()
             _say(kind="progress", rank=rank, done=len(outcomes), total=len(specs), writes=writes)
     cpu_s, loop_cpu_s = time.process_time() - cpu0, time.clock_gettime(loop_clock) - loop0
+    gc_s.stop()
     failed = {tid: o.reason for tid, o in outcomes.items() if not o.ok}
     return {"specs": len(specs), "ok": len(outcomes) - len(failed), "failed": len(failed),
             "lost": len(specs) - len(outcomes), "bytes": sum(o.bytes for o in outcomes.values()),
             "t_begin": t_begin, "t_end": max((o.finished_s for o in outcomes.values()), default=t_begin),
             "peak_active": peak_active, "peak_backend_writes": peak_writes,
             "writes_submitted": getattr(backend, "runs_submitted", 0),
-            "cpu_s": round(cpu_s, 3), "loop_cpu_s": round(loop_cpu_s, 3),
+            "backend_writes": getattr(backend, "writes_started", None),   # write calls (groups of runs)
+            "cpu_s": round(cpu_s, 3), "loop_cpu_s": round(loop_cpu_s, 3), "gc_s": round(gc_s.seconds, 3),
+            "gc_collections": gc_s.collections,
             "finished": {tid: o.finished_s for tid, o in outcomes.items()},
             "reasons": dict(list(failed.items())[:20])}
+
+
+class _GcClock:
+    """CPU seconds (of the collecting thread) the cyclic garbage collector ran, and its collections by
+    generation: allocation-heavy paths pay it."""
+
+    def __init__(self) -> None:
+        self.seconds, self._t0, self.collections = 0.0, 0.0, [0, 0, 0]
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.thread_time()
+        else:
+            self.seconds += time.thread_time() - self._t0
+            self.collections[info["generation"]] += 1
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._tick)
 
 
 def _loop_thread(rt: Runtime) -> threading.Thread:

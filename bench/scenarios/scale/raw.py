@@ -28,8 +28,10 @@ from .model import PlanItem, ScaleConfig, request_blocks
 
 CHUNK = 1024      # spans per Mooncake batch
 WINDOW = 16       # batches in flight (CHUNK * WINDOW stays far below Mooncake's per-peer queue)
-METHOD = (f"batch_transfer_async_write, <= {CHUNK} spans per batch, <= {WINDOW} batches in flight, "
+BATCH_METHOD = (f"batch_transfer_async_write, <= {CHUNK} spans per batch, <= {WINDOW} batches in flight, "
           "get_batch_transfer_status oldest first")
+_INVALID_IDS = (0, -1, (1 << 64) - 1)
+_SINGLE_WAIT_S = 0.0002
 
 
 class RawLayout(msgspec.Struct, frozen=True):
@@ -67,11 +69,10 @@ def raw_batches(cfg: ScaleConfig, items: list[PlanItem], layouts: dict[int, RawL
     return out
 
 
-def push(engine, batches) -> dict:
+def push_batch(engine, batches) -> dict:
     """Push every batch, ``WINDOW`` in flight; timings, bytes, writes, failed batches, process CPU."""
     inflight: collections.deque[int] = collections.deque()
     failed = 0
-    nbytes = sum(sum(b[3]) for b in batches)
     c0, t0 = time.process_time(), time.perf_counter()
     for target, srcs, dsts, lens in batches:
         if len(inflight) >= WINDOW:
@@ -83,35 +84,47 @@ def push(engine, batches) -> dict:
             inflight.append(bid)
     while inflight:
         failed += engine.get_batch_transfer_status([inflight.popleft()]) != 0
+    return _timed(batches, t0, c0, failed, len(batches))
+
+
+def push_single(engine, batches) -> dict:
+    """Every span its own ``transfer_submit_write``, ``CHUNK * WINDOW`` in flight, polled oldest first."""
+    submit, check = engine.transfer_submit_write, engine.transfer_check_status
+    inflight: collections.deque[int] = collections.deque()
+    failed, window = 0, CHUNK * WINDOW
+    c0, t0 = time.process_time(), time.perf_counter()
+
+    def drain(keep: int) -> int:
+        bad = 0
+        while len(inflight) > keep:
+            status = check(inflight[0])
+            if status == 0:
+                time.sleep(_SINGLE_WAIT_S)
+                continue
+            inflight.popleft()
+            bad += status != 1
+        return bad
+
+    for target, srcs, dsts, lens in batches:
+        for s, d, n in zip(srcs, dsts, lens):
+            if len(inflight) >= window:
+                failed += drain(window - CHUNK)
+            bid = submit(target, s, d, n)
+            if bid in _INVALID_IDS:
+                failed += 1
+            else:
+                inflight.append(bid)
+    failed += drain(0)
+    return _timed(batches, t0, c0, failed, sum(len(b[3]) for b in batches))
+
+
+def _timed(batches, t0: float, c0: float, failed: int, submissions: int) -> dict:
     t1 = time.perf_counter()
-    return {"t_begin": t0, "t_end": t1, "bytes": nbytes, "writes": sum(len(b[3]) for b in batches),
-            "batches": len(batches), "failed_batches": failed, "cpu_s": round(time.process_time() - c0, 3)}
+    return {"t_begin": t0, "t_end": t1, "bytes": sum(sum(b[3]) for b in batches),
+            "writes": sum(len(b[3]) for b in batches), "batches": submissions, "failed_batches": failed,
+            "cpu_s": round(time.process_time() - c0, 3)}
 
 
-def raw_report(summaries: dict[int, dict], raw: dict[int, dict], nbytes: int, secs: float) -> dict:
-    """The raw baseline next to aiolayer's figures: GB/s, their ratio, CPU seconds per GB."""
-    t0, t1 = min(r["t_begin"] for r in raw.values()), max(r["t_end"] for r in raw.values())
-    raw_bytes, raw_secs = sum(r["bytes"] for r in raw.values()), max(1e-9, t1 - t0)
-    gb, raw_gb = max(1e-9, nbytes / 1e9), max(1e-9, raw_bytes / 1e9)
-    gbps, raw_gbps = nbytes / secs / 1e9, raw_bytes / raw_secs / 1e9
-    return {"raw": {"method": METHOD, "bytes": raw_bytes, "seconds": round(raw_secs, 3),
-                    "writes": sum(r["writes"] for r in raw.values()),
-                    "batches": sum(r["batches"] for r in raw.values()),
-                    "failed_batches": sum(r["failed_batches"] for r in raw.values())},
-            "raw_gbps": round(raw_gbps, 3), "raw_ratio": round(gbps / max(1e-9, raw_gbps), 3),
-            # the exact spans: as many writes and bytes as aiolayer submitted
-            "raw_same_spans": (raw_bytes == nbytes
-                               and sum(r["writes"] for r in raw.values()) == sum(s["writes_submitted"]
-                                                                                for s in summaries.values())),
-            "cpu_s_per_gb": {"loop": round(sum(s["loop_cpu_s"] for s in summaries.values()) / gb, 3),
-                             "process": round(sum(s["cpu_s"] for s in summaries.values()) / gb, 3),
-                             "raw_process": round(sum(r["cpu_s"] for r in raw.values()) / raw_gb, 3)}}
-
-
-def print_raw(r: dict) -> None:
-    cpu = r["cpu_s_per_gb"]
-    print(f"raw Mooncake, same spans{'' if r['raw_same_spans'] else ' (COUNTS DIFFER)'}: {r['raw']['writes']} writes "
-          f"in {r['raw']['seconds']:.2f} s = {r['raw_gbps']:.2f} GB/s; aiolayer / raw = {r['raw_ratio']:.2f}  "
-          f"({r['raw']['method']})")
-    print(f"CPU s per GB: aiolayer loop thread {cpu['loop']:.2f}, aiolayer process {cpu['process']:.2f}, "
-          f"raw process {cpu['raw_process']:.2f}")
+SINGLE_METHOD = (f"transfer_submit_write per span, <= {CHUNK * WINDOW} in flight, transfer_check_status "
+                 "oldest first")
+METHODS = {"batch": (push_batch, BATCH_METHOD), "single": (push_single, SINGLE_METHOD)}

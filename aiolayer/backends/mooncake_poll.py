@@ -1,0 +1,225 @@
+"""The Mooncake backend's poller: every write's runs as one group, settled by one task.
+
+Split off ``mooncake`` (that module submits; this one watches). A group (``Group``) holds the runs
+of one ``write`` call with ONE future. The poller task checks, per timer tick and per target, a few
+pending groups from their first unsettled run (``_SCAN_AHEAD``), in submission order, and stops at
+the first run still pending (a peer's writes complete roughly in order): a tick costs O(targets),
+not O(writes in flight). A group's every remaining run is checked only at its deadline; the runs
+still pending then are quarantined (they may still land) and handed back in ``group.late``.
+Mooncake's status call frees an id once it reported 1 or -1: an id is never checked again after that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+
+from ..errors import BackendError, TransferTimeout, WriteRefused
+
+# The poller's tick. uvloop timers tick in whole milliseconds: a shorter sleep returns at once and
+# would spin a core. Yielding at once after progress (as before) spun a core while writes streamed,
+# taking it from Mooncake's own threads; a tick sees every run that ended since the last one.
+_POLL_TICK_S = 0.001
+# Timed-out writes only need to be seen ending, not fast: checking a backlog of them every tick
+# would keep a core busy (a refusing peer's backlog drains at ~5 writes per second).
+_QUARANTINE_POLL_S = 0.05
+# Pending groups looked at per target and tick: completions to one peer come nearly in submission
+# order (measured: a few inversions in 20,000, at most ~130 places apart), so the groups behind
+# these are, almost always, pending too; they are reached as the ones ahead settle.
+_SCAN_AHEAD = 4
+
+
+class Group:
+    """The runs of one ``write`` call: ids in submission order, settled up to ``cursor``; its
+    ``future`` settles, once every run did, as the write returns or raises (``finish``)."""
+
+    __slots__ = ("ids", "cursor", "failed", "late", "future", "deadline", "timeout", "target", "refused")
+
+    def __init__(self, future: asyncio.Future, deadline: float, timeout: float, target: str) -> None:
+        self.ids: list[int] = []
+        self.cursor = 0                         # ids[:cursor] settled (and freed by Mooncake)
+        self.failed = 0                         # runs Mooncake reported failed (-1)
+        self.late: list[asyncio.Future] = []    # runs timed out, quarantined: settle when they end
+        self.future = future
+        self.deadline = deadline
+        self.timeout = timeout
+        self.target = target
+        self.refused: BackendError | None = None   # the refusal that stopped the submits, if one did
+
+    @property
+    def settled(self) -> bool:
+        return self.cursor == len(self.ids)
+
+    def finish(self) -> None:
+        """Every run settled (or none was submitted): the write's outcome into ``future``. Each
+        exception carries, in ``pending``, every run that may still land (docs/fencing.md)."""
+        if self.future.done():   # its waiter was cancelled, or the backend closed
+            return
+        exc = self.outcome()
+        if exc is None:
+            self.future.set_result(None)
+        else:
+            self.future.set_exception(exc)
+
+    def outcome(self) -> Exception | None:
+        pending, refused = self.late, self.refused
+        if refused is not None:
+            if not pending:
+                return refused
+            return WriteRefused(f"{refused}; {len(pending)} runs submitted before it still pending", pending)
+        if pending:
+            return TransferTimeout("layer_write", self.timeout, f"{len(pending)} of {len(self.ids)} runs to "
+                                   f"{self.target} still pending; remote region unknown", pending=pending)
+        if self.failed:
+            return BackendError(f"Mooncake reported {self.failed} of {len(self.ids)} writes to {self.target} failed")
+        return None
+
+
+class GroupPoller:
+    """The groups in flight, by target in submission order, their deadlines, and quarantined runs."""
+
+    def __init__(self) -> None:
+        self.check = None                                    # the engine's transfer_check_status, at start
+        self._inflight: dict[str, list[Group]] = {}         # target -> its unsettled groups, in order
+        self._deadlines: list[tuple[float, int, Group]] = []  # heap; settled groups dropped lazily
+        self._seq = itertools.count()
+        self._groups = 0                                      # unsettled groups
+        self._runs = 0                                        # unsettled runs in them
+        self._quarantine: dict[int, asyncio.Future] = {}     # timed out, may still land: id -> settled
+        self._wake: asyncio.Event | None = None
+        self._quarantine_due = 0.0
+
+    @property
+    def runs(self) -> int:
+        """Submitted runs not yet settled."""
+        return self._runs
+
+    def start(self, check) -> None:
+        self.check = check
+        self._wake = asyncio.Event()
+
+    def watch(self, target: str, group: Group) -> None:
+        self._inflight.setdefault(target, []).append(group)
+        heapq.heappush(self._deadlines, (group.deadline, next(self._seq), group))
+        self._groups += 1
+        self._runs += len(group.ids)
+        self._wake.set()
+
+    def adopt(self, bid: int, settled: asyncio.Future) -> None:
+        """A run submitted after its write gave up on it (a late threaded submit): watch it to its end."""
+        self._quarantine[bid] = settled
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Check the groups in flight once per timer tick (the backend's task, until cancelled)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._groups and not self._quarantine:
+                self._wake.clear()
+                await self._wake.wait()
+            self._check_all(loop.time())
+            if self._groups:
+                await asyncio.sleep(_POLL_TICK_S)
+            else:   # only quarantined writes left: look rarely, but a new write wakes us at once
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), _QUARANTINE_POLL_S)
+                except asyncio.TimeoutError:
+                    pass
+
+    def _check_all(self, now: float) -> bool:
+        check = self.check
+        progressed = False
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:   # first, so that the scan below drops them from their queue
+            group = heapq.heappop(heap)[2]
+            if not group.settled:
+                self._expire(group, check)
+                progressed = True
+        if len(heap) > 2 * self._groups + 1024:   # settled groups' entries: drop them now and then
+            self._deadlines = heap = [e for e in heap if not e[2].settled]
+            heapq.heapify(heap)
+        for target, queue in list(self._inflight.items()):
+            progressed |= self._check_target(queue, check)
+            if not queue:
+                del self._inflight[target]
+        if self._quarantine and now >= self._quarantine_due:
+            self._quarantine_due = now + _QUARANTINE_POLL_S
+            self._check_quarantine(check)
+        return progressed
+
+    def _check_target(self, queue: list[Group], check) -> bool:
+        """Advance the first groups of one target's queue; drop the settled ones from it."""
+        progressed = False
+        ahead = scanned = 0
+        for group in queue:
+            if ahead >= _SCAN_AHEAD:
+                break
+            scanned += 1
+            ids, cursor = group.ids, group.cursor
+            end = len(ids)
+            while cursor < end:
+                status = check(ids[cursor])
+                if status == 0:
+                    break
+                if status == -1:
+                    group.failed += 1
+                elif status != 1:   # -2, Mooncake's own timeout: the data may still land later
+                    group.late.append(self._quarantine_run(ids[cursor]))
+                cursor += 1
+            if cursor != group.cursor:
+                progressed = True
+                self._runs -= cursor - group.cursor
+                group.cursor = cursor
+                if cursor == end:
+                    self._settle(group)
+            if cursor != end:
+                ahead += 1
+        if scanned:
+            head = queue[:scanned]
+            kept = [g for g in head if not g.settled]
+            if len(kept) != len(head):
+                queue[:scanned] = kept
+        return progressed
+
+    def _expire(self, group: Group, check) -> None:
+        """The group's deadline: check every run left once; the pending ones go to quarantine."""
+        for bid in group.ids[group.cursor:]:
+            status = check(bid)
+            if status == -1:
+                group.failed += 1
+            elif status != 1:   # pending (0) or Mooncake's timeout (-2): the data may still land
+                group.late.append(self._quarantine_run(bid))
+        self._runs -= len(group.ids) - group.cursor
+        group.cursor = len(group.ids)
+        self._settle(group)
+
+    def _settle(self, group: Group) -> None:
+        self._groups -= 1
+        group.finish()
+
+    def _quarantine_run(self, bid: int) -> asyncio.Future:
+        settled = asyncio.get_running_loop().create_future()
+        self._quarantine[bid] = settled
+        return settled
+
+    def _check_quarantine(self, check) -> None:
+        for bid, settled in list(self._quarantine.items()):
+            if check(bid) in (1, -1):
+                del self._quarantine[bid]
+                if not settled.done():
+                    settled.set_result(None)
+
+    def close(self) -> None:
+        """The backend closes: every group still in flight fails, every quarantined run is cancelled."""
+        for queue in self._inflight.values():
+            for group in queue:
+                if not group.future.done():
+                    group.future.set_exception(BackendError("backend closed with the write in flight"))
+        self._inflight.clear()
+        self._deadlines.clear()
+        self._groups = self._runs = 0
+        for settled in self._quarantine.values():
+            settled.cancel()
+        self._quarantine.clear()
