@@ -257,6 +257,9 @@ def _stats_until(engine: Engine, key: str, limit: float = 5.0):
     from aiolayer_vllm.connector import AiolayerConnector
 
     total = AiolayerConnector.build_kv_connector_stats()
+    for _res, stats in engine.reports:   # what its steps collected already (D's parked wait wakes on the outcome)
+        if stats is not None:
+            total = total.aggregate(stats)
     deadline = time.monotonic() + limit
     while total.data.get(key, 0) < 1:
         assert time.monotonic() < deadline, f"{key} never reported"

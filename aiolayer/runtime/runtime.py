@@ -15,6 +15,7 @@ so a reader never walks a dict the loop is changing.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import secrets
@@ -27,12 +28,13 @@ import msgspec
 
 from ..backends import make_backend
 from ..config import NodeConfig, Timeouts
-from ..errors import AiolayerError, BridgeClosed, ControlError, ControlRejected, DeadlineExceeded, RuntimeStateError
+from ..errors import AiolayerError, BridgeClosed, DeadlineExceeded, RuntimeStateError
 from ..protocol import messages as m
 from ..protocol.plan import HeadGeometry
 from ..transport import url_host
 from .api import Announce, ReceiveSpec, Registration, Step
 from .bridge import LayerBridge
+from . import routing
 from .control import ControlPeers, ControlServer
 from .loop import LoopThread
 from .metadata import LayoutCache
@@ -70,6 +72,7 @@ class Runtime:
         self.metrics_server: MetricsServer | None = None
         self.metrics_url = ""
         self.published_metrics: dict | None = None   # read whole from any thread; replaced, never changed
+        self._outcome_listeners: tuple[Callable[[], None], ...] = ()
         self._started = False
         self._closed = False
         self.loop_thread.on_exit(self._on_loop_exit)
@@ -101,12 +104,12 @@ class Runtime:
         self.layouts = LayoutCache(self.peers, self.timeouts, self.node.engine_id, spawn)
         self.sender = Sender(engine_id=self.node.engine_id, bridge=self.bridge, backend=self.backend,
                              peers=self.peers, layouts=self.layouts, timeouts=self.timeouts,
-                             on_outcome=self._republish_metrics)
+                             on_outcome=self._outcome)
         spawn(self.sender.run(spawn), name="sender")
-        self.receiver.bind(spawn, self._stop_sender, on_outcome=self._republish_metrics)
+        self.receiver.bind(spawn, functools.partial(routing.stop_sender, self), on_outcome=self._outcome)
         transport = self.node.transport
         advertised = url_host(transport.advertised())   # bound on bind_host, dialled by peers at this
-        self.server = ControlServer(transport.bind_host, self.node.control_port, self._handle,
+        self.server = ControlServer(transport.bind_host, self.node.control_port, functools.partial(routing.handle, self),
                                     max_frame_bytes=self.node.max_frame_bytes)
         await self.server.start(spawn)
         self.control_endpoint = f"tcp://{advertised}:{self.server.port}"
@@ -162,6 +165,11 @@ class Runtime:
             except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - stopping goes on regardless
                 log.warning("on_stop clean-up %r failed: %r", getattr(closer, "__name__", closer), exc)
         self.loop_thread.on_stop(bounded)
+
+    def on_outcome(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` on the loop soon after a transfer ends, once its result is visible to
+        ``pop_received``/``pop_outcomes`` (e.g. to wake a thread that would otherwise poll). Any thread."""
+        self._outcome_listeners = (*self._outcome_listeners, listener)
 
     def _on_loop_exit(self, error: BaseException | None) -> None:
         self.bridge.close(error or BridgeClosed("loop thread exited"))
@@ -316,43 +324,6 @@ class Runtime:
                 raise DeadlineExceeded("wait_received", timeout, f"transfer {transfer_id}")
             time.sleep(WAIT_POLL_S)
 
-    # --- control-plane routing -----------------------------------------------------------------
-
-    async def _stop_sender(self, endpoint: str, transfer_id: str, token: str, reason: str) -> bool:
-        """D's fence: ask P to stop writing ``transfer_id``; True once P says none is in flight."""
-        try:
-            client = await self.peers.get(endpoint)
-            reply = await client.call(m.Abort(transfer_id=transfer_id, reason=reason, token=token),
-                                      timeout=self.timeouts.abort_call)
-        except (ControlError, DeadlineExceeded) as exc:   # e.g. Nack(settling): the fence asks again
-            log.info("transfer %s: P at %s did not confirm it stopped: %s", transfer_id, endpoint, exc)
-            return False
-        return m.confirms_stop(reply)
-
-    async def _handle(self, msg: m.Message) -> m.Message:
-        if self._hooks.inbound_filter is not None:
-            self._hooks.inbound_filter(msg)
-        if isinstance(msg, (m.Done, m.Failed)):
-            return self.receiver.handle(msg)
-        if isinstance(msg, m.Abort):
-            return m.Ack(detail=await self.sender.abort(msg.transfer_id, msg.reason, msg.token))
-        if isinstance(msg, m.AbortRequest):
-            return m.Ack(detail=self.receiver.abort(msg.transfer_id, msg.reason, msg.token))
-        if isinstance(msg, m.LookupRequest):
-            block_ids, first = self.receiver.registration(msg.transfer_id, msg.token)
-            return m.AllocReply(transfer_id=msg.transfer_id, block_ids=block_ids, incarnation=self.incarnation,
-                                first_block=first, token=msg.token)
-        if isinstance(msg, m.LayoutRequest):
-            # the layout names our memory: only for a peer holding the token of a transfer that still
-            # takes writes (P fetches it for every transfer before its first write)
-            self.receiver.authorize_writer(msg.transfer_id, msg.token, f"layout request from {msg.requester!r}")
-            if self.layout_reply is None:
-                raise ControlRejected(m.NackCode.NOT_READY, "no KV layout registered yet")
-            return self.layout_reply
-        if self._hooks.extra_handler is not None:
-            return await self._hooks.extra_handler(msg)
-        raise ControlRejected(m.NackCode.UNKNOWN, f"{type(msg).__name__} is not served here")
-
     # --- metrics ---------------------------------------------------------------------------------
 
     async def _publish_metrics(self) -> None:
@@ -368,6 +339,13 @@ class Runtime:
             self.published_metrics = snapshot(self)
         except Exception:  # noqa: BLE001 - keep the last one; a stale figure beats none
             log.exception("metrics snapshot failed")
+
+    def _outcome(self) -> None:
+        """On the loop, as a transfer ends (just before its result is visible): figures, then listeners."""
+        self._republish_metrics()
+        loop = asyncio.get_running_loop()
+        for listener in self._outcome_listeners:   # soon: after the caller made the result visible
+            loop.call_soon(listener)
 
     async def _scrape(self) -> bytes:
         return render(snapshot(self))

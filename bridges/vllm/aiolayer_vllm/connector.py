@@ -14,17 +14,22 @@ from .config import from_extra_config
 from .metadata import AiolayerMetadata
 from .scheduler import SchedulerSide
 from .stats import AiolayerPromMetrics, AiolayerStats
+from .wake import LOCAL_EXECUTORS, engine_core_pid
 from .worker import WorkerSide
 
 
 def _configure_logging() -> None:
-    """aiolayer's own log level in vLLM's processes (AIOLAYER_LOG_LEVEL, default WARNING)."""
-    logger = logging.getLogger("aiolayer")
-    logger.setLevel(os.environ.get("AIOLAYER_LOG_LEVEL", "WARNING").upper())
-    if not logger.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s aiolayer[%(process)d] %(levelname)s %(name)s: %(message)s"))
-        logger.addHandler(handler)
+    """aiolayer's and this bridge's log level in vLLM's processes (AIOLAYER_LOG_LEVEL, default WARNING);
+    DEBUG shows the per-transfer timeline (``worker.stage``)."""
+    level = os.environ.get("AIOLAYER_LOG_LEVEL", "")
+    for name in ("aiolayer", "aiolayer_vllm") if level else ("aiolayer",):   # the bridge's: as vLLM set it, unless asked
+        logger = logging.getLogger(name)
+        logger.setLevel((level or "WARNING").upper())
+        if not logger.handlers and not logging.getLogger().handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter(
+                "%(asctime)s aiolayer[%(process)d] %(levelname)s %(name)s: %(message)s"))
+            logger.addHandler(handler)
 
 
 class AiolayerConnector(KVConnectorBase_V1):
@@ -37,12 +42,15 @@ class AiolayerConnector(KVConnectorBase_V1):
         producer, consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        executor = vllm_config.parallel_config.distributed_executor_backend
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.config, vllm_config.cache_config.block_size, producer, consumer)
+            self._scheduler = SchedulerSide(self.config, vllm_config.cache_config.block_size, producer, consumer,
+                                            parked_wait=consumer and executor in LOCAL_EXECUTORS)
         else:
             self._worker = WorkerSide(self.config, producer, consumer, kv_cache_config.num_blocks,
                                       ranks.from_vllm(vllm_config), block_size=vllm_config.cache_config.block_size,
-                                      head_size=vllm_config.model_config.get_head_size())
+                                      head_size=vllm_config.model_config.get_head_size(),
+                                      engine_core_pid=engine_core_pid(executor))
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -84,6 +92,8 @@ class AiolayerConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.close()
 
     # --- stats (worker side reports, vLLM aggregates and exports) -------------------------------
 

@@ -1,6 +1,8 @@
 """The scheduler side (EngineCore busy loop): decides what each step's metadata asks the workers.
 
-Nothing here blocks or does I/O, and nothing raises for one request's parameters: a request whose
+Nothing here does I/O or blocks, except D's parked wait (``wake``: at most a few ms, in a step that runs
+nothing while only our receives are pending, cut short when one ends), and nothing raises for one
+request's parameters: a request whose
 ``kv_transfer_params`` do not fit the contract is logged once and prefilled locally (D) or not sent
 (P). D: a request carrying aiolayer parameters is parked (``(n, True)``) and, once its blocks are
 allocated, listed for registration. P: a request is listed for sending in the step where its prefill
@@ -26,13 +28,15 @@ from aiolayer.protocol.plan import use_layerwise
 from .config import BridgeConfig
 from .metadata import AiolayerMetadata, RecvReq, SendReq
 from .params import InvalidParams, RecvParams, SendParams, read
+from .wake import open_waiter, park_wait_s
 
 log = logging.getLogger(__name__)
 MAX_CLAIMS = 1 << 16      # transfer ids remembered after their request, to refuse a late duplicate
 
 
 class SchedulerSide:
-    def __init__(self, config: BridgeConfig, block_size: int, is_producer: bool, is_consumer: bool) -> None:
+    def __init__(self, config: BridgeConfig, block_size: int, is_producer: bool, is_consumer: bool,
+                 parked_wait: bool = False) -> None:
         self.config = config
         self.block_size = block_size
         self.is_producer = is_producer
@@ -47,6 +51,7 @@ class SchedulerSide:
         self._sent: dict[str, str] = {}                            # P: req_id -> transfer_id
         self._cancelled: set[str] = set()                          # P: ... whose send was cancelled
         self._meta = AiolayerMetadata()
+        self._waiter = open_waiter(park_wait_s(), config.node.engine_id) if parked_wait else None   # D: ``wake``
 
     def _read(self, request) -> RecvParams | SendParams | None:
         """The request's parameters if this engine may act on them; decided (and logged) once."""
@@ -159,10 +164,24 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output) -> AiolayerMetadata:
         meta, self._meta = self._meta, AiolayerMetadata()
+        if self._waiter is not None and self._only_parked(scheduler_output, meta):
+            self._waiter.wait()
         if self.is_producer:
             meta.cancels.extend(self._cancels_for(scheduler_output))
             meta.sends.extend(self._sends_completing_in(scheduler_output))
         return meta
+
+    def _only_parked(self, scheduler_output, meta: AiolayerMetadata) -> bool:
+        """D: this step runs nothing and only waits for our receives: worth a wait (capped, woken by the
+        receiver) instead of vLLM's next empty step 1 ms later. Anything else in it, no wait."""
+        return bool(self._receiving) and not self._to_send and not meta.recvs and not meta.aborts \
+            and not meta.sends and not meta.cancels and scheduler_output.total_num_scheduled_tokens == 0 \
+            and not scheduler_output.finished_req_ids and not getattr(scheduler_output, "preempted_req_ids", None)
+
+    def close(self) -> None:
+        if self._waiter is not None:
+            self._waiter.close()
+            self._waiter = None
 
     def update_connector_output(self, connector_output) -> None:
         for req_id in connector_output.finished_recving or ():

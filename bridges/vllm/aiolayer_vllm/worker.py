@@ -14,6 +14,7 @@ import asyncio
 import collections
 import functools
 import logging
+import time
 
 import msgspec
 
@@ -25,11 +26,23 @@ from .metadata import AiolayerMetadata, RecvReq, SendReq
 from .ranks import Topology, rank_transfer_id, routes_for_p, whole_blocks, writers_of_d
 from .stats import AiolayerStats, delta, totals
 from .threads import unpinned
+from .wake import Waker
 
 log = logging.getLogger(__name__)
+
+
+def stage(transfer_id: str, name: str, at: float | None = None) -> None:
+    """Debug timeline (issue 15): one line per stage of a transfer, in ``time.perf_counter`` seconds
+    (CLOCK_MONOTONIC on Linux: comparable across P, D and the proxy on one host), so that the time a
+    stage aiolayer owns takes can be read off the logs (tests/test_issue15_timeline.py does)."""
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("timeline %s %s %.6f", transfer_id, name, time.perf_counter() if at is None else at)
+
+
 class WorkerSide:
     def __init__(self, config: BridgeConfig, is_producer: bool, is_consumer: bool, num_blocks: int,
-                 topology: Topology | None = None, block_size: int = 16, head_size: int = 64) -> None:
+                 topology: Topology | None = None, block_size: int = 16, head_size: int = 64,
+                 engine_core_pid: int | None = None) -> None:
         self.config = config
         self.topology = topology or Topology()
         self.num_blocks = num_blocks
@@ -51,6 +64,10 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._reported: dict[str, float] = {}             # the totals of the last stats report
         self._http = None   # D: one HTTP client for every registration POST, made and closed on the loop
+        self._step_tids: list[str] = []                   # P: the transfers of the step being saved (timeline)
+        # D: wakes the scheduler side's parked wait as a receive ends (``wake``); None: it never waits
+        self._waker = Waker(engine_core_pid, config.node.engine_id) \
+            if is_consumer and engine_core_pid is not None else None
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -65,7 +82,9 @@ class WorkerSide:
                                        control_port=topo.control_port(node.control_port))
         with unpinned():   # the loop and Mooncake's threads must not share the forward's pinned core
             self.runtime = Runtime(node, self.config.timeouts).start()
-        self.runtime.on_stop(self._close_http)
+        self.runtime.on_stop(self._close_on_loop)
+        if self._waker is not None:
+            self.runtime.on_outcome(self._waker.wake)
         try:
             layout.register(self.runtime)
         except BaseException:
@@ -108,6 +127,7 @@ class WorkerSide:
                                first_block=recv.first_block, senders=len(writers))
             announce = functools.partial(self._publish, url=recv.notify_url, transfer_id=recv.transfer_id) \
                 if recv.notify_url else None
+            stage(tid, "d_bound")
             self.runtime.receive(spec, announce)
         except Exception as exc:  # noqa: BLE001 - a bad spec or a stopped runtime: this request fails
             log.error("transfer %s: not registered: %s", tid, exc)
@@ -145,6 +165,7 @@ class WorkerSide:
             return
         try:
             self._active_step = self.runtime.begin_step(specs)
+            self._step_tids = [spec.transfer_id for spec in specs]
         except Exception as exc:  # noqa: BLE001 - refused before anything was queued: no write started
             log.error("aiolayer: %d transfers not sent: %s", len(specs), exc)
             for spec in specs:
@@ -210,6 +231,7 @@ class WorkerSide:
                 error = f"{type(exc).__name__}: {exc}"
             else:
                 if reply.status_code < 300:
+                    stage(reg.transfer_id, "d_published")
                     return
                 error = f"HTTP {reply.status_code}: {reply.text[:200]}"
                 if reply.status_code < 500:
@@ -217,7 +239,9 @@ class WorkerSide:
             await asyncio.sleep(0.05 * (attempt + 1))
         raise ConnectionError(f"registration not published to {url}: {error}")
 
-    async def _close_http(self) -> None:
+    async def _close_on_loop(self) -> None:
+        if self._waker is not None:
+            self._waker.close()   # on the loop, its only thread
         client, self._http = self._http, None
         if client is not None:
             await client.aclose()
@@ -228,6 +252,9 @@ class WorkerSide:
             return   # no send this step, or a layer whose KV we do not transfer
         try:
             self._active_step.layer_ready(layer)
+            if layer == len(self.layer_index) - 1:
+                for tid in self._step_tids:
+                    stage(tid, "p_last_layer")
         except Exception:  # noqa: BLE001 - the runtime is gone: its sends fail by their own deadlines
             log.exception("aiolayer: layer %s not handed over", layer_name)
             self._active_step = None
@@ -239,6 +266,7 @@ class WorkerSide:
                 step.end()
             except Exception:  # noqa: BLE001 - as in save_kv_layer
                 log.exception("aiolayer: step %d not closed", step.id)
+            self._step_tids = []
 
     # --- results --------------------------------------------------------------------------------
 
@@ -258,6 +286,8 @@ class WorkerSide:
         self._finished -= sending
         self._sending -= sending
         for result in self.runtime.pop_received():
+            stage(result.transfer_id, "d_done", result.finished_s)
+            stage(result.transfer_id, "d_reported")
             self._record_received(self._recv_of.pop(result.transfer_id, None), result.transfer_id, result.ok,
                                   result.reason, recving, failed)
         while self._recv_failures:

@@ -285,7 +285,8 @@ class Exchange:
         self.state.pending.pop(self.transfer_id, None)
         self.p_lease.release()
         if self.stamps and log.isEnabledFor(logging.DEBUG):
-            log.debug("transfer %s timeline (ms): %s", self.transfer_id,
+            # perf_counter of the start too: the engines' timeline lines (aiolayer_vllm.worker.stage) use that clock
+            log.debug("transfer %s timeline (ms since %.6f): %s", self.transfer_id, self.started,
                       ", ".join(f"{k} {v:g}" for k, v in self.stamps.items()))
         try:
             if self._closing is None:

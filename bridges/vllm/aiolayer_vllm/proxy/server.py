@@ -53,7 +53,12 @@ def run_proxy(args: argparse.Namespace) -> int:
 
     from .app import create_app
 
-    logging.getLogger("aiolayer_vllm").setLevel(args.log_level.upper())
+    logger = logging.getLogger("aiolayer_vllm")
+    logger.setLevel(args.log_level.upper())
+    if not logger.handlers and not logging.getLogger().handlers:   # uvicorn configures only its own loggers
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
     try:
         pool = Pool([Backend.parse("prefill", s) for s in args.prefill],
                     [Backend.parse("decode", s) for s in args.decode], health_interval_s=args.health_interval)

@@ -1,0 +1,54 @@
+"""A runtime's control-plane routing: each inbound message to the side that serves it (``handle``, the
+control server's handler), and D's fence asking P to stop writing (``stop_sender``, the receiver's
+``StopSender``). Runs on the runtime's loop; no state of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from ..errors import ControlError, ControlRejected, DeadlineExceeded
+from ..protocol import messages as m
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+log = logging.getLogger("aiolayer.runtime.runtime")   # the runtime's own log, as before the split
+
+
+async def stop_sender(rt: "Runtime", endpoint: str, transfer_id: str, token: str, reason: str) -> bool:
+    """D's fence: ask P to stop writing ``transfer_id``; True once P says none is in flight."""
+    try:
+        client = await rt.peers.get(endpoint)
+        reply = await client.call(m.Abort(transfer_id=transfer_id, reason=reason, token=token),
+                                  timeout=rt.timeouts.abort_call)
+    except (ControlError, DeadlineExceeded) as exc:   # e.g. Nack(settling): the fence asks again
+        log.info("transfer %s: P at %s did not confirm it stopped: %s", transfer_id, endpoint, exc)
+        return False
+    return m.confirms_stop(reply)
+
+
+async def handle(rt: "Runtime", msg: m.Message) -> m.Message:
+    if rt._hooks.inbound_filter is not None:
+        rt._hooks.inbound_filter(msg)
+    if isinstance(msg, (m.Done, m.Failed)):
+        return rt.receiver.handle(msg)
+    if isinstance(msg, m.Abort):
+        return m.Ack(detail=await rt.sender.abort(msg.transfer_id, msg.reason, msg.token))
+    if isinstance(msg, m.AbortRequest):
+        return m.Ack(detail=rt.receiver.abort(msg.transfer_id, msg.reason, msg.token))
+    if isinstance(msg, m.LookupRequest):
+        block_ids, first = rt.receiver.registration(msg.transfer_id, msg.token)
+        return m.AllocReply(transfer_id=msg.transfer_id, block_ids=block_ids, incarnation=rt.incarnation,
+                            first_block=first, token=msg.token)
+    if isinstance(msg, m.LayoutRequest):
+        # the layout names our memory: only for a peer holding the token of a transfer that still
+        # takes writes (P fetches it for every transfer before its first write)
+        rt.receiver.authorize_writer(msg.transfer_id, msg.token, f"layout request from {msg.requester!r}")
+        if rt.layout_reply is None:
+            raise ControlRejected(m.NackCode.NOT_READY, "no KV layout registered yet")
+        return rt.layout_reply
+    if rt._hooks.extra_handler is not None:
+        return await rt._hooks.extra_handler(msg)
+    raise ControlRejected(m.NackCode.UNKNOWN, f"{type(msg).__name__} is not served here")
