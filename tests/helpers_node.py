@@ -123,6 +123,24 @@ def stoppable_node(shape: KVShape = SMALL_SHAPE):
             os.kill(node.pid, signal.SIGCONT)
 
 
+@contextlib.contextmanager
+def mooncake_p(engine_id: str, seed: int, shape: KVShape = SMALL_SHAPE):
+    """A started Mooncake P runtime with a seeded paged KV cache registered: yields (runtime, cache)."""
+    import numpy as np
+
+    from aiolayer import NodeConfig, Runtime, Timeouts
+    from aiolayer.kvcache import PagedKVCache
+
+    rt = Runtime(NodeConfig(engine_id=engine_id, backend="mooncake"), Timeouts(control_call=5.0)).start()
+    try:
+        cache = PagedKVCache(shape)
+        cache.buffer[:] = np.random.default_rng(seed).integers(1, 256, cache.buffer.size, dtype=np.uint8)
+        rt.register_kv_memory(cache.k_base, cache.v_base, shape.block_bytes, shape.num_blocks)
+        yield rt, cache
+    finally:
+        rt.stop()
+
+
 def run_node_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
     """Run ``python -m aiolayer <args>`` to completion (for argument errors), bounded."""
     return subprocess.run([sys.executable, "-m", "aiolayer", *args], stdin=subprocess.DEVNULL,

@@ -18,13 +18,11 @@ import zlib
 import numpy as np
 import pytest
 
-from helpers_node import SMALL_SHAPE, apply_mc_env, stoppable_node
+from helpers_node import SMALL_SHAPE, apply_mc_env, mooncake_p, stoppable_node
 
 apply_mc_env()  # before any Mooncake engine exists in this process
 
-from aiolayer import NodeConfig, Runtime, Timeouts  # noqa: E402
 from aiolayer.errors import BackendError, TransferTimeout  # noqa: E402
-from aiolayer.kvcache import PagedKVCache  # noqa: E402
 from aiolayer.protocol import messages as m  # noqa: E402
 from aiolayer.protocol.plan import HeadGeometry, RankRoute, map_ranks, merge_runs, run_addresses, slice_addresses  # noqa: E402
 from aiolayer.bench.scenarios.scale.driver import run_scenario  # noqa: E402
@@ -43,14 +41,8 @@ def d_node():
 
 @pytest.fixture
 def p_side():
-    rt = Runtime(NodeConfig(engine_id="p-i14", backend="mooncake"), Timeouts(control_call=5.0)).start()
-    cache = PagedKVCache(SHAPE)
-    cache.buffer[:] = np.random.default_rng(14).integers(1, 256, cache.buffer.size, dtype=np.uint8)
-    rt.register_kv_memory(cache.k_base, cache.v_base, SHAPE.block_bytes, SHAPE.num_blocks)
-    try:
-        yield rt, cache
-    finally:
-        rt.stop()
+    with mooncake_p("p-i14", 14, SHAPE) as side:
+        yield side
 
 
 def _target(rt, node, tid: str, n: int):
