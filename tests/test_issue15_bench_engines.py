@@ -29,6 +29,9 @@ def test_rows_are_checked_against_the_aggregated_engine_and_every_bad_answer_cou
     assert (by_row["mooncake"]["c1"]["failed"], by_row["mooncake"]["c1"]["differ"]) == (1, 1)
     assert by_row["mooncake"]["c1"]["verified"] == 1
     assert by_row["nixl"] == missing
+    ref_failed = _row("aggregated", [[1, 2], [3, 4]], errors=(1,))
+    unchecked = {s["row"]: s for s in summarize([ref_failed, _row("aiolayer", [[1, 2], [3, 4]])])}["aiolayer"]["c1"]
+    assert (unchecked["verified"], unchecked["differ"], unchecked["unchecked"]) == (1, 0, 1)   # not "differ"
 
 
 def test_an_unknown_row_is_refused_before_any_engine_starts():

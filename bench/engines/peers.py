@@ -29,7 +29,7 @@ from .vllm_server import running
 
 ROWS = ("mooncake", "nixl")
 SHIMS = "aiolayer.bench.engines.shim"
-TIMEOUT_S = 120.0
+TIMEOUT_S = 300.0
 
 
 def _engines(model: Path, args: argparse.Namespace, cfg: dict, envs: tuple[dict, dict]):
