@@ -1,23 +1,20 @@
 """A runtime's control-plane routing: each inbound message to the side that serves it (``handle``, the
 control server's handler), and D's fence asking P to stop writing (``stop_sender``, the receiver's
-``StopSender``). Runs on the runtime's loop; no state of its own.
+``StopSender``). Runs on the runtime's loop; no state of its own. ``rt`` is the ``Runtime`` (not
+imported here: the runtime imports this module).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from ..errors import ControlError, ControlRejected, DeadlineExceeded
 from ..protocol import messages as m
 
-if TYPE_CHECKING:
-    from .runtime import Runtime
-
 log = logging.getLogger("aiolayer.runtime.runtime")   # the runtime's own log, as before the split
 
 
-async def stop_sender(rt: "Runtime", endpoint: str, transfer_id: str, token: str, reason: str) -> bool:
+async def stop_sender(rt, endpoint: str, transfer_id: str, token: str, reason: str) -> bool:
     """D's fence: ask P to stop writing ``transfer_id``; True once P says none is in flight."""
     try:
         client = await rt.peers.get(endpoint)
@@ -29,7 +26,7 @@ async def stop_sender(rt: "Runtime", endpoint: str, transfer_id: str, token: str
     return m.confirms_stop(reply)
 
 
-async def handle(rt: "Runtime", msg: m.Message) -> m.Message:
+async def handle(rt, msg: m.Message) -> m.Message:
     if rt._hooks.inbound_filter is not None:
         rt._hooks.inbound_filter(msg)
     if isinstance(msg, (m.Done, m.Failed)):

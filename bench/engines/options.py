@@ -1,9 +1,10 @@
-"""The options of ``aiolayer bench --engine vllm`` (``run.py``), importable without vLLM: ``aiolayer bench
---help`` shows them on any install."""
+"""The options of ``aiolayer bench --engine vllm`` (``run.py``) and the one engine recipe every row
+uses; importable without vLLM, so ``aiolayer bench --help`` shows them on any install."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 ROWS = ("aggregated", "aiolayer", "aiolayer-bulk", "mooncake", "nixl")
 
@@ -21,3 +22,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-cores", default="0,1", help="P's core, D's core (the aggregated engine: P's)")
     g.add_argument("--engine-eager", action="store_true",
                    help="--enforce-eager on every engine (vLLM's default compiles: ~40 s more per start)")
+
+
+def engine(model: Path, name: str, core: str, args: argparse.Namespace, **kw):
+    """A vLLM server of the run: pinned to ``core``, vLLM's defaults otherwise (``--engine-eager`` aside)."""
+    from .vllm_server import VllmServer
+
+    return VllmServer(model, name=name, omp_bind=core, enforce_eager=args.engine_eager, kv_cache_gib=2,
+                      startup_timeout_s=400, **kw)

@@ -24,6 +24,7 @@ import httpx
 
 from ..node import mooncake_env
 from .client import acompletion
+from .options import engine
 from .procs import free_port
 from .vllm_server import running
 
@@ -33,10 +34,9 @@ TIMEOUT_S = 300.0
 
 
 def _engines(model: Path, args: argparse.Namespace, cfg: dict, envs: tuple[dict, dict]):
-    from .run import _engine   # one engine recipe for every row
     p_core, d_core = args.engine_cores.split(",")[:2]
-    p = _engine(model, "prefill", p_core, args, env=envs[0], kv_transfer_config={**cfg, "kv_role": "kv_producer"})
-    d = _engine(model, "decode", d_core, args, env=envs[1], kv_transfer_config={**cfg, "kv_role": "kv_consumer"})
+    p = engine(model, "prefill", p_core, args, env=envs[0], kv_transfer_config={**cfg, "kv_role": "kv_producer"})
+    d = engine(model, "decode", d_core, args, env=envs[1], kv_transfer_config={**cfg, "kv_role": "kv_consumer"})
     return p, d
 
 

@@ -26,8 +26,8 @@ from .client import acompletion
 from .pd import ProxyProcess, connector
 from .procs import free_port
 from .tiny_model import TinySpec, long_prompt, tiny_model_dir
-from .options import ROWS
-from .vllm_server import VllmServer, running
+from .options import ROWS, engine
+from .vllm_server import running
 
 REQUEST_TIMEOUT_S = 300.0   # a 2,000-token prefill takes seconds on one loaded core; a burst queues 8
 
@@ -48,9 +48,6 @@ def prompts(args: argparse.Namespace) -> dict[str, list[str]]:
             "burst": [long_prompt(words, seed=100 + s) for s in range(args.engine_concurrency)]}
 
 
-def _engine(model: Path, name: str, core: str, args: argparse.Namespace, **kw) -> VllmServer:
-    return VllmServer(model, name=name, omp_bind=core, enforce_eager=args.engine_eager, kv_cache_gib=2,
-                      startup_timeout_s=400, **kw)
 
 
 def via_url(url: str, model: Path):
@@ -64,7 +61,7 @@ def via_url(url: str, model: Path):
 @contextlib.contextmanager
 def aggregated(model: Path, args: argparse.Namespace):
     p_core = args.engine_cores.split(",")[0]
-    with running(_engine(model, "aggregated", p_core, args)) as (srv,):
+    with running(engine(model, "aggregated", p_core, args)) as (srv,):
         yield via_url(srv.base_url, model), {"engine": "one vLLM engine"}
 
 
@@ -74,8 +71,8 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, bulk: bool):
     extra = {"layerwise_min_tokens": 1 << 30} if bulk else {}
     p_ctl, d_ctl = free_port(), free_port()
     env = mooncake_env()
-    p = _engine(model, "prefill", p_core, args, env=env, kv_transfer_config=connector("kv_producer", "p", p_ctl, **extra))
-    d = _engine(model, "decode", d_core, args, env=env, kv_transfer_config=connector("kv_consumer", "d", d_ctl, **extra))
+    p = engine(model, "prefill", p_core, args, env=env, kv_transfer_config=connector("kv_producer", "p", p_ctl, **extra))
+    d = engine(model, "decode", d_core, args, env=env, kv_transfer_config=connector("kv_consumer", "d", d_ctl, **extra))
     with running(p, d):
         with ProxyProcess([f"{p.base_url},tcp://127.0.0.1:{p_ctl}"], [f"{d.base_url},tcp://127.0.0.1:{d_ctl}"],
                           extra_args=("--request-timeout", str(REQUEST_TIMEOUT_S))) as proxy:
