@@ -98,21 +98,25 @@ def test_issue13_a_leaked_loopback_address_cannot_work_here():
         assert result["ok"] == 0 and result["failed"], result
 
 
-def test_issue13_a_partition_mid_transfer_ends_every_transfer_visibly():
-    """The link goes down while transfers stream and comes back: each transfer ends (ok, or failed with
+def test_issue13_a_partition_mid_transfer_ends_every_transfer_visibly(tmp_path):
+    """The link goes down while a transfer streams and comes back: each transfer ends (ok, or failed with
     its deadline), D ends every one it registered (fenced, then failed), none is lost, later ones verify."""
+    resume = tmp_path / "resume"
     with netns.two_hosts() as hosts:
         hosts.shape(gbit=0.02)                       # 20 Mbit/s: each 256 KiB transfer streams ~0.1 s
         d = start_node(hosts, hosts.b, receive_s=15)
-        proc = start_p(hosts, d["control"], "--transfers", "30", "--blocks", "16", "--pause-s", "0.1",
-                       "--per-transfer-s", "30", "--settle-s", "40")
-        time.sleep(1.5)
+        proc = start_p(hosts, d["control"], "--transfers", "20", "--blocks", "16", "--pause-s", "0.1",
+                       "--per-transfer-s", "30", "--settle-s", "40", "--hold-at", "3", "--resume-file", str(resume))
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready and "held" in json.loads(proc.stdout.readline())   # transfer 3: layer 0 out, 1-3 to go
         hosts.link(up=False)                         # partition: longer than layer_write (5 s)
+        resume.touch()
         time.sleep(8)
         hosts.link(up=True)
         result = finish_p(proc, timeout=200)
-        assert result["ok"] + len(result["failed"]) == 30 and result["lost"] == 0, result   # all ended at P
+        assert result["ok"] + len(result["failed"]) == 20 and result["lost"] == 0, result   # all ended at P
         assert result["failed"] and result["verified"] == result["ok"] > 0, result
+        assert not result["failed"][0].startswith("alloc"), result           # the held one failed mid-stream
         assert result["d_states"].get("unsettled", 0) == 0, result         # and at D: none lost
         late = result["ms"][-3:]
         assert late and max(late) < 5000, result                            # the link serves again

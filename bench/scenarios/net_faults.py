@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 
 from ..child import ChildProcess
@@ -46,12 +47,12 @@ def start_d(hosts: Hosts) -> ChildProcess:
 
 
 def run_p(hosts: Hosts, d_control: str, *flags: str, during=None, limit: float = 200.0) -> dict:
-    """net_p in host A; ``during()`` runs once its runtime is up. Its final JSON line."""
+    """net_p in host A; ``during(p)`` runs once its runtime is up. Its final JSON line."""
     p = _child(hosts, hosts.a, ["-m", "aiolayer.bench.scenarios.net_p", d_control, hosts.a.address, *flags], "P")
     try:
         p.read_json(START_S, require="ready")
         if during is not None:
-            during()
+            during(p)
         p.proc.wait(limit)
     finally:
         p.stop()
@@ -90,22 +91,24 @@ def _verdict(row: dict, must_fail: bool, recovered: bool) -> str:
 
 def scenario_partition() -> dict:
     """A partition mid-transfer fails the transfers it cuts within their deadlines; after it, transfers verify."""
-    with two_hosts() as hosts:
+    with two_hosts() as hosts, tempfile.TemporaryDirectory() as tmp:
         hosts.shape(gbit=0.02)                   # 20 Mbit/s: each 512 KiB transfer streams ~0.2 s
         d = start_d(hosts)
+        resume = os.path.join(tmp, "resume")
         fault = {}
 
-        def partition() -> None:
-            time.sleep(1.5)
+        def partition(p: ChildProcess) -> None:
+            p.read_json(START_S, require="held")  # transfer 3 is mid-stream: layer 0 written, 1-3 to go
             fault["t"] = time.time()
             hosts.link(up=False)
+            open(resume, "w").close()
             time.sleep(PARTITION_S)
             hosts.link(up=True)
             fault["up"] = time.time()
 
         try:
-            result = run_p(hosts, d.info["control"], "--transfers", "40", "--blocks", "16", "--pause-s", "0.1",
-                           "--settle-s", "40", during=partition)
+            result = run_p(hosts, d.info["control"], "--transfers", "20", "--blocks", "16", "--pause-s", "0.1",
+                           "--settle-s", "40", "--hold-at", "3", "--resume-file", resume, during=partition)
         finally:
             d.stop()
     deadline = max(CONTROL_S, LAYER_WRITE_S + DONE_DELIVERY_S)   # a cut alloc, or a cut write then FAILED

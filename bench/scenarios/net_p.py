@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import sys
 import time
 
@@ -41,6 +42,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--verify-s", type=float, default=30.0, help="ask D to verify a finished transfer until this")
     p.add_argument("--settle-s", type=float, default=0.0, help="then wait this long for D to end every transfer")
     p.add_argument("--status-at", default="", help="ask this D for the final states (default: d_control)")
+    p.add_argument("--hold-at", type=int, default=-1,
+                   help="in this transfer, after layer 0, print {\"held\": tid} and wait for --resume-file")
+    p.add_argument("--resume-file", default="", help="the file whose creation resumes a held transfer")
     return p.parse_args(argv)
 
 
@@ -56,6 +60,8 @@ def one_transfer(rt: Runtime, cache: PagedKVCache, args, n: int) -> dict:
         return rec
     with rt.begin_step([TransferSpec.from_registration(alloc, src_blocks=src, peer=args.d_control)]) as step:
         for layer in range(SHAPE.num_layers):
+            if layer == 1 and n == args.hold_at:
+                hold(rec["tid"], args.resume_file)
             step.layer_ready(layer)
     try:
         outcome = rt.wait_outcome(rec["tid"], args.per_transfer_s)
@@ -66,6 +72,17 @@ def one_transfer(rt: Runtime, cache: PagedKVCache, args, n: int) -> dict:
     if outcome.ok:
         verify_and_release(rt, cache, args, rec, src)
     return rec
+
+
+def hold(tid: str, resume_file: str, limit_s: float = 60.0) -> None:
+    """Stop mid-transfer until the driver has cut the link, so the cut lands on a transfer in flight
+    (a cut timed by the clock may land between transfers, where a retried verify rides it out)."""
+    print(json.dumps({"held": tid}), flush=True)
+    end = time.monotonic() + limit_s
+    while not os.path.exists(resume_file):
+        if time.monotonic() > end:
+            raise SystemExit(f"net_p: {resume_file} not created within {limit_s:g} s")
+        time.sleep(0.02)
 
 
 def verify_and_release(rt: Runtime, cache: PagedKVCache, args, rec: dict, src: list[int]) -> None:
