@@ -1,12 +1,12 @@
-"""Issue 14, head-slice speed: the backend's task-less write keeps the write contract, and the scale
-report compares with the faster of two raw-Mooncake methods.
+"""Issue 14, head-slice speed: what made the scale scenario fast keeps the write contract.
 
+- ``LayerPlan`` (every layer's addresses in one numpy pass per transfer) gives exactly what
+  ``layer_runs`` gives, layer by layer and for layers written together.
 - ``MooncakeBackend.start_write`` (a write with no coroutine) submits nothing to a target whose
   segment is not open, and its future settles as ``write`` would: failed runs reported only once
   every run settled, the good ones landed (real engine, real ``aiolayer node``).
-- The scale report gives both raw-Mooncake methods with the faster as the baseline. No test asserts
-  a speed. (The streamer's use of ``start_write``, one write for the layers ready together, is on
-  the ``issue14-speed`` branch: see the session-6 note.)
+- The streamer sends the layers that are ready together as ONE backend write, and the scale report
+  gives both raw-Mooncake methods with the faster as the baseline. No test asserts a speed.
 """
 
 from __future__ import annotations
@@ -22,12 +22,44 @@ apply_mc_env()  # before any Mooncake engine exists in this process
 
 from aiolayer.errors import BackendError  # noqa: E402
 from aiolayer.protocol import messages as m  # noqa: E402
+from aiolayer.protocol.plan import HeadGeometry, RankRoute, merge_runs, slice_addresses  # noqa: E402
+from aiolayer.runtime.spec import LocalLayout, layer_runs  # noqa: E402
+from aiolayer.runtime.stream import LayerPlan  # noqa: E402
 from aiolayer.bench.scenarios.scale.driver import run_scenario  # noqa: E402
 from aiolayer.bench.scenarios.scale.model import ScaleConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
 SHAPE = SMALL_SHAPE
 HALF = SHAPE.block_bytes // 2
+
+
+class _DLayout:
+    """The fields of D's layout that address writes (as the sender's layout entry has them)."""
+
+    def __init__(self, k_base, v_base) -> None:
+        self.k_base, self.v_base = k_base, v_base
+
+
+@pytest.mark.parametrize("planes", ["KV", "K", "mixed"])
+@pytest.mark.parametrize("sliced", [False, True])
+def test_issue14_speed_layer_plan_equals_layer_runs(planes, sliced):
+    rng = np.random.default_rng(len(planes) + sliced)
+    layers, block_bytes = 5, 4 * 16 * 256
+    k = rng.integers(1 << 20, 1 << 40, layers)
+    v = rng.integers(1 << 20, 1 << 40, layers) if planes != "K" else np.zeros(layers, dtype=np.int64)
+    if planes == "mixed":
+        v[2] = 0
+    local = LocalLayout(k_base=k, v_base=v, block_bytes=block_bytes, num_blocks=64,
+                        geometry=HeadGeometry(16, 256, "HND"), heads=4)
+    d = _DLayout(rng.integers(1 << 20, 1 << 40, layers).tolist(), rng.integers(1 << 20, 1 << 40, layers))
+    runs = merge_runs([3, 4, 5, 9, 20], [7, 8, 9, 30, 2])
+    spans = slice_addresses(runs, 0, 0, 4, 2, RankRoute(0, 1, 2, 0, 2), local.geometry) if sliced else None
+    plan = LayerPlan(local, runs, spans, d)
+    for group in ([0], [1, 2, 3], list(range(layers)), [4, 0], [0, 4, 2]):
+        src, dst, lengths, nbytes = plan.rows(group)
+        want = [np.concatenate([layer_runs(local, runs, spans, d, layer)[i] for layer in group]) for i in range(3)]
+        assert np.array_equal(src, want[0]) and np.array_equal(dst, want[1]) and np.array_equal(lengths, want[2])
+        assert nbytes == int(want[2].sum())
 
 
 @pytest.fixture
@@ -81,12 +113,15 @@ def test_issue14_speed_start_write_settles_as_write_does(p_side, d_node):
 
 
 @pytest.mark.timeout(240)   # three processes start; slow only on a loaded host
-def test_issue14_speed_raw_has_both_methods_and_the_faster_is_the_baseline():
+def test_issue14_speed_layers_ready_together_go_as_one_write_and_raw_has_both_methods():
     cfg = ScaleConfig(p_tp=1, d_tp=2, requests=12, blocks_per_request=1, num_layers=6, kv_heads=4, head_dim=64,
                       wait_s=60.0)
     report = run_scenario(cfg)
     assert report["all_verified"], report["failures"]
     p = report["per_p_rank"][0]
+    # every layer is ready before the transfers start: one write per transfer, not one per layer
+    # (a transfer that reaches D first may still open the segment with a write of its own)
+    assert p["backend_writes"] < p["specs"] * cfg.num_layers // 2, p
     methods = report["raw_methods"]
     assert set(methods) == {"batch", "single"}
     assert all(x["writes"] == p["writes_submitted"] and x["failed_batches"] == 0 for x in methods.values())

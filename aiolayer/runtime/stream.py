@@ -2,12 +2,20 @@
 
 Split off ``sender`` so that the sender keeps the transfer's life (start, abort, DONE/FAILED, the
 fence) and this module the data path. Errors here are typed (``errors.TransferStopped`` and its
-``LayerWriteFailed``); the backend's own are mapped once, at the write (``errors.map_errors``).
+``LayerWriteFailed``); the backend's own are mapped once, at the write.
 The sender turns them into the outcome's reason where it publishes it.
 
-The writes of one transfer run in a TaskGroup and never raise there: a failed layer comes back as
+The writes of one transfer run in a TaskGroup and never raise there: a failed layer is recorded as
 its ``LayerWriteFailed`` value, so its siblings already submitted run to their end (each may still
 land: cancelling it would not stop the bytes, only our knowledge of them).
+
+This runs once per (transfer, layer), thousands of times a second with head slices: every layer's
+addresses are computed in one numpy pass per transfer (``LayerPlan``), a layer already queued is
+taken without setting up a timeout, and a failure is seen through a list, not by walking the writes.
+With a backend that has ``start_write`` (Mooncake), the layers that are ready together (queued
+before the loop came to them, or held for bulk) go as ONE write started with no task; a failure
+of it is reported as its first layer's. Each task, coroutine and future alive per write was also
+what the garbage collector walked: with every layer its own task, it took half the loop's CPU.
 """
 
 from __future__ import annotations
@@ -17,14 +25,63 @@ import collections
 import logging
 import time
 
+import numpy as np
+
 from .. import compat
 from ..config import Timeouts
-from ..errors import AiolayerError, DeadlineExceeded, LayerWriteFailed, TransferStopped, TransferTimeout, map_errors
+from ..errors import AiolayerError, BackendError, DeadlineExceeded, LayerWriteFailed, TransferStopped, TransferTimeout
+from ..protocol.plan import run_addresses
 from .events import wait_event
 from .fence import Request
 from .spec import LayerTiming, LocalLayout, layer_runs
 
 log = logging.getLogger(__name__)
+
+# Above this many addresses (layers x runs) per transfer, each layer's are computed when it is
+# written instead (a long NHD prompt has one run per token and head slice: megabytes per transfer).
+_PLAN_MAX = 1 << 15
+
+
+class LayerPlan:
+    """Every layer's (src, dst, lengths) as ``layer_runs`` gives them, computed once per transfer."""
+
+    __slots__ = ("_args", "_rows")
+
+    def __init__(self, local: LocalLayout, runs, spans, layout) -> None:
+        self._args = (local, runs, spans, layout)
+        self._rows = None
+        split = local.v_base != 0   # per layer: K and V in separate tensors (else one plane)
+        if not (split.all() or not split.any()):
+            return   # mixed: layer_runs decides per layer
+        rel = spans if spans is not None else run_addresses(runs, 0, 0, local.block_bytes)
+        planes = [(local.k_base, layout.k_base)] + ([(local.v_base, layout.v_base)] if split.all() else [])
+        if local.num_layers * len(planes) * len(rel[2]) > _PLAN_MAX:
+            return
+        col = lambda a: np.asarray(a, dtype=np.int64)[:, None]   # noqa: E731 - bases as a column
+        src = np.concatenate([rel[0][None, :] + col(mine) for mine, _ in planes], axis=1)
+        dst = np.concatenate([rel[1][None, :] + col(theirs) for _, theirs in planes], axis=1)
+        lengths = np.broadcast_to(np.concatenate([rel[2]] * len(planes)), src.shape)
+        self._rows = (src, dst, lengths, int(lengths[0].sum()) if lengths.size else 0)
+
+    def rows(self, layers: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Those layers' runs, layer after layer, as one (src, dst, lengths, bytes)."""
+        if len(layers) == 1:
+            return self.layer(layers[0])
+        if self._rows is None:
+            parts = [self.layer(layer) for layer in layers]
+            return (*(np.concatenate([p[i] for p in parts]) for i in range(3)), sum(p[3] for p in parts))
+        src, dst, lengths, nbytes = self._rows
+        first = layers[0]
+        in_order = layers == list(range(first, first + len(layers)))
+        pick = slice(first, first + len(layers)) if in_order else np.asarray(layers)
+        return src[pick].ravel(), dst[pick].ravel(), lengths[pick].ravel(), nbytes * len(layers)
+
+    def layer(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        if self._rows is None:
+            src, dst, lengths = layer_runs(*self._args, layer)
+            return src, dst, lengths, int(lengths.sum())
+        src, dst, lengths, nbytes = self._rows
+        return src[layer], dst[layer], lengths[layer], nbytes
 
 
 class LayerStreamer:
@@ -32,73 +89,172 @@ class LayerStreamer:
         self.backend = backend
         self.timeouts = timeouts
         self.deadlines = deadlines   # the sender's counter of deadlines hit, by phase (metrics)
+        # A backend with ``start_write`` (Mooncake) takes the layers ready together as ONE write,
+        # started with no task; any other, each layer as its own write in its own task.
+        self._start = getattr(backend, "start_write", None)
 
     async def stream(self, req: Request, local: LocalLayout, layout) -> float:
         """Submit each layer as it arrives; returns when every write settled (perf_counter).
 
         Raises ``TransferStopped`` (``settled_s`` set) when the transfer stopped (abort, cancel), a
-        layer came late, or a write failed: the first of those, in that order."""
-        t = self.timeouts
-        writes: list[asyncio.Task] = []
-        held: list[tuple[int, float]] = []   # bulk: layers ready but not yet submitted
+        layer came late, or a write failed: the first of those, in that order (of writes: the
+        first submitted)."""
+        plan = LayerPlan(local, req.runs, req.spans, layout)
+        sink = _Sink(req, plan, layout)
+        held: list[tuple[int, float]] = []   # layers ready but not yet submitted
         reason = ""
         async with compat.TaskGroup() as group:
             for index in range(local.num_layers):
                 try:
-                    async with compat.timeout(t.layer_gap):
-                        item = await req.layers.get()
+                    item = await self._next_layer(req)
                     if item is None:
                         reason = req.aborted
                         break
                     layer, event, handed = item
-                    await wait_event(event, t.layer_event)
+                    if not event.query():
+                        if held and req.spec.layerwise:   # what is ready goes before we wait
+                            self._submit(group, sink, held)
+                        await wait_event(event, self.timeouts.layer_event)
                 except DeadlineExceeded as exc:   # first: it is a TimeoutError too (wait_event's layer_event)
                     self.deadlines[exc.phase] += 1
                     reason = str(exc)
                     break
                 except TimeoutError:
                     self.deadlines["layer_gap"] += 1
-                    reason = f"layer_gap: no next layer within {t.layer_gap:g}s"
+                    reason = f"layer_gap: no next layer within {self.timeouts.layer_gap:g}s"
                     break
-                if req.aborted or any(w.done() and w.result() for w in writes):
+                if req.aborted or sink.failed:
                     break  # stopped, or a write failed already: submit no more layers
                 held.append((layer, handed))
-                if req.spec.layerwise or index == local.num_layers - 1:
-                    for layer, handed in held:
-                        writes.append(group.create_task(self._written(req, local, layout, layer, handed)))
-                    held.clear()
+                together = self._start is not None and not req.layers.empty()   # more ready: one write
+                if (req.spec.layerwise and not together) or index == local.num_layers - 1:
+                    self._submit(group, sink, held)
+            await sink.wait()
         settled = time.perf_counter()
         if req.aborted or reason:
             raise TransferStopped(req.aborted or reason, settled)
-        failed = [w.result() for w in writes if w.result()]
-        if failed:
-            failed[0].settled_s = settled
-            raise failed[0]
+        if sink.failed:
+            first = min(sink.failed, key=lambda f: f[0])[1]
+            first.settled_s = settled
+            raise first
         return settled
 
-    async def _written(self, req: Request, local: LocalLayout, layout, layer: int,
-                       handed: float) -> LayerWriteFailed | None:
-        """``write`` for the TaskGroup: its failure as a value, so that it cancels no sibling."""
-        try:
-            await self.write(req, local, layout, layer, handed)
-        except LayerWriteFailed as exc:
-            return exc
-        return None
+    def _submit(self, group, sink: "_Sink", held: list[tuple[int, float]]) -> None:
+        """The held layers into writes (one, with ``start_write``; else one task per layer); clears ``held``."""
+        batches = [list(held)] if self._start is not None else [[h] for h in held]
+        held.clear()
+        for layers in batches:
+            order = sink.order
+            sink.order += 1
+            if not self._started(sink, layers, order):
+                group.create_task(self._written(sink, layers, order))
 
-    async def write(self, req: Request, local: LocalLayout, layout, layer: int, handed: float) -> None:
-        """One layer's K and V runs; ``LayerWriteFailed`` on any error (a backend bug too: the
-        transfer fails, its siblings go on). Runs that may still land go to ``req.pending`` (the fence)."""
+    def _started(self, sink: "_Sink", layers: list[tuple[int, float]], order: int) -> bool:
+        """Start the write with no task (``start_write``): thousands of transfers x layers in flight
+        would each hold a task, coroutines and frames. False: not started (no such method, or it
+        needs ``write``, e.g. to open the target first)."""
+        if self._start is None:
+            return False
         try:
-            with map_errors(lambda exc: LayerWriteFailed(layer, exc)):
-                src, dst, lengths = layer_runs(local, req.runs, req.spans, layout, layer)
-                submitted = time.perf_counter()
-                await self.backend.write(layout.session, src, dst, lengths, self.timeouts.layer_write)
+            src, dst, lengths, nbytes = sink.plan.rows([layer for layer, _ in layers])
+            submitted = time.perf_counter()
+            settled = self._start(sink.layout.session, src, dst, lengths, self.timeouts.layer_write)
+        except Exception as cause:  # noqa: BLE001 - mapped, not swallowed
+            sink.failed.append((order, self._failed(sink.req, layers[0][0], cause)))
+            return True
+        if settled is None:
+            return False
+        sink.add(settled, _Landed(self, sink, layers, submitted, nbytes, order))
+        return True
+
+    async def _next_layer(self, req: Request):
+        """The next queued layer; a timeout only when none is queued yet (``layer_gap``)."""
+        if not req.layers.empty():
+            return req.layers.get_nowait()
+        async with compat.timeout(self.timeouts.layer_gap):
+            return await req.layers.get()
+
+    async def _written(self, sink: "_Sink", layers: list[tuple[int, float]], order: int) -> None:
+        """``write`` for the TaskGroup: its failure recorded as a value, so that it cancels no sibling."""
+        try:
+            await self.write(sink, layers)
         except LayerWriteFailed as exc:
-            req.pending.extend(exc.pending)
-            if isinstance(exc.cause, TransferTimeout):
-                self.deadlines["layer_write"] += 1
-            elif not isinstance(exc.cause, AiolayerError):
-                log.error("transfer %s: layer %d write raised", req.spec.transfer_id, layer, exc_info=exc.cause)
-            raise
-        req.timings.append(LayerTiming(layer, handed, submitted, time.perf_counter()))
-        req.bytes += int(lengths.sum())
+            sink.failed.append((order, exc))
+
+    async def write(self, sink: "_Sink", layers: list[tuple[int, float]]) -> None:
+        """The layers' K and V runs as one backend write; ``LayerWriteFailed`` (of the first layer) on
+        any error (a backend bug too: the transfer fails, its siblings go on). Runs that may still
+        land go to ``req.pending`` (the fence)."""
+        try:
+            src, dst, lengths, nbytes = sink.plan.rows([layer for layer, _ in layers])
+            submitted = time.perf_counter()
+            await self.backend.write(sink.layout.session, src, dst, lengths, self.timeouts.layer_write)
+        except Exception as cause:  # noqa: BLE001 - mapped, not swallowed; cancellation passes through
+            raise self._failed(sink.req, layers[0][0], cause) from cause
+        sink.landed(layers, submitted, nbytes)
+
+    def _failed(self, req: Request, layer: int, cause: BaseException) -> LayerWriteFailed:
+        """A layer's write failed: its runs that may still land go to the fence; counted, logged if a bug."""
+        exc = LayerWriteFailed(layer, cause)
+        exc.__cause__ = cause
+        req.pending.extend(exc.pending)
+        if isinstance(cause, TransferTimeout):
+            self.deadlines["layer_write"] += 1
+        elif not isinstance(cause, AiolayerError):
+            log.error("transfer %s: layer %d write raised", req.spec.transfer_id, layer, exc_info=cause)
+        return exc
+
+
+class _Sink:
+    """One transfer's writes: their failures, in (submission order, failure) pairs as they end, and
+    the futures of those started with no task (``wait`` returns once every one settled)."""
+
+    __slots__ = ("req", "plan", "layout", "failed", "order", "count", "waiter")
+
+    def __init__(self, req: Request, plan: LayerPlan, layout) -> None:
+        self.req, self.plan, self.layout = req, plan, layout
+        self.failed: list[tuple[int, LayerWriteFailed]] = []
+        self.order = 0   # writes submitted so far
+        self.count = 0   # task-less writes not settled yet
+        self.waiter: asyncio.Future | None = None
+
+    def landed(self, layers: list[tuple[int, float]], submitted: float, nbytes: int) -> None:
+        now = time.perf_counter()
+        self.req.timings.extend(LayerTiming(layer, handed, submitted, now) for layer, handed in layers)
+        self.req.bytes += nbytes
+
+    def add(self, settled: asyncio.Future, landed: "_Landed") -> None:
+        self.count += 1
+        settled.add_done_callback(landed)
+
+    def one_done(self) -> None:
+        self.count -= 1
+        if not self.count and self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def wait(self) -> None:
+        if self.count:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+
+
+class _Landed:
+    """A task-less write's ending (its future's done callback), as ``LayerStreamer.write`` ends one."""
+
+    __slots__ = ("streamer", "sink", "layers", "submitted", "nbytes", "order")
+
+    def __init__(self, streamer: LayerStreamer, sink: _Sink, layers, submitted: float, nbytes: int,
+                 order: int) -> None:
+        self.streamer, self.sink, self.layers = streamer, sink, layers
+        self.submitted, self.nbytes, self.order = submitted, nbytes, order
+
+    def __call__(self, settled: asyncio.Future) -> None:
+        sink = self.sink
+        try:
+            cause = BackendError("the write's future was cancelled") if settled.cancelled() else settled.exception()
+            if cause is not None:
+                sink.failed.append((self.order, self.streamer._failed(sink.req, self.layers[0][0], cause)))
+            else:
+                sink.landed(self.layers, self.submitted, self.nbytes)
+        finally:
+            sink.one_done()
