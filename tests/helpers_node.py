@@ -124,14 +124,14 @@ def stoppable_node(shape: KVShape = SMALL_SHAPE):
 
 
 @contextlib.contextmanager
-def mooncake_p(engine_id: str, seed: int, shape: KVShape = SMALL_SHAPE):
+def mooncake_p(engine_id: str, seed: int, shape: KVShape = SMALL_SHAPE, backend=None):
     """A started Mooncake P runtime with a seeded paged KV cache registered: yields (runtime, cache)."""
     import numpy as np
 
     from aiolayer import NodeConfig, Runtime, Timeouts
     from aiolayer.kvcache import PagedKVCache
 
-    rt = Runtime(NodeConfig(engine_id=engine_id, backend="mooncake"), Timeouts(control_call=5.0)).start()
+    rt = Runtime(NodeConfig(engine_id=engine_id, backend="mooncake"), Timeouts(control_call=5.0), backend).start()
     try:
         cache = PagedKVCache(shape)
         cache.buffer[:] = np.random.default_rng(seed).integers(1, 256, cache.buffer.size, dtype=np.uint8)

@@ -5,12 +5,16 @@
 - ``MooncakeBackend.start_write`` (a write with no coroutine) submits nothing to a target whose
   segment is not open, and its future settles as ``write`` would: failed runs reported only once
   every run settled, the good ones landed (real engine, real ``aiolayer node``).
+- A target never has more runs in flight than the backend's cap (Mooncake's per-peer queue breaks
+  the link past 65,535): the rest wait and go as runs settle, in write order, and land; a write
+  whose deadline comes while runs still wait fails with them never submitted.
 - The streamer sends the layers that are ready together as ONE backend write, and the scale report
   gives both raw-Mooncake methods with the faster as the baseline. No test asserts a speed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 
 import numpy as np
@@ -20,7 +24,8 @@ from helpers_node import SMALL_SHAPE, apply_mc_env, mooncake_p, stoppable_node
 
 apply_mc_env()  # before any Mooncake engine exists in this process
 
-from aiolayer.errors import BackendError  # noqa: E402
+from aiolayer.backends.mooncake import MooncakeBackend  # noqa: E402
+from aiolayer.errors import BackendError, TransferTimeout  # noqa: E402
 from aiolayer.protocol import messages as m  # noqa: E402
 from aiolayer.protocol.plan import HeadGeometry, RankRoute, merge_runs, slice_addresses  # noqa: E402
 from aiolayer.runtime.spec import LocalLayout, layer_runs  # noqa: E402
@@ -74,18 +79,27 @@ def p_side():
         yield side
 
 
-def test_issue14_speed_start_write_settles_as_write_does(p_side, d_node):
-    rt, cache = p_side
-    backend = rt.backend
-    rep = rt.request(d_node.control, m.AllocRequest(transfer_id="sw", num_blocks=32, contiguous=False), timeout=5)
-    layout = rt.request(d_node.control, m.LayoutRequest(transfer_id="sw", token=rep.token), timeout=5)
+def half_block_runs(rt, cache, d_control: str, tid: str):
+    """A transfer allocated at D, scattered: layer 0's K as 64 half-block runs (src, dst, lengths, layout)."""
+    rep = rt.request(d_control, m.AllocRequest(transfer_id=tid, num_blocks=32, contiguous=False), timeout=5)
+    layout = rt.request(d_control, m.LayoutRequest(transfer_id=tid, token=rep.token), timeout=5)
     src, dst = [], []
     for i, b in enumerate(rep.block_ids):
         for half in (0, HALF):
             src.append(cache.k_base[0] + i * SHAPE.block_bytes + half)
             dst.append(layout.layers[0].k_base + b * SHAPE.block_bytes + half)
     src, dst = np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
-    lengths = np.full(src.size, HALF, dtype=np.int64)
+    return src, dst, np.full(src.size, HALF, dtype=np.int64), layout
+
+
+def layer0_k_crc(cache) -> int:
+    return zlib.crc32(b"".join(cache.blocks[0][0][i].tobytes() for i in range(32)))
+
+
+def test_issue14_speed_start_write_settles_as_write_does(p_side, d_node):
+    rt, cache = p_side
+    backend = rt.backend
+    src, dst, lengths, layout = half_block_runs(rt, cache, d_node.control, "sw")
     bad = dst.copy()
     bad[3::8] = layout.layers[0].k_base + (1 << 36)   # past any region D registered: Mooncake fails these
 
@@ -109,7 +123,44 @@ def test_issue14_speed_start_write_settles_as_write_does(p_side, d_node):
         await backend.start_write(layout.session, src[3::8], dst[3::8], lengths[3::8], 10.0)
     rt.loop_thread.call(rest(), timeout=40)
     crc = rt.request(d_node.control, m.VerifyRequest(transfer_id="sw"), timeout=5).crc_k[0]
-    assert crc == zlib.crc32(b"".join(cache.blocks[0][0][i].tobytes() for i in range(32)))
+    assert crc == layer0_k_crc(cache)
+
+
+@pytest.fixture
+def p_capped():
+    with mooncake_p("p-i14-cap", 43, SHAPE, backend=MooncakeBackend(max_runs_per_target=8)) as side:
+        yield side
+
+
+def test_issue14_speed_a_target_never_has_more_runs_in_flight_than_the_cap(p_capped, d_node):
+    rt, cache = p_capped
+    backend = rt.backend
+    first = half_block_runs(rt, cache, d_node.control, "cap-a")
+    second = half_block_runs(rt, cache, d_node.control, "cap-b")
+
+    async def go():
+        src, dst, lengths, layout = first
+        await backend.write(layout.session, src[:1], dst[:1], lengths[:1], 10.0)   # opens the segment
+        settled = [backend.start_write(layout.session, *runs[:3], 20.0) for runs in (first, second)]
+        assert backend.inflight == 8, "more than the cap submitted at once"
+        await asyncio.gather(*settled)
+        return backend.runs_submitted
+    assert rt.loop_thread.call(go(), timeout=40) >= 129
+    assert backend.peak_runs_per_target == 8 and backend.inflight == 0
+    for tid in ("cap-a", "cap-b"):   # every waiting run was submitted in the end, and landed
+        assert rt.request(d_node.control, m.VerifyRequest(transfer_id=tid), timeout=5).crc_k[0] == layer0_k_crc(cache)
+
+    async def late():   # 64 runs, 8 at a time, one top-up per 1 ms tick: not all submitted in 3 ms
+        src, dst, lengths, layout = first
+        try:
+            await backend.start_write(layout.session, src, dst, lengths, 0.003)
+        except TransferTimeout as exc:
+            await asyncio.wait_for(asyncio.gather(*exc.pending), 20)   # those submitted still end
+            return str(exc)
+        return "no error"
+    reason = rt.loop_thread.call(late(), timeout=40)
+    assert "never submitted (its queue was full)" in reason, reason
+    assert backend.inflight == 0 and backend.peak_runs_per_target == 8
 
 
 @pytest.mark.timeout(240)   # three processes start; slow only on a loaded host

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import BackendError, TransferTimeout
 from ..transport import Transport, check_rdma_devices
-from .mooncake_poll import GroupPoller, Group
+from .mooncake_poll import MAX_RUNS_PER_TARGET, GroupPoller, Group
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +51,14 @@ def _import_engine():
 class MooncakeBackend:
     name = "mooncake"
 
-    def __init__(self, transport: Transport | None = None) -> None:
+    def __init__(self, transport: Transport | None = None, max_runs_per_target: int = MAX_RUNS_PER_TARGET) -> None:
         self.transport = transport or Transport()
         self.host = ""                      # the advertised host, resolved at open (no I/O here)
         self._engine = None
         self._session = ""
         self._regions: dict[int, int] = {}
         self._opened_targets: set[str] = set()
-        self._poll = GroupPoller()
+        self._poll = GroupPoller(max_runs_per_target)
         self._opening: set[asyncio.Future] = set()          # settled of submits still running in a thread
         self._openers: dict[str, asyncio.Future] = {}       # target -> the threaded first submit opening it
         self._poller: asyncio.Task | None = None
@@ -84,6 +84,11 @@ class MooncakeBackend:
         return self._poll.runs
 
     @property
+    def peak_runs_per_target(self) -> int:
+        """The most runs that were in flight to one target at once (capped at ``max_runs_per_target``)."""
+        return self._poll.peak_runs
+
+    @property
     def _inflight(self) -> dict:   # target -> unsettled groups (read by the soak's leak report)
         return self._poll._inflight
 
@@ -106,7 +111,7 @@ class MooncakeBackend:
                                f"device {t.device_name or 'auto'}) returned {rc}")
         self._engine = engine
         self._session = f"{self.host}:{engine.get_rpc_port()}"
-        self._poll.start(engine.transfer_check_status)
+        self._poll.start(engine.transfer_check_status, self._submit_backlog)
         self._poller = spawn(self._poll.run(), name="mooncake-poller")
 
     def register(self, addr: int, length: int) -> None:
@@ -160,7 +165,7 @@ class MooncakeBackend:
         return group.future
 
     def _settle_or_watch(self, target: str, group: Group) -> None:
-        if group.ids:
+        if group.ids or group.waiting:
             self.writes_started += 1
             self._poll.watch(target, group)
         else:   # nothing submitted: empty, or refused at once
@@ -168,10 +173,28 @@ class MooncakeBackend:
 
     def _submit_all(self, target: str, group: Group, srcs: list, dsts: list, lens: list,
                     first: int) -> BackendError | None:
-        """Submit runs ``first``.. into ``group.ids``; the refusal that stopped it, if one did."""
+        """Submit runs ``first``.. into ``group.ids`` as far as the target has room (the rest wait in
+        ``group.backlog`` for the poller); the refusal that stopped it, if one did."""
+        stop = min(len(lens), first + self._poll.room(target))
+        refused = self._submit_range(target, group, srcs, dsts, lens, first, stop)
+        if refused is None and stop < len(lens):
+            group.backlog, group.next = (srcs, dsts, lens), stop
+        return refused
+
+    def _submit_backlog(self, target: str, group: Group, limit: int) -> None:
+        """The poller's top-up: up to ``limit`` of the group's waiting runs; a refusal drops the rest."""
+        srcs, dsts, lens = group.backlog
+        stop = min(len(lens), group.next + limit)
+        group.refused = self._submit_range(target, group, srcs, dsts, lens, group.next, stop)
+        group.next = stop
+        if group.refused is not None or stop == len(lens):
+            group.backlog, group.next = None, 0
+
+    def _submit_range(self, target: str, group: Group, srcs: list, dsts: list, lens: list,
+                      first: int, stop: int) -> BackendError | None:
         submit, ids, refused = self._engine.transfer_submit_write, group.ids, None
         done = len(ids)
-        for i in range(first, len(lens)):
+        for i in range(first, stop):
             bid = submit(target, srcs[i], dsts[i], lens[i])
             if bid in _INVALID_IDS:
                 self._opened_targets.discard(target)

@@ -7,11 +7,17 @@ the first run still pending (a peer's writes complete roughly in order): a tick 
 not O(writes in flight). A group's every remaining run is checked only at its deadline; the runs
 still pending then are quarantined (they may still land) and handed back in ``group.late``.
 Mooncake's status call frees an id once it reported 1 or -1: an id is never checked again after that.
+
+Each target has at most ``max_runs`` runs in flight: Mooncake's queue per peer holds 65,535 (set in
+``ENGINE_ENV``), and past it the link to that peer breaks for 30 s or more (docs/mooncake.md). A
+write's runs beyond the cap wait in its group (``backlog``) and are submitted, in write order, as
+runs to that target settle; a write whose deadline comes first fails with those runs never sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
 import itertools
 
@@ -28,16 +34,23 @@ _QUARANTINE_POLL_S = 0.05
 # order (measured: a few inversions in 20,000, at most ~130 places apart), so the groups behind
 # these are, almost always, pending too; they are reached as the ones ahead settle.
 _SCAN_AHEAD = 4
+# Runs in flight per target (Mooncake's per-peer queue, ENGINE_ENV, holds 65,535; several writers of
+# one process share it). The raw push of bench --scenario scale is fastest with 16,384 in flight.
+MAX_RUNS_PER_TARGET = 16384
 
 
 class Group:
     """The runs of one ``write`` call: ids in submission order, settled up to ``cursor``; its
     ``future`` settles, once every run did, as the write returns or raises (``finish``)."""
 
-    __slots__ = ("ids", "cursor", "failed", "late", "future", "deadline", "timeout", "target", "refused")
+    __slots__ = ("ids", "cursor", "failed", "late", "future", "deadline", "timeout", "target", "refused",
+                 "backlog", "next", "unsent")
 
     def __init__(self, future: asyncio.Future, deadline: float, timeout: float, target: str) -> None:
         self.ids: list[int] = []
+        self.backlog: tuple[list, list, list] | None = None   # (srcs, dsts, lens) while runs wait for room
+        self.next = 0                           # backlog[.][next:] not submitted yet
+        self.unsent = 0                         # runs never submitted: the deadline came first
         self.cursor = 0                         # ids[:cursor] settled (and freed by Mooncake)
         self.failed = 0                         # runs Mooncake reported failed (-1)
         self.late: list[asyncio.Future] = []    # runs timed out, quarantined: settle when they end
@@ -48,8 +61,13 @@ class Group:
         self.refused: BackendError | None = None   # the refusal that stopped the submits, if one did
 
     @property
+    def waiting(self) -> int:
+        """Runs not submitted yet (the target had no room)."""
+        return len(self.backlog[2]) - self.next if self.backlog is not None else 0
+
+    @property
     def settled(self) -> bool:
-        return self.cursor == len(self.ids)
+        return self.cursor == len(self.ids) and not self.waiting
 
     def finish(self) -> None:
         """Every run settled (or none was submitted): the write's outcome into ``future``. Each
@@ -68,6 +86,9 @@ class Group:
             if not pending:
                 return refused
             return WriteRefused(f"{refused}; {len(pending)} runs submitted before it still pending", pending)
+        if self.unsent:
+            return TransferTimeout("layer_write", self.timeout, f"{self.unsent} runs to {self.target} never "
+                                   f"submitted (its queue was full), {len(pending)} still pending", pending=pending)
         if pending:
             return TransferTimeout("layer_write", self.timeout, f"{len(pending)} of {len(self.ids)} runs to "
                                    f"{self.target} still pending; remote region unknown", pending=pending)
@@ -79,9 +100,14 @@ class Group:
 class GroupPoller:
     """The groups in flight, by target in submission order, their deadlines, and quarantined runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_runs: int = MAX_RUNS_PER_TARGET) -> None:
         self.check = None                                    # the engine's transfer_check_status, at start
+        self.submit = None                                   # (target, group, limit) -> runs submitted, at start
+        self.max_runs = max_runs
+        self.peak_runs = 0                                    # most runs in flight to one target
         self._inflight: dict[str, list[Group]] = {}         # target -> its unsettled groups, in order
+        self._target_runs: collections.Counter[str] = collections.Counter()   # submitted, unsettled
+        self._waiting: dict[str, collections.deque[Group]] = {}   # target -> groups with a backlog, in order
         self._deadlines: list[tuple[float, int, Group]] = []  # heap; settled groups dropped lazily
         self._seq = itertools.count()
         self._groups = 0                                      # unsettled groups
@@ -95,16 +121,31 @@ class GroupPoller:
         """Submitted runs not yet settled."""
         return self._runs
 
-    def start(self, check) -> None:
-        self.check = check
+    def start(self, check, submit) -> None:
+        self.check, self.submit = check, submit
         self._wake = asyncio.Event()
 
+    def room(self, target: str) -> int:
+        """Runs a new write may submit to ``target`` now (none while earlier writes wait for room)."""
+        if self._waiting.get(target):
+            return 0
+        return max(0, self.max_runs - self._target_runs[target])
+
     def watch(self, target: str, group: Group) -> None:
+        """Watch a group whose submits were made (``room``), its ``backlog`` holding the rest."""
         self._inflight.setdefault(target, []).append(group)
         heapq.heappush(self._deadlines, (group.deadline, next(self._seq), group))
         self._groups += 1
-        self._runs += len(group.ids)
+        self._count(target, len(group.ids))
+        if group.waiting:
+            self._waiting.setdefault(target, collections.deque()).append(group)
         self._wake.set()
+
+    def _count(self, target: str, runs: int) -> None:
+        self._runs += runs
+        now = self._target_runs[target] = self._target_runs[target] + runs
+        if now > self.peak_runs:
+            self.peak_runs = now
 
     def adopt(self, bid: int, settled: asyncio.Future) -> None:
         """A run submitted after its write gave up on it (a late threaded submit): watch it to its end."""
@@ -141,7 +182,9 @@ class GroupPoller:
             self._deadlines = heap = [e for e in heap if not e[2].settled]
             heapq.heapify(heap)
         for target, queue in list(self._inflight.items()):
-            progressed |= self._check_target(queue, check)
+            progressed |= self._check_target(target, queue, check)
+            if self._waiting.get(target):
+                self._top_up(target)
             if not queue:
                 del self._inflight[target]
         if self._quarantine and now >= self._quarantine_due:
@@ -149,7 +192,7 @@ class GroupPoller:
             self._check_quarantine(check)
         return progressed
 
-    def _check_target(self, queue: list[Group], check) -> bool:
+    def _check_target(self, target: str, queue: list[Group], check) -> bool:
         """Advance the first groups of one target's queue; drop the settled ones from it."""
         progressed = False
         ahead = scanned = 0
@@ -170,11 +213,11 @@ class GroupPoller:
                 cursor += 1
             if cursor != group.cursor:
                 progressed = True
-                self._runs -= cursor - group.cursor
+                self._count(target, group.cursor - cursor)
                 group.cursor = cursor
-                if cursor == end:
+                if group.settled:
                     self._settle(group)
-            if cursor != end:
+            if not group.settled:
                 ahead += 1
         if scanned:
             head = queue[:scanned]
@@ -183,15 +226,37 @@ class GroupPoller:
                 queue[:scanned] = kept
         return progressed
 
+    def _top_up(self, target: str) -> None:
+        """Submit waiting runs to ``target``, oldest write first, as far as its room allows."""
+        waiting = self._waiting[target]
+        while waiting:
+            group = waiting[0]
+            if group.waiting:   # else its deadline dropped the rest: nothing left to submit
+                room = self.max_runs - self._target_runs[target]
+                if room <= 0:
+                    return
+                before = len(group.ids)
+                self.submit(target, group, room)   # a refusal drops the rest (group.refused)
+                self._count(target, len(group.ids) - before)
+                if group.waiting:
+                    return
+                if group.settled:   # refused, and every run submitted before had settled
+                    self._settle(group)
+            waiting.popleft()
+        del self._waiting[target]
+
     def _expire(self, group: Group, check) -> None:
-        """The group's deadline: check every run left once; the pending ones go to quarantine."""
+        """The group's deadline: check every run left once; the pending ones go to quarantine, the
+        ones still waiting for room are dropped (never submitted)."""
+        group.unsent = group.waiting
+        group.backlog = None   # stays in its target's waiting deque until the next top-up drops it
         for bid in group.ids[group.cursor:]:
             status = check(bid)
             if status == -1:
                 group.failed += 1
             elif status != 1:   # pending (0) or Mooncake's timeout (-2): the data may still land
                 group.late.append(self._quarantine_run(bid))
-        self._runs -= len(group.ids) - group.cursor
+        self._count(group.target, group.cursor - len(group.ids))
         group.cursor = len(group.ids)
         self._settle(group)
 
@@ -218,6 +283,8 @@ class GroupPoller:
                 if not group.future.done():
                     group.future.set_exception(BackendError("backend closed with the write in flight"))
         self._inflight.clear()
+        self._waiting.clear()
+        self._target_runs.clear()
         self._deadlines.clear()
         self._groups = self._runs = 0
         for settled in self._quarantine.values():

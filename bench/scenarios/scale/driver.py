@@ -41,6 +41,7 @@ import msgspec
 import numpy as np
 
 from aiolayer import Runtime
+from aiolayer.backends.mooncake_poll import MAX_RUNS_PER_TARGET
 from aiolayer.config import DTYPE_BYTES, NodeConfig, Timeouts
 from aiolayer.errors import AiolayerError
 from aiolayer.protocol import messages as m
@@ -274,10 +275,10 @@ def run_scenario(cfg: ScaleConfig) -> dict:
 def _drive(cfg: ScaleConfig, tmp: Path, nodes, ranks, ready, proxy) -> dict:
     d_controls = [n.control for n in nodes]
     routes, writers, allocs = plan(cfg, d_controls, [ready[p]["control"] for p in range(cfg.p_tp)])
-    queue = int(MOONCAKE_ENV["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"])
-    if writes_per_peer(cfg, routes) > queue:   # 76,800 in flight to one peer still passed here (4->2, NHD)
-        _progress(f"note: up to {writes_per_peer(cfg, routes)} writes may be in flight per P->D pair, above "
-                  f"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER={queue}; a queue-full would fail transfers", final=True)
+    if writes_per_peer(cfg, routes) > MAX_RUNS_PER_TARGET:
+        _progress(f"note: up to {writes_per_peer(cfg, routes)} writes per P->D pair; aiolayer keeps at most "
+                  f"{MAX_RUNS_PER_TARGET} in flight per target (Mooncake's queue holds "
+                  f"{MOONCAKE_ENV['MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER']}), the rest wait", final=True)
     replies = call_all(proxy, [(d_controls[d], msg) for _, d, msg in allocs], "allocating")
     refused = [r for r in replies if not isinstance(r, m.AllocReply)]
     if refused:

@@ -102,6 +102,7 @@ def _stream(rt: Runtime, cfg: ScaleConfig, specs: list[TransferSpec], rank: int)
             "t_begin": t_begin, "t_end": max((o.finished_s for o in outcomes.values()), default=t_begin),
             "peak_active": peak_active, "peak_backend_writes": peak_writes,
             "writes_submitted": getattr(backend, "runs_submitted", 0),
+            "peak_runs_per_target": getattr(backend, "peak_runs_per_target", None),
             "backend_writes": getattr(backend, "writes_started", None),   # write calls (groups of runs)
             "cpu_s": round(cpu_s, 3), "loop_cpu_s": round(loop_cpu_s, 3), "gc_s": round(gc_s.seconds, 3),
             "gc_collections": gc_s.collections,
