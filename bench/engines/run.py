@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -65,6 +66,11 @@ def aggregated(model: Path, args: argparse.Namespace):
         yield via_url(srv.base_url, model), {"engine": "one vLLM engine"}
 
 
+def _proxy_debug() -> tuple[str, ...]:
+    """AIOLAYER_LOG_LEVEL=DEBUG (the engines' per-transfer timeline) gives the proxy's timeline too."""
+    return ("--log-level", "debug") if os.environ.get("AIOLAYER_LOG_LEVEL", "").upper() == "DEBUG" else ()
+
+
 @contextlib.contextmanager
 def aiolayer_pd(model: Path, args: argparse.Namespace, *, bulk: bool):
     p_core, d_core = args.engine_cores.split(",")[:2]
@@ -75,7 +81,7 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, bulk: bool):
     d = engine(model, "decode", d_core, args, env=env, kv_transfer_config=connector("kv_consumer", "d", d_ctl, **extra))
     with running(p, d):
         with ProxyProcess([f"{p.base_url},tcp://127.0.0.1:{p_ctl}"], [f"{d.base_url},tcp://127.0.0.1:{d_ctl}"],
-                          extra_args=("--request-timeout", str(REQUEST_TIMEOUT_S))) as proxy:
+                          extra_args=("--request-timeout", str(REQUEST_TIMEOUT_S), *_proxy_debug())) as proxy:
             yield via_url(proxy.url, model), {"flow": "D first, through aiolayer proxy (a process)",
                                               "connector": "AiolayerConnector", "layerwise": not bulk,
                                               "transport": "Mooncake TCP, 127.0.0.1"}
@@ -103,6 +109,13 @@ async def _measure(complete, texts: list[str], concurrent: bool, max_tokens: int
     return [await one(t) for t in texts]
 
 
+def _progress(name: str, phase: str, results: list[dict]) -> None:
+    ttft = sorted(r["ttft_ms"] for r in results if r.get("ttft_ms") is not None)
+    failed = sum(1 for r in results if "error" in r)
+    p50 = f"TTFT p50 {statistics.median(ttft):.0f} ms" if ttft else "no TTFT"
+    print(f"  {name}: {phase}: {p50}, {len(results) - failed}/{len(results)} answered", file=sys.stderr, flush=True)
+
+
 def run_row(name: str, model: Path, args: argparse.Namespace, texts: dict[str, list[str]]) -> dict:
     t0 = time.monotonic()
     try:
@@ -110,7 +123,9 @@ def run_row(name: str, model: Path, args: argparse.Namespace, texts: dict[str, l
             print(f"  {name}: engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
             asyncio.run(_measure(complete, texts["warmup"], False, args.engine_max_tokens))
             serial = asyncio.run(_measure(complete, texts["serial"], False, args.engine_max_tokens))
+            _progress(name, "concurrency 1", serial)
             burst = asyncio.run(_measure(complete, texts["burst"], True, args.engine_max_tokens))
+            _progress(name, f"burst of {len(burst)}", burst)
     except Exception as exc:   # a row that cannot run is reported as such, the others still run
         return {"row": name, "ran": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
     return {"row": name, "ran": True, "how": how, "serial": serial, "burst": burst,
