@@ -102,7 +102,7 @@ class GroupPoller:
 
     def __init__(self, max_runs: int = MAX_RUNS_PER_TARGET) -> None:
         self.check = None                                    # the engine's transfer_check_status, at start
-        self.submit = None                                   # (target, group, limit) -> runs submitted, at start
+        self.submit = None                                   # (target, group, limit): submit waiting runs, at start
         self.max_runs = max_runs
         self.peak_runs = 0                                    # most runs in flight to one target
         self._inflight: dict[str, list[Group]] = {}         # target -> its unsettled groups, in order
@@ -142,10 +142,14 @@ class GroupPoller:
         self._wake.set()
 
     def _count(self, target: str, runs: int) -> None:
+        """``runs`` more (or fewer) in flight to ``target``."""
         self._runs += runs
-        now = self._target_runs[target] = self._target_runs[target] + runs
-        if now > self.peak_runs:
-            self.peak_runs = now
+        now = self._target_runs[target] + runs
+        if now:
+            self._target_runs[target] = now
+            self.peak_runs = max(self.peak_runs, now)
+        else:   # no entry per target ever written to (dead peers)
+            self._target_runs.pop(target, None)
 
     def adopt(self, bid: int, settled: asyncio.Future) -> None:
         """A run submitted after its write gave up on it (a late threaded submit): watch it to its end."""
