@@ -23,6 +23,7 @@ publish 6.3 / 29.9, relay gate 0.0 / 0.1, last layer -> DONE 7.3 / 41.8, DONE ->
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 
@@ -96,7 +97,8 @@ def test_stages_aiolayer_owns_stay_near_their_floor():
             continue
         stream = n % 2 == 1
         if stream:   # D's response is in hand before P's reply: the proxy does not wait for P to relay D
-            assert by_proxy[tid]["d_answered"] <= by_proxy[tid]["p_answered"], (tid, by_proxy[tid])
+            # (no p_answered: P replied after the exchange closed, once D's whole answer was relayed)
+            assert by_proxy[tid]["d_answered"] <= by_proxy[tid].get("p_answered", math.inf), (tid, by_proxy[tid])
         for name, ms in _stages(stamps, by_proxy[tid], stream).items():
             stages.setdefault(name, []).append(ms)
     summary = {name: (round(min(v), 2), round(statistics.median(v), 2), round(max(v), 2)) for name, v in stages.items()}

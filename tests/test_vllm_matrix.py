@@ -257,14 +257,15 @@ PREEMPTING = [name for name, cfg in CONFIGS.items() if cfg.preempts]
 @pytest.mark.parametrize("pd", PREEMPTING, indirect=True)
 @pytest.mark.parametrize("route", ROUTES)
 def test_more_requests_than_ds_cache_holds_preempt_at_d(pd, route):
-    """Six 150-token prompts decoding 100 tokens each need 48 blocks of D's 39: D must preempt."""
+    """Six 150-token prompts decoding 200 tokens each need 66 blocks of D's 39: D must preempt. (With 100
+    tokens, 48 blocks, a request could end before the last one arrived, and D then held them all.)"""
     seed = 700 if route == "direct" else 800
     prompts = [tokens(150, seed + i) for i in range(6)]
-    baselines = [aggregated(pd.p, x, max_tokens=100) for x in prompts]
+    baselines = [aggregated(pd.p, x, max_tokens=200) for x in prompts]
     preempted = metric_value(scrape_metrics(pd.d), "vllm:num_preemptions_total") or 0.0
     with pd.case(f"preemption-{route}"):
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            outs = list(pool.map(lambda ix: pd.send(route, ix[1], max_tokens=100, stream=bool(ix[0] % 2))[0],
+            outs = list(pool.map(lambda ix: pd.send(route, ix[1], max_tokens=200, stream=bool(ix[0] % 2))[0],
                                  enumerate(prompts)))
     for i, (out, base) in enumerate(zip(outs, baselines)):
         assert out.token_ids == base, i
