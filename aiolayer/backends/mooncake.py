@@ -146,7 +146,7 @@ class MooncakeBackend:
             return None
         loop = asyncio.get_running_loop()
         group = Group(loop.create_future(), loop.time() + timeout, timeout, target)
-        group.refused = self._submit_all(target, group, src.tolist(), dst.tolist(), lengths.tolist(), 0)
+        self._submit_all(target, group, src.tolist(), dst.tolist(), lengths.tolist(), 0)
         self._settle_or_watch(target, group)
         return group.future
 
@@ -160,7 +160,7 @@ class MooncakeBackend:
         if target not in self._opened_targets and lens:
             group.ids.append(await self._open_target(target, (srcs[0], dsts[0], lens[0]), timeout, loop))
             first = 1
-        group.refused = self._submit_all(target, group, srcs, dsts, lens, first)
+        self._submit_all(target, group, srcs, dsts, lens, first)
         self._settle_or_watch(target, group)
         return group.future
 
@@ -171,18 +171,14 @@ class MooncakeBackend:
         else:   # nothing submitted: empty, or refused at once
             group.finish()
 
-    def _submit_all(self, target: str, group: Group, srcs: list, dsts: list, lens: list,
-                    first: int) -> BackendError | None:
-        """Submit runs ``first``.. into ``group.ids`` as far as the target has room (the rest wait in
-        ``group.backlog`` for the poller); the refusal that stopped it, if one did."""
-        stop = min(len(lens), first + self._poll.room(target))
-        refused = self._submit_range(target, group, srcs, dsts, lens, first, stop)
-        if refused is None and stop < len(lens):
-            group.backlog, group.next = (srcs, dsts, lens), stop
-        return refused
+    def _submit_all(self, target: str, group: Group, srcs: list, dsts: list, lens: list, first: int) -> None:
+        """Runs ``first``.. of a new write: submitted as far as the target has room, the rest left in
+        ``group.backlog`` for the poller; a refusal stops it (``group.refused``)."""
+        group.backlog, group.next = (srcs, dsts, lens), first
+        self._submit_backlog(target, group, self._poll.room(target))
 
     def _submit_backlog(self, target: str, group: Group, limit: int) -> None:
-        """The poller's top-up: up to ``limit`` of the group's waiting runs; a refusal drops the rest."""
+        """Up to ``limit`` of the group's waiting runs (also the poller's top-up); a refusal drops the rest."""
         srcs, dsts, lens = group.backlog
         stop = min(len(lens), group.next + limit)
         group.refused = self._submit_range(target, group, srcs, dsts, lens, group.next, stop)
