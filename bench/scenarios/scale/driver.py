@@ -227,7 +227,8 @@ def config_from_args(args) -> ScaleConfig:
     return ScaleConfig(p_tp=args.prefill_ranks, d_tp=args.decode_ranks, requests=args.requests,
                        blocks_per_request=nb, num_layers=args.num_layers, block_size=args.block_size,
                        kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, layout=args.kv_layout,
-                       seed=args.seed, contiguous=not getattr(args, "scatter", False))
+                       seed=args.seed, contiguous=not getattr(args, "scatter", False),
+                       gc_freeze=getattr(args, "gc_freeze", True))
 
 
 def run_scale(args) -> int:

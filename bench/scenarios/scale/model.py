@@ -28,6 +28,7 @@ class ScaleConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 1234
     contiguous: bool = True      # D allocates each request's blocks contiguously
     wait_s: float = 300.0        # P: begin -> every outcome; D's receive deadline is this plus a margin
+    gc_freeze: bool = True       # P ranks gc.freeze() their start-up heap once ready (as vLLM's workers do)
 
     @property
     def head_bytes(self) -> int:

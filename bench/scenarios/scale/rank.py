@@ -1,8 +1,9 @@
 """A P (prefill) rank of ``bench --scenario scale``, run as ``python -m aiolayer.bench.scenarios.scale.rank RANK CONFIG``.
 
 It fills a paged KV cache with its local heads of the global seeded KV (``model.kv_layer``), starts
-its own Runtime (Mooncake over TCP), prints ``SCALE {"kind": "ready", "control": ...}``, reads the
-path of its plan (a msgspec JSON list of ``PlanItem``) from stdin, begins ONE step with every
+its own Runtime (Mooncake over TCP), freezes its start-up heap out of the garbage collector's passes
+as vLLM's engine core and GPU workers do after warm-up (unless ``gc_freeze`` is off), prints
+``SCALE {"kind": "ready", "control": ...}``, reads the path of its plan (a msgspec JSON list of ``PlanItem``) from stdin, begins ONE step with every
 transfer, marks every layer ready at once, waits for every outcome (bounded by ``wait_s``) and
 prints a ``summary`` line (with the process's and the loop thread's CPU seconds during the stream).
 Then, once D verified, lines "METHOD PATH" (PATH: D's layouts): for each it pushes the same spans
@@ -51,6 +52,9 @@ def rank_main(rank: int, cfg: ScaleConfig) -> int:
     try:
         rt.register_kv_memory(cache.k_base, cache.v_base, shape.block_bytes, shape.num_blocks, kv_heads=len(heads),
                           geometry=HeadGeometry(cfg.block_size, cfg.head_bytes, cfg.layout))
+        if cfg.gc_freeze:   # vLLM's engine core and GPU workers freeze theirs after warm-up (freeze_gc_heap)
+            gc.collect()
+            gc.freeze()   # else every full pass walks the interpreter's and libraries' start-up objects again
         _say(kind="ready", rank=rank, control=rt.control_endpoint, setup_s=round(time.perf_counter() - t0, 3))
         line = sys.stdin.readline().strip()
         if not line:

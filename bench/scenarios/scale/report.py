@@ -140,4 +140,5 @@ def print_raw(r: dict) -> None:
           f"raw {r['raw_gbps']:.3f} GB/s: aiolayer / raw = {r['raw_ratio']:.2f}")
     print(f"CPU s per GB: aiolayer loop thread {cpu['loop']:.2f}, aiolayer process {cpu['process']:.2f}, "
           f"raw process {cpu['raw_process']:.2f}; aiolayer's garbage collector {r['gc_s_per_gb']:.2f} "
-          f"(collections by generation: {[p.get('gc_collections') for p in r['per_p_rank']]})")
+          f"(collections by generation: {[p.get('gc_collections') for p in r['per_p_rank']]}; start-up heap "
+          f"{'frozen' if r['config'].get('gc_freeze', True) else 'not frozen (--no-gc-freeze)'})")
