@@ -5,7 +5,9 @@ Keys (all optional; an unknown key or a value of the wrong type is refused with 
 ``backend`` ("mooncake" | "memory"), ``transport`` (a dict of ``aiolayer.transport.Transport``
 fields: ``bind_host``, ``advertise_host``, ``protocol``, ``device_name``, ``metadata_server``; the
 same keys as ``aiolayer node``'s flags), ``timeouts`` (a dict of ``aiolayer.Timeouts`` fields),
-``layerwise_min_tokens`` (shorter prompts go in bulk).
+``layerwise_min_tokens`` (shorter prompts go in bulk), ``queue_spin_ms`` (how long vLLM's shared-memory
+message-queue readers in this engine's worker and engine core spin after a message before they
+sleep: 2 by default, vLLM's own is 1000; null leaves vLLM's; ``spin.py`` says why).
 
 Test-only switches are not configuration: ``AIOLAYER_DEBUG_ZERO_RECEIVED=1`` in a D engine's
 environment zeroes the KV that arrived before D uses it (the end-to-end tests' negative control).
@@ -34,12 +36,14 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     transport: Transport = msgspec.field(default_factory=Transport)
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
     layerwise_min_tokens: int = 0
+    queue_spin_ms: float | None = 2.0
 
 
 class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True):
     node: NodeConfig
     timeouts: Timeouts
     layerwise_min_tokens: int = 0
+    queue_spin_s: float | None = 0.002    # None: vLLM's own spin
     debug_zero_received: bool = False
 
 
@@ -49,6 +53,8 @@ def from_extra_config(extra: dict[str, Any] | None, default_engine_id: str) -> B
         user = msgspec.convert(dict(extra or {}), ExtraConfig)
         if user.layerwise_min_tokens < 0:
             raise ConfigError(f"layerwise_min_tokens must be >= 0, got {user.layerwise_min_tokens}")
+        if user.queue_spin_ms is not None and not 0 <= user.queue_spin_ms <= 1000:
+            raise ConfigError(f"queue_spin_ms must be null or 0-1000, got {user.queue_spin_ms}")
         node = NodeConfig(engine_id=user.engine_id or default_engine_id, control_port=user.control_port,
                           backend=user.backend, transport=user.transport)
     except msgspec.ValidationError as exc:
@@ -58,5 +64,6 @@ def from_extra_config(extra: dict[str, Any] | None, default_engine_id: str) -> B
     zero = os.environ.get(DEBUG_ZERO_RECEIVED_ENV, "")
     if zero not in ("", "0", "1"):
         raise ConfigError(f"{DEBUG_ZERO_RECEIVED_ENV} must be 0 or 1, got {zero!r}")
+    spin = None if user.queue_spin_ms is None else user.queue_spin_ms / 1e3
     return BridgeConfig(node=node, timeouts=user.timeouts, layerwise_min_tokens=user.layerwise_min_tokens,
-                        debug_zero_received=zero == "1")
+                        queue_spin_s=spin, debug_zero_received=zero == "1")

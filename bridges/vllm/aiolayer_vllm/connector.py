@@ -13,6 +13,7 @@ from . import ranks
 from .config import from_extra_config
 from .metadata import AiolayerMetadata
 from .scheduler import SchedulerSide
+from .spin import cap_spin
 from .stats import AiolayerPromMetrics, AiolayerStats
 from .wake import LOCAL_EXECUTORS, engine_core_pid
 from .worker import WorkerSide
@@ -39,6 +40,8 @@ class AiolayerConnector(KVConnectorBase_V1):
         ktc = self._kv_transfer_config
         engine_id = getattr(ktc, "engine_id", None) or "vllm"
         self.config = from_extra_config(ktc.kv_connector_extra_config, str(engine_id))
+        if self.config.queue_spin_s is not None:   # this process's readers: the worker's or the engine core's
+            cap_spin(self.config.queue_spin_s)
         producer, consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

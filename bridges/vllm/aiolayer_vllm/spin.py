@@ -1,0 +1,46 @@
+"""vLLM's shared-memory message queues spin for a second after every message: cap that spin.
+
+A vLLM worker waits for its next step, and its engine core for the worker's reply, on a
+``shm_broadcast.MessageQueue`` whose reader (``SpinCondition``) ``sched_yield``-spins for
+``busy_loop_s`` = 1 s after each message before it sleeps on the writer's ZMQ notification (hard-coded,
+no setting). A parked D steps every few ms, so its readers never stop spinning, and an idle P spins
+for a second after each prefill. When engines share cores (vLLM's default binding on a small host gives
+every core to each engine that has a KV connector), those spinners take slices of the cores the other
+engine's forward runs on, and each OpenMP barrier of that forward waits for a slice: on 2 shared
+cores a 2,000-token request took 45 s through the proxy against 0.19 s on one engine; with the spin
+capped at 2 ms, 0.30 s (README, ``make bench-vllm`` unpinned). Past the cap a reader sleeps until
+the writer's notification, which costs a wake-up (tens of microseconds) only when the gap between
+two messages is longer than the cap.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def cap_spin(seconds: float) -> bool:
+    """Cap how long every shm message-queue reader of this process spins (True: capped; False: this
+    vLLM has no such reader, nothing changed). Idempotent; a later call sets a new cap."""
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    except ImportError:
+        return False
+    if not callable(getattr(SpinCondition, "wait", None)):
+        return False
+    already = hasattr(SpinCondition, "_aiolayer_spin_cap")
+    SpinCondition._aiolayer_spin_cap = seconds
+    if already:
+        return True
+    original = SpinCondition.wait
+
+    def wait(self, *args, **kwargs):
+        cap = SpinCondition._aiolayer_spin_cap
+        if getattr(self, "busy_loop_s", 0) > cap:   # the writers' is 0: only readers spin
+            self.busy_loop_s = cap
+        return original(self, *args, **kwargs)
+
+    SpinCondition.wait = wait
+    log.info("aiolayer: vLLM's shm message-queue readers spin at most %g ms after a message", seconds * 1e3)
+    return True
