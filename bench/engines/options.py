@@ -20,6 +20,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-concurrency", type=int, default=8, help="requests of the concurrent burst per row")
     g.add_argument("--engine-max-tokens", type=int, default=20, help="output tokens per request")
     g.add_argument("--engine-cores", default="0,1", help="P's core, D's core (the aggregated engine: P's)")
+    g.add_argument("--engine-pin", choices=["process", "omp"], default="process",
+                   help="how an engine keeps to its --engine-cores core: process = every process and thread "
+                        "of the engine (a CPU mask, as on a host of its own), omp = its OpenMP threads only "
+                        "(VLLM_CPU_OMP_THREADS_BIND; its other processes and threads run on any core); "
+                        "--engine-cores auto,auto: vLLM's default binding, neither")
     g.add_argument("--engine-eager", action="store_true",
                    help="--enforce-eager on every engine (vLLM's default compiles: ~40 s more per start)")
 
@@ -28,5 +33,6 @@ def engine(model: Path, name: str, core: str, args: argparse.Namespace, **kw):
     """A vLLM server of the run: pinned to ``core``, vLLM's defaults otherwise (``--engine-eager`` aside)."""
     from .vllm_server import VllmServer
 
-    return VllmServer(model, name=name, omp_bind=core, enforce_eager=args.engine_eager, kv_cache_gib=2,
+    cpus = frozenset(int(c) for c in core.split("|")) if args.engine_pin == "process" and core[:1].isdigit() else None
+    return VllmServer(model, name=name, omp_bind=core, cpus=cpus, enforce_eager=args.engine_eager, kv_cache_gib=2,
                       startup_timeout_s=400, **kw)

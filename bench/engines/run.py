@@ -4,7 +4,8 @@ system through its own request flow, side by side in one run.
 Rows (``--engine-rows``): ``aggregated`` (one engine, the floor), ``aiolayer`` (layer-wise) and
 ``aiolayer-bulk`` (the same connector sending after the last layer) through ``aiolayer proxy``, and
 vLLM's own connectors where they run here (``peers.py``). P and D sit on disjoint cores (P on
-``--engine-cores``' first, D on its second), as two hosts would; the aggregated engine on the first.
+``--engine-cores``' first, D on its second), every process of an engine on its core as on a host of
+its own (``--engine-pin``); the aggregated engine on the first.
 Every answer is checked against the aggregated engine's under greedy sampling: a row's requests that
 differ or fail are counted, never dropped. Writes ``engines.json`` and ``engines.png`` under ``--out``.
 """

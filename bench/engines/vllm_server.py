@@ -93,6 +93,7 @@ class VllmServer:
     kv_transfer_config: Mapping[str, Any] | str | None = None   # passed as --kv-transfer-config JSON
     kv_cache_gib: int = 1                        # VLLM_CPU_KVCACHE_SPACE (an int: 1 is the least); see above
     omp_bind: str | None = None                  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0", "1", "nobind"
+    cpus: frozenset[int] | None = None           # the whole server's CPU mask (every process it starts)
     plugins: Sequence[str] | None = None         # VLLM_PLUGINS allow-list; () loads no general plugin
     extra_args: Sequence[str] = ()
     env: Mapping[str, str] | None = None         # extra environment (e.g. PYTHONPATH for a connector)
@@ -176,6 +177,21 @@ class VllmServer:
 
     # ---------------------------------------------------------------- lifecycle
 
+    def _preexec(self):
+        """What the child runs between fork and exec: its CPU mask (inherited by all it starts), and
+        PR_SET_PDEATHSIG, which fires when the forking *thread* exits: only from the main thread."""
+        with_parent = threading.current_thread() is threading.main_thread()
+        cpus = self.cpus
+        if not cpus and not with_parent:
+            return None
+
+        def child() -> None:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+            if with_parent:
+                die_with_parent()
+        return child
+
     def start(self) -> VllmServer:
         """Spawn the server and wait (bounded) until it serves; raises ServerError with the log."""
         if self.proc is not None:
@@ -190,11 +206,9 @@ class VllmServer:
         self._log_file = open(self.log_path, "ab", buffering=0)
         self._log_file.write(("$ " + " ".join(self.command()) + "\n").encode())
         t0 = time.monotonic()
-        # PR_SET_PDEATHSIG fires when the forking *thread* exits, so only use it from the main thread.
-        preexec = die_with_parent if threading.current_thread() is threading.main_thread() else None
         self.proc = subprocess.Popen(
             self.command(), stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
-            env=self.environment(), start_new_session=True, cwd=str(log_dir), preexec_fn=preexec,
+            env=self.environment(), start_new_session=True, cwd=str(log_dir), preexec_fn=self._preexec(),
         )
         _LIVE.add(self)
         try:
