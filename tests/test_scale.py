@@ -250,14 +250,17 @@ def test_scale_two_p_ranks_to_four_d_ranks(tmp_path):
     parser = argparse.ArgumentParser()
     add_bench_args(parser)
     args = parser.parse_args(["--scenario", "scale", "--prefill-ranks", "2", "--decode-ranks", "4", "--requests", "150",
-                              "--num-layers", "4", "--head-dim", "64", "--out", str(tmp_path)])
+                              "--num-layers", "4", "--head-dim", "64", "--out", str(tmp_path), "--against-whole-blocks"])
     before = _children()
     t0 = time.monotonic()
     assert run_scale(args) == 0
-    assert time.monotonic() - t0 < 80
+    assert time.monotonic() - t0 < 120
     report = __import__("json").loads((tmp_path / "scale.json").read_text())
     _assert_all_verified(report)
     assert [d["senders"] for d in report["per_d_rank"]] == [1, 1, 1, 1]
+    whole = report["whole_blocks"]   # the same requests again, 2 P -> 2 D, in the same run
+    assert whole["decode_ranks"] == 2 and whole["all_verified"] and whole["verified"] == whole["transfers"] == 300
+    assert whole["loop_cpu_head_slices_over_whole_blocks"] > 0 and whole["raw_cpu_head_slices_over_whole_blocks"] > 0
     assert _children() <= before, "a P or D rank process is still running"
 
 

@@ -10,6 +10,9 @@ def add_args(g) -> None:
     g.add_argument("--prefill-ranks", type=int, default=2, help="scale: P tensor-parallel rank processes")
     g.add_argument("--kv-layout", default="HND", choices=["HND", "NHD"],
                    help="scale: block layout; NHD splits each head slice into one write per token")
+    g.add_argument("--against-whole-blocks", action="store_true",
+                   help="scale: when P and D TP differ, run the same requests again with D TP = P TP (whole "
+                        "blocks) and report the head slices' loop CPU per GB over whole blocks'")
     g.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                    help="scale: P ranks keep their start-up heap in the garbage collector's passes (by default "
                         "they freeze it once ready, as vLLM's engine core and GPU workers do after warm-up)")

@@ -235,6 +235,10 @@ def run_scale(args) -> int:
     cfg = config_from_args(args)
     load_before = [round(x, 2) for x in os.getloadavg()]
     report = run_scenario(cfg)
+    if getattr(args, "against_whole_blocks", False) and cfg.d_tp != cfg.p_tp:
+        _progress(f"whole blocks: the same {cfg.requests} requests, {cfg.p_tp} P -> {cfg.p_tp} D", final=True)
+        report["whole_blocks"] = compare_whole_blocks(report, run_scenario(msgspec.structs.replace(cfg, d_tp=cfg.p_tp)))
+        report["all_verified"] = report["all_verified"] and report["whole_blocks"]["all_verified"]
     report["machine"] = {"cpus": os.cpu_count(), "loadavg_before": load_before,   # other work skews the figures
                          "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
     out = Path(args.out)
@@ -243,6 +247,17 @@ def run_scale(args) -> int:
     print_scale(report)
     print(f"\nwrote {out / 'scale.json'}  (verified: {report['verified']}/{report['transfers']})")
     return 0 if report["all_verified"] else 1
+
+
+def compare_whole_blocks(sliced: dict, whole: dict) -> dict:
+    """The head-slice run's loop CPU per GB against whole blocks' (P TP == D TP), same requests, same run."""
+    loop_sliced, loop_whole = sliced["cpu_s_per_gb"]["loop"], whole["cpu_s_per_gb"]["loop"]
+    return {"decode_ranks": whole["decode_ranks"], "gbps": whole["gbps"], "raw_ratio": whole["raw_ratio"],
+            "cpu_s_per_gb": whole["cpu_s_per_gb"], "gc_s_per_gb": whole.get("gc_s_per_gb"),
+            "verified": whole["verified"], "transfers": whole["transfers"], "all_verified": whole["all_verified"],
+            "loop_cpu_head_slices_over_whole_blocks": round(loop_sliced / max(1e-9, loop_whole), 2),
+            "raw_cpu_head_slices_over_whole_blocks": round(sliced["cpu_s_per_gb"]["raw_process"]
+                                                           / max(1e-9, whole["cpu_s_per_gb"]["raw_process"]), 2)}
 
 
 def run_scenario(cfg: ScaleConfig) -> dict:

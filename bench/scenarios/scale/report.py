@@ -76,6 +76,7 @@ def print_scale(r: dict) -> None:
     print(f"total: {r['concurrent']} requests in flight at once, {r['bytes'] / 1e9:.3f} GB in {r['seconds']:.2f} s "
           f"= {r['gbps']:.2f} GB/s; verified {r['verified']}/{r['transfers']}, failed {r['failed']}, lost {r['lost']}")
     print_raw(r)
+    print_whole_blocks(r)
     for line in r["failures"]:
         print(f"  {line}")
 
@@ -128,6 +129,17 @@ def _raw_method(raw: dict[int, dict], method: str) -> dict:
             "cpu_s": round(sum(r["cpu_s"] for r in raw.values()), 3),
             "per_rank_gbps": {p: round(r["bytes"] / max(1e-9, r["t_end"] - r["t_begin"]) / 1e9, 3)
                               for p, r in raw.items()}}
+
+
+def print_whole_blocks(r: dict) -> None:
+    w = r.get("whole_blocks")
+    if not w:
+        return
+    print(f"whole blocks, same requests ({r['prefill_ranks']} P -> {w['decode_ranks']} D, run after): "
+          f"{w['gbps']:.3f} GB/s, aiolayer / raw = {w['raw_ratio']:.2f}, loop CPU {w['cpu_s_per_gb']['loop']:.2f} s/GB, "
+          f"verified {w['verified']}/{w['transfers']}")
+    print(f"head slices' loop CPU per GB = {w['loop_cpu_head_slices_over_whole_blocks']:.2f}x whole blocks' "
+          f"(raw Mooncake's process CPU per GB, the same spans: {w['raw_cpu_head_slices_over_whole_blocks']:.2f}x)")
 
 
 def print_raw(r: dict) -> None:
