@@ -3,9 +3,10 @@
 It fills a paged KV cache with its local heads of the global seeded KV (``model.kv_layer``), starts
 its own Runtime (Mooncake over TCP), freezes its start-up heap out of the garbage collector's passes
 as vLLM's engine core and GPU workers do after warm-up (unless ``gc_freeze`` is off), prints
-``SCALE {"kind": "ready", "control": ...}``, reads the path of its plan (a msgspec JSON list of ``PlanItem``) from stdin, begins ONE step with every
-transfer, marks every layer ready at once, waits for every outcome (bounded by ``wait_s``) and
-prints a ``summary`` line (with the process's and the loop thread's CPU seconds during the stream).
+``SCALE {"kind": "ready", "control": ...}``, reads the path of its plan (a msgspec JSON list of
+``PlanItem``) from stdin, begins ONE step with every transfer, marks every layer ready at once, waits
+for every outcome (bounded by ``wait_s``) and prints a ``summary`` line (with the process's and the
+loop thread's CPU seconds during the stream).
 Then, once D verified, lines "METHOD PATH" (PATH: D's layouts): for each it pushes the same spans
 with Mooncake alone that way (``raw.METHODS``) and prints a ``raw`` line.
 """
