@@ -25,16 +25,37 @@ log = logging.getLogger(__name__)
 MAX_EARLY_ABORTS = 4096
 
 
+class StepLayers:
+    """One step's "layer L is written" items, shared by every transfer of the step: each reads them
+    with its own cursor, so a layer costs one append however many transfers there are, and only the
+    transfers already waiting for it are woken."""
+
+    __slots__ = ("items", "waiting")
+
+    def __init__(self) -> None:
+        self.items: list[tuple] = []          # (layer, event, handed), in hand-over order
+        self.waiting: list[Request] = []      # transfers that read every item and wait for the next
+
+    def add(self, item: tuple) -> None:
+        self.items.append(item)
+        waiting, self.waiting = self.waiting, []
+        for req in waiting:
+            req.wake()
+
+
 class Request:
-    """One transfer on the loop: its queue of layers, its state, and what its fence waits for."""
+    """One transfer on the loop: its step's layers, its state, and what its fence waits for."""
 
-    __slots__ = ("spec", "runs", "spans", "layers", "state", "timings", "bytes", "pending", "quiet")
+    __slots__ = ("spec", "runs", "spans", "feed", "cursor", "_waiter", "state", "timings", "bytes", "pending",
+                 "quiet")
 
-    def __init__(self, spec: TransferSpec, runs: BlockRuns) -> None:
+    def __init__(self, spec: TransferSpec, runs: BlockRuns, feed: StepLayers | None = None) -> None:
         self.spec = spec
         self.runs = runs
         self.spans: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None   # head slice, from layer bases
-        self.layers: asyncio.Queue = asyncio.Queue()   # (layer, event, handed) items; None = abort
+        self.feed = feed if feed is not None else StepLayers()
+        self.cursor = 0                                # feed.items[:cursor] taken
+        self._waiter: asyncio.Future | None = None     # while waiting for the next layer (or a stop)
         self.state = sender_transfer()                 # with whether, and why, it was told to stop
         self.timings: list[LayerTiming] = []
         self.bytes = 0
@@ -53,7 +74,31 @@ class Request:
 
     def abort(self, reason: str, by_p: bool = False) -> None:
         if self.state.stop(reason, by_p):
-            self.layers.put_nowait(None)   # wakes the streaming coroutine: no layer after this
+            self.wake()   # the streaming coroutine: no layer after this
+
+    @property
+    def layer_ready(self) -> bool:
+        """A layer is handed over and not taken yet."""
+        return self.cursor < len(self.feed.items)
+
+    def take_layer(self) -> tuple | None:
+        """The next handed-over layer, or None when there is none yet."""
+        items = self.feed.items
+        if self.cursor == len(items):
+            return None
+        self.cursor += 1
+        return items[self.cursor - 1]
+
+    def next_arrival(self) -> asyncio.Future:
+        """A future set when a layer is handed over or the transfer is stopped (call with none ready)."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        self.feed.waiting.append(self)
+        return self._waiter
+
+    def wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():   # done: woken already, or its wait timed out
+            waiter.set_result(None)
 
 
 class EarlyAborts:

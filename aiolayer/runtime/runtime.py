@@ -8,8 +8,9 @@ raises at once or comes back as that transfer's failed result. ``stop`` is bound
 switches (``hooks.install_hooks``) are not part of this API.
 
 Other threads read the metrics from ``published_metrics``: a snapshot the loop rebuilds every
-``METRICS_EVERY_S`` and at each transfer outcome (before the outcome is visible), swapped in one assignment and never mutated,
-so a reader never walks a dict the loop is changing.
+``METRICS_EVERY_S`` and as outcomes become visible (just before; P's once per pass of the loop for all
+of that pass's outcomes), swapped in one assignment and never mutated, so a reader never walks a
+dict the loop is changing.
 """
 
 from __future__ import annotations
@@ -328,7 +329,7 @@ class Runtime:
 
     async def _publish_metrics(self) -> None:
         """Rebuild the snapshot other threads read every ``METRICS_EVERY_S`` (levels, queues); counts
-        are also republished at each outcome, before the outcome is visible (``_republish_metrics``)."""
+        are also republished as outcomes become visible, just before (``_republish_metrics``)."""
         while True:
             await asyncio.sleep(METRICS_EVERY_S)
             self._republish_metrics()
@@ -341,7 +342,7 @@ class Runtime:
             log.exception("metrics snapshot failed")
 
     def _outcome(self) -> None:
-        """On the loop, as a transfer ends (just before its result is visible): figures, then listeners."""
+        """On the loop, just before results become visible (D: each; P: a pass's together): figures, then listeners."""
         self._republish_metrics()
         loop = asyncio.get_running_loop()
         for listener in self._outcome_listeners:   # soon: after the caller made the result visible

@@ -41,7 +41,7 @@ from ..stats import LatencyHistogram
 from .bridge import LayerBridge
 from .control import ControlPeers
 from .events import record_event
-from .fence import MAX_EARLY_ABORTS, EarlyAborts, Request, guarded
+from .fence import MAX_EARLY_ABORTS, EarlyAborts, Request, StepLayers, guarded
 from .metadata import LayoutCache
 from .results import Results
 from .spec import LayerTiming, LocalLayout, Outcome, TransferSpec, check_layout, check_spec
@@ -62,7 +62,7 @@ class Sender:
         self.layouts = layouts
         self.timeouts = timeouts
         self.local: LocalLayout | None = None
-        self._steps: dict[int, list[Request]] = {}
+        self._steps: dict[int, StepLayers] = {}     # a begun step's layers, read by its transfers
         self.results = Results(on_outcome)
         r = self.results   # the same containers under their old names (the soak report sizes them)
         self._waiters, self._outcomes, self._released = r.waiters, r.outcomes, r.released
@@ -162,18 +162,20 @@ class Sender:
         if kind == "layer":
             _, step, layer, event, handed = item
             self.handoff.observe(time.perf_counter() - handed)
-            for req in self._steps.get(step, ()):
-                req.layers.put_nowait((layer, event, handed))
+            feed = self._steps.get(step)
+            if feed is not None:
+                feed.add((layer, event, handed))
         elif kind == "step":
             _, step, specs, _handed = item
-            started = [self._start_request(spec) for spec in specs]
-            self._steps[step] = [req for req in started if req is not None]
+            feed = self._steps[step] = StepLayers()
+            for spec in specs:
+                self._start_request(spec, feed)
         elif kind == "end":
             self._steps.pop(item[1], None)
         elif kind == "cancel":
             self._cancel(item[1], item[2])
 
-    def _start_request(self, spec: TransferSpec) -> Request | None:
+    def _start_request(self, spec: TransferSpec, feed: StepLayers) -> Request | None:
         """Start one transfer (None: not started). Never raises: whatever is wrong with this spec
         fails this transfer only, with a visible outcome, and the step's others go on."""
         tid = getattr(spec, "transfer_id", None)
@@ -188,7 +190,7 @@ class Sender:
             runs = merge_runs(spec.src_blocks, spec.dst_blocks)
         except Exception as exc:  # noqa: BLE001 - ValueError, OverflowError (ids >= 2**63), TypeError...
             return self._refuse(spec, f"invalid transfer spec: {type(exc).__name__}: {exc}")
-        req = Request(spec, runs)
+        req = Request(spec, runs, feed)
         if self._aborted_early.take((tid, spec.token), time.monotonic()):
             self._spawn(self._finish(req, "aborted by D before it started", None), name=f"fail {tid}")
             return req

@@ -126,7 +126,7 @@ class LayerStreamer:
                 if req.aborted or sink.failed:
                     break  # stopped, or a write failed already: submit no more layers
                 held.append((layer, handed))
-                together = self._start is not None and not req.layers.empty()   # more ready: one write
+                together = self._start is not None and req.layer_ready   # more ready: one write
                 if (req.spec.layerwise and not together) or index == local.num_layers - 1:
                     self._submit(group, sink, held)
             await sink.wait()
@@ -168,11 +168,13 @@ class LayerStreamer:
         return True
 
     async def _next_layer(self, req: Request):
-        """The next queued layer; a timeout only when none is queued yet (``layer_gap``)."""
-        if not req.layers.empty():
-            return req.layers.get_nowait()
+        """The next handed-over layer, None once stopped; a timeout only when none is ready (``layer_gap``)."""
+        item = None if req.aborted else req.take_layer()
+        if item is not None or req.aborted:
+            return item
         async with compat.timeout(self.timeouts.layer_gap):
-            return await req.layers.get()
+            await req.next_arrival()
+        return None if req.aborted else req.take_layer()
 
     async def _written(self, sink: "_Sink", layers: list[tuple[int, float]], order: int) -> None:
         """``write`` for the TaskGroup: its failure recorded as a value, so that it cancels no sibling."""
