@@ -70,6 +70,7 @@ SAMPLES: list[m._Msg] = [
     m.LayoutReply(engine_id="d", incarnation="inc", session="127.0.0.1:1", block_bytes=4096,
                   num_blocks=8, layers=[m.LayerRegion(1 << 40, (1 << 40) + 4096), m.LayerRegion(0, 1)]),
     m.Done(transfer_id="t", sender="p", incarnation="inc", layers=4, bytes=1 << 33),
+    m.DoneBatch(items=[m.Done(transfer_id="t", sender="p", bytes=1), m.Done(transfer_id="u", sender="p")]),
     m.Failed(transfer_id="t", sender="p", reason="boom"),
     m.Abort(transfer_id="t", reason="client gone"),
     m.AbortRequest(transfer_id="t", reason="client gone"),
@@ -83,6 +84,7 @@ SAMPLES: list[m._Msg] = [
     m.StatusReply(transfer_id="t", state="failed", reason="why"),
     m.Ack(detail="ok"),
     m.Nack(code="decode", reason="bad"),
+    m.Replies(items=[m.Ack(detail="finished"), None, m.Nack(code="auth", reason="no")]),
 ]
 
 

@@ -70,6 +70,17 @@ class Done(_Msg, tag="done"):
     token: str = ""
 
 
+# Items per DoneBatch: ~40 KB of DONEs, far below a node's max_frame_bytes (1 MiB by default).
+MAX_DONE_BATCH = 256
+
+
+class DoneBatch(_Msg, tag="done_batch"):
+    """Several DONEs to one D in one frame (P's decided in one pass of its loop). D applies each as if
+    it came alone and answers ``Replies``, item by item, in order."""
+
+    items: list[Done]
+
+
 class Failed(_Msg, tag="failed"):
     """Sent by P only once none of its writes for the transfer can still be in flight."""
 
@@ -165,10 +176,16 @@ class Nack(_Msg, tag="nack"):
     reason: str
 
 
+class Replies(_Msg, tag="replies"):
+    """The answer to a ``DoneBatch``: one per item, in order; None for an item left unanswered (a
+    fault-injection hook dropped it), which its sender sends again alone."""
+
+    items: list[Union[Ack, Nack, None]]
+
+
 Message = Union[
-    LayoutRequest, LayoutReply, Done, Failed, Abort, AllocRequest, AbortRequest, AllocReply, LookupRequest,
-    VerifyRequest,
-    VerifyReply, ReleaseRequest, StatusRequest, StatusReply, Ack, Nack,
+    LayoutRequest, LayoutReply, Done, DoneBatch, Failed, Abort, AllocRequest, AbortRequest, AllocReply,
+    LookupRequest, VerifyRequest, VerifyReply, ReleaseRequest, StatusRequest, StatusReply, Ack, Nack, Replies,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

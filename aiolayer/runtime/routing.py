@@ -8,10 +8,29 @@ from __future__ import annotations
 
 import logging
 
-from ..errors import ControlError, ControlRejected, DeadlineExceeded
+from ..errors import ControlError, ControlRejected, DeadlineExceeded, FrameDropped
 from ..protocol import messages as m
+from ..protocol.codes import NackCode
 
 log = logging.getLogger("aiolayer.runtime.runtime")   # the runtime's own log, as before the split
+
+
+def _batched_done(rt, done: m.Done) -> m.Ack | m.Nack | None:
+    """One item of a ``DoneBatch``, answered as if it came alone (its own Nack; None: dropped by a hook)."""
+    try:
+        if done.v != m.PROTOCOL_VERSION:
+            raise ControlRejected(NackCode.VERSION, f"protocol version {done.v} unsupported; this side "
+                                  f"speaks {m.PROTOCOL_VERSION}")
+        if rt._hooks.inbound_filter is not None:
+            rt._hooks.inbound_filter(done)
+        return rt.receiver.handle(done)
+    except ControlRejected as exc:
+        return m.Nack(code=exc.code, reason=exc.reason)
+    except FrameDropped:
+        return None
+    except Exception as exc:  # noqa: BLE001 - this item's sender is told, the batch's others go on
+        log.exception("control handler failed on a batched Done")
+        return m.Nack(code=NackCode.INTERNAL, reason=f"{type(exc).__name__}: {exc}"[:300])
 
 
 async def stop_sender(rt, endpoint: str, transfer_id: str, token: str, reason: str) -> bool:
@@ -31,6 +50,10 @@ async def handle(rt, msg: m.Message) -> m.Message:
         rt._hooks.inbound_filter(msg)
     if isinstance(msg, (m.Done, m.Failed)):
         return rt.receiver.handle(msg)
+    if isinstance(msg, m.DoneBatch):
+        if len(msg.items) > m.MAX_DONE_BATCH:
+            raise ControlRejected(NackCode.SIZE, f"{len(msg.items)} DONEs in one batch; at most {m.MAX_DONE_BATCH}")
+        return m.Replies(items=[_batched_done(rt, done) for done in msg.items])
     if isinstance(msg, m.Abort):
         return m.Ack(detail=await rt.sender.abort(msg.transfer_id, msg.reason, msg.token))
     if isinstance(msg, m.AbortRequest):

@@ -3,7 +3,8 @@
 The forward thread calls ``begin_step``, ``layer_ready`` and ``end_step``; each only appends to the
 bridge. On the loop, every request of a step gets one coroutine that awaits D's layout, then for
 each layer awaits its device event and submits that layer's K and V runs. After the last layer it
-waits for every write to settle and tells D: DONE, or FAILED with the reason.
+waits for every write to settle and tells D: DONE (those of one loop pass to one D in one frame,
+``done_batch``), or FAILED with the reason.
 
 Fencing: a transfer id appears in ``pop_released`` only once no write reading its source blocks
 can still be in flight. Usually that is when its outcome is published; after a write timed out
@@ -40,6 +41,7 @@ from ..protocol.state import Event, State
 from ..stats import LatencyHistogram
 from .bridge import LayerBridge
 from .control import ControlPeers
+from .done_batch import DoneBatcher
 from .events import record_event
 from .fence import MAX_EARLY_ABORTS, EarlyAborts, Request, StepLayers, guarded
 from .metadata import LayoutCache
@@ -81,6 +83,7 @@ class Sender:
         self.deadlines: collections.Counter[str] = collections.Counter()
         self.handoff = LatencyHistogram()
         self.stream = LayerStreamer(backend, timeouts, self.deadlines)
+        self.dones = DoneBatcher(peers, timeouts)   # the DONEs of one pass of the loop, one frame per D
 
     # --- forward-thread API (never blocks) -------------------------------------------------
 
@@ -142,7 +145,7 @@ class Sender:
 
     async def run(self, spawn) -> None:
         """Drain the bridge until it is closed; owned by the runtime's TaskGroup."""
-        self._spawn = spawn
+        self._spawn = self.dones.spawn = spawn
         try:
             while True:
                 batch = await self.bridge.drain()
@@ -313,6 +316,9 @@ class Sender:
         """Deliver DONE/FAILED with bounded retries; ``DeliveryFailed`` (logged) when D did not take it."""
         try:
             with map_errors(DeliveryFailed):   # a bad endpoint too: D's own deadline takes over
+                if isinstance(msg, m.Done):
+                    await self.dones.deliver(spec.peer, msg)
+                    return
                 client = await self.peers.get(spec.peer)
                 await client.call_with_retries(msg, self.timeouts.done_delivery)
         except DeliveryFailed as exc:

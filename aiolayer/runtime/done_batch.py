@@ -1,0 +1,126 @@
+"""P's DONEs to one D, batched: those decided in one pass of the loop go to D as ONE ``DoneBatch``.
+
+With a thousand transfers ending together, a frame, a reply and a control call per DONE were a fifth
+of P's loop (and of D's). D applies each item as if it came alone and answers ``Replies`` in order,
+so what a DONE means does not change: a transfer's outcome is published only once D acked ITS item.
+An item D left unanswered (a fault-injection hook dropped it), and every item when D does not know
+the batch (an older node answers ``Nack`` ``decode``: from then on that D gets them one by one) or
+finds it too big (``size``), is sent again alone, within the same deadline.
+A DONE that is alone in its pass goes as a plain ``Done``, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ..config import Timeouts
+from ..errors import ControlError, ControlRejected, ControlTimeout, ProtocolError
+from ..protocol import messages as m
+from ..protocol.codes import NackCode
+from .control import ControlPeers
+
+log = logging.getLogger(__name__)
+_Item = tuple[m.Done, asyncio.Future]
+
+
+class DoneBatcher:
+    def __init__(self, peers: ControlPeers, timeouts: Timeouts) -> None:
+        self.peers = peers
+        self.timeouts = timeouts
+        self.spawn = None                               # the runtime's, set when the sender runs
+        self._queued: dict[str, list[_Item]] = {}       # D's endpoint -> DONEs of this pass
+        self._singles: set[str] = set()                 # Ds that answered a batch Nack(decode): one by one
+        self.batches = 0                                # frames that carried more than one DONE
+
+    async def deliver(self, endpoint: str, done: m.Done) -> m.Message:
+        """D's reply to this DONE; raises as ``ControlClient.call_with_retries`` would (a Nack:
+        ``ControlRejected``), within ``Timeouts.done_delivery``."""
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        queue = self._queued.setdefault(endpoint, [])
+        queue.append((done, answer))
+        if len(queue) == 1:
+            loop.call_soon(self._flush, endpoint)
+        return await answer
+
+    def _flush(self, endpoint: str) -> None:
+        items = self._queued.pop(endpoint, [])
+        for first in range(0, len(items), m.MAX_DONE_BATCH):
+            chunk = items[first:first + m.MAX_DONE_BATCH]
+            try:
+                self.spawn(self._send(endpoint, chunk), name=f"done-batch {endpoint}")
+            except Exception as exc:  # noqa: BLE001 - the runtime is stopping: no task can start
+                _fail(chunk, ControlError(f"DONE not sent: {type(exc).__name__}: {exc}"))
+
+    async def _send(self, endpoint: str, items: list[_Item]) -> None:
+        """Never raises into the TaskGroup: every item's future gets its answer or its error."""
+        deadline = asyncio.get_running_loop().time() + self.timeouts.done_delivery
+        try:
+            live = [item for item in items if not item[1].done()]   # done: its waiter was cancelled
+            if len(live) == 1 or endpoint in self._singles:
+                await asyncio.gather(*(self._alone(endpoint, item, deadline) for item in live))
+            elif live:
+                await self._batch(endpoint, live, deadline)
+        except asyncio.CancelledError:
+            _fail(items, ControlError("DONE not delivered: the runtime stopped"))
+            raise
+        except Exception as exc:  # noqa: BLE001 - becomes each item's failure, logged by its sender
+            _fail(items, exc)
+
+    async def _batch(self, endpoint: str, live: list[_Item], deadline: float) -> None:
+        client = await self.peers.get(endpoint)
+        batch = m.DoneBatch(items=[done for done, _ in live])
+        try:
+            reply = await client.call_with_retries(batch, self._left(deadline))
+        except ControlRejected as exc:
+            if exc.code not in (NackCode.DECODE, NackCode.UNKNOWN, NackCode.SIZE):
+                raise
+            if exc.code != NackCode.SIZE:   # too big for D's max_frame_bytes: this batch only
+                log.warning("D at %s does not take batched DONEs (%s): they go one by one to it", endpoint, exc.code)
+                self._singles.add(endpoint)
+            reply = m.Replies(items=[None] * len(live))
+        else:
+            if not isinstance(reply, m.Replies) or len(reply.items) != len(live):
+                raise ProtocolError(f"D at {endpoint} answered {len(live)} batched DONEs with {type(reply).__name__}")
+            self.batches += 1
+        again = []
+        for item, answer in zip(live, reply.items):
+            if answer is None:
+                again.append(self._alone(endpoint, item, deadline))
+            elif isinstance(answer, m.Nack):
+                _settle(item[1], exc=ControlRejected(answer.code, answer.reason))
+            else:
+                _settle(item[1], result=answer)
+        if again:
+            await asyncio.gather(*again)
+
+    async def _alone(self, endpoint: str, item: _Item, deadline: float) -> None:
+        done, answer = item
+        try:
+            client = await self.peers.get(endpoint)
+            _settle(answer, result=await client.call_with_retries(done, self._left(deadline)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the item's own error, as a plain call would raise it
+            _settle(answer, exc=exc)
+
+    def _left(self, deadline: float) -> float:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise ControlTimeout("done_delivery", self.timeouts.done_delivery, "DONE not answered in time")
+        return left
+
+
+def _settle(answer: asyncio.Future, *, result=None, exc: BaseException | None = None) -> None:
+    if answer.done():   # its waiter was cancelled
+        return
+    if exc is not None:
+        answer.set_exception(exc)
+    else:
+        answer.set_result(result)
+
+
+def _fail(items: list[_Item], exc: BaseException) -> None:
+    for _, answer in items:
+        _settle(answer, exc=exc)

@@ -1,0 +1,110 @@
+"""Issue 14, P's DONEs batched per D (``runtime.done_batch``): one frame for the DONEs of a loop pass,
+and each still means what it meant alone.
+
+- Transfers of one step that end together reach D as ``DoneBatch`` frames; every one is verified
+  at D, and one whose DONE D drops (fault injection) fails alone ("DONE not delivered"), while the
+  others of its batch finish.
+- A D that does not know ``DoneBatch`` (an older node answers ``Nack(decode)``) gets them one by one:
+  every transfer still finishes.
+- D answers a batch item by item: a wrong token or a sender D does not expect is that item's Nack.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from aiolayer import DecodeNode, NodeConfig, Timeouts, TransferSpec
+from aiolayer.errors import ControlRejected
+from aiolayer.kvcache import PagedKVCache
+from aiolayer.protocol import messages as m
+from aiolayer.protocol.codes import NackCode
+
+from helpers_node import SMALL_SHAPE
+
+pytestmark = pytest.mark.timeout(60)
+SHAPE = SMALL_SHAPE
+FAST = Timeouts(control_call=0.5, done_delivery=1.5)
+COUNT = 24
+
+
+CACHES: list[PagedKVCache] = []   # alive as long as the runtimes that registered them
+
+
+def _p(memory_runtime, name: str):
+    p = memory_runtime(name, FAST)
+    cache = PagedKVCache(SHAPE)
+    CACHES.append(cache)
+    cache.buffer[:] = np.random.default_rng(5).integers(1, 256, cache.buffer.size, dtype=np.uint8)
+    p.register_kv_memory(cache.k_base, cache.v_base, SHAPE.block_bytes, SHAPE.num_blocks)
+    return p
+
+
+def _stream(p, d_control: str, drop: set[str] = frozenset()) -> dict:
+    """COUNT one-block transfers in one step, every layer ready at once; their outcomes by id."""
+    specs = []
+    for i in range(COUNT):
+        tid = f"t{i}"
+        rep = p.request(d_control, m.AllocRequest(transfer_id=tid, num_blocks=1, drop_done=tid in drop), timeout=5)
+        specs.append(TransferSpec.from_registration(rep, src_blocks=[i], peer=d_control))
+    p.sender.begin_step(1, specs)
+    for layer in range(SHAPE.num_layers):
+        p.sender.layer_ready(1, layer)
+    p.sender.end_step(1)
+    return {s.transfer_id: p.sender.wait(s.transfer_id, 10) for s in specs}
+
+
+def _state(p, d_control: str, tid: str) -> str:
+    return p.request(d_control, m.StatusRequest(transfer_id=tid), timeout=5).state
+
+
+def test_issue14_dones_of_one_pass_go_as_batches_and_a_dropped_one_fails_alone(memory_runtime, memory_decode_node):
+    d = memory_decode_node(SHAPE, "d-batch", FAST)
+    p = _p(memory_runtime, "p-batch")
+    outcomes = _stream(p, d.control_endpoint, drop={"t7"})
+    assert p.sender.dones.batches >= 1
+    failed = {tid: o.reason for tid, o in outcomes.items() if not o.ok}
+    assert list(failed) == ["t7"] and failed["t7"].startswith("DONE not delivered"), failed
+    for tid in outcomes:
+        assert _state(p, d.control_endpoint, tid) == ("registered" if tid == "t7" else "finished")
+
+
+def test_issue14_a_d_without_batches_gets_the_dones_one_by_one(memory_runtime):
+    def old_node(msg: m.Message) -> None:   # what an older node answers to a type it does not know
+        if isinstance(msg, m.DoneBatch):
+            raise ControlRejected(NackCode.DECODE, "Invalid value 'done_batch' - at `$.type`")
+
+    d = DecodeNode(SHAPE, NodeConfig(engine_id="d-old", backend="memory"), FAST)
+    d.runtime._hooks = msgspec.structs.replace(d.runtime._hooks, inbound_filter=old_node)   # before start
+    d.start()
+    try:
+        p = _p(memory_runtime, "p-old")
+        outcomes = _stream(p, d.control_endpoint)
+        assert all(o.ok for o in outcomes.values()), {t: o.reason for t, o in outcomes.items() if not o.ok}
+        assert p.sender.dones.batches == 0
+        assert all(_state(p, d.control_endpoint, tid) == "finished" for tid in outcomes)
+    finally:
+        d.stop()
+
+
+def test_issue14_d_answers_each_batched_done_alone(memory_runtime, memory_decode_node):
+    d = memory_decode_node(SHAPE, "d-items", FAST)
+    p = _p(memory_runtime, "p-items")
+    good = p.request(d.control_endpoint, m.AllocRequest(transfer_id="good", num_blocks=1), timeout=5)
+    other = p.request(d.control_endpoint, m.AllocRequest(transfer_id="other", num_blocks=1), timeout=5)
+    reply = p.request(d.control_endpoint, m.DoneBatch(items=[
+        m.Done(transfer_id="good", sender="p", token=good.token),
+        m.Done(transfer_id="other", sender="p", token="wrong-token-for-this-one"),
+        m.Done(transfer_id="good", sender="p", token=good.token),   # a repeat: idempotent
+    ]), timeout=5)
+    assert isinstance(reply, m.Replies) and len(reply.items) == 3
+    first, wrong, repeat = reply.items
+    assert isinstance(first, m.Ack) and first.detail == "finished"
+    assert isinstance(wrong, m.Nack) and wrong.code == NackCode.AUTH
+    assert isinstance(repeat, m.Ack) and repeat.detail.startswith("already")
+    assert _state(p, d.control_endpoint, "other") == "registered" and other.token
+    too_many = m.DoneBatch(items=[m.Done(transfer_id="x", sender="p")] * (m.MAX_DONE_BATCH + 1))
+    with pytest.raises(ControlRejected) as refused:
+        p.request(d.control_endpoint, too_many, timeout=5)
+    assert refused.value.code == NackCode.SIZE
