@@ -32,6 +32,7 @@ class DoneBatcher:
         self._queued: dict[str, list[_Item]] = {}       # D's endpoint -> DONEs of this pass
         self._singles: set[str] = set()                 # Ds that answered a batch Nack(decode): one by one
         self.batches = 0                                # frames that carried more than one DONE
+        self.batched = 0                                # DONEs those frames carried
 
     async def deliver(self, endpoint: str, done: m.Done) -> m.Message:
         """D's reply to this DONE; raises as ``ControlClient.call_with_retries`` would (a Nack:
@@ -84,6 +85,7 @@ class DoneBatcher:
             if not isinstance(reply, m.Replies) or len(reply.items) != len(live):
                 raise ProtocolError(f"D at {endpoint} answered {len(live)} batched DONEs with {type(reply).__name__}")
             self.batches += 1
+            self.batched += len(live)
         again = []
         for item, answer in zip(live, reply.items):
             if answer is None:

@@ -110,6 +110,7 @@ def _stream(rt: Runtime, cfg: ScaleConfig, specs: list[TransferSpec], rank: int)
             "peak_runs_per_target": getattr(backend, "peak_runs_per_target", None),
             "backend_writes": getattr(backend, "writes_started", None),   # write calls (groups of runs)
             "done_batches": rt.sender.dones.batches,   # frames that carried several DONEs to one D
+            "dones_batched": rt.sender.dones.batched,  # the DONEs they carried (the rest went alone)
             "cpu_s": round(cpu_s, 3), "loop_cpu_s": round(loop_cpu_s, 3), "gc_s": round(gc_s.seconds, 3),
             "gc_collections": gc_s.collections,
             "finished": {tid: o.finished_s for tid, o in outcomes.items()},

@@ -37,7 +37,7 @@ def build_report(cfg: ScaleConfig, routes, writers, allocs, summaries: dict[int,
               "d_ranks": [r.d_rank for r in routes_from(routes, p)],
               **{k: s[k] for k in ("specs", "ok", "failed", "lost", "bytes", "peak_active", "peak_backend_writes",
                                    "writes_submitted")}, "backend_writes": s.get("backend_writes"),
-              "done_batches": s.get("done_batches"),
+              "done_batches": s.get("done_batches"), "dones_batched": s.get("dones_batched"),
               "peak_runs_per_target": s.get("peak_runs_per_target"),
               "seconds": round(s["t_end"] - s["t_begin"], 3),
               "gbps": round(s["bytes"] / max(1e-9, s["t_end"] - s["t_begin"]) / 1e9, 3),
@@ -76,6 +76,10 @@ def print_scale(r: dict) -> None:
               f"{d['transfers'] - d['verified']:>7}{d['bytes'] / 1e6:>9.1f}   (senders per transfer: {d['senders']})")
     print(f"total: {r['concurrent']} requests in flight at once, {r['bytes'] / 1e9:.3f} GB in {r['seconds']:.2f} s "
           f"= {r['gbps']:.2f} GB/s; verified {r['verified']}/{r['transfers']}, failed {r['failed']}, lost {r['lost']}")
+    batched = [(p.get("done_batches"), p.get("dones_batched")) for p in r["per_p_rank"]]
+    if all(b is not None for b, _ in batched):
+        print(f"DONEs to D: {sum(n for _, n in batched)} of {sum(p['ok'] for p in r['per_p_rank'])} went in "
+              f"{sum(b for b, _ in batched)} batch frames (those decided in one pass of P's loop), the rest alone")
     print_raw(r)
     print_whole_blocks(r)
     for line in r["failures"]:
