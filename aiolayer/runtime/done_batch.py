@@ -1,8 +1,9 @@
 """P's DONEs to one D, batched: those decided in one pass of the loop go to D as ONE ``DoneBatch``.
 
-With a thousand transfers ending together, a frame, a reply and a control call per DONE were a fifth
-of P's loop (and of D's). D applies each item as if it came alone and answers ``Replies`` in order,
-so what a DONE means does not change: a transfer's outcome is published only once D acked ITS item.
+Transfers whose last writes settle in the same pass (a step's requests finishing together) cost one
+frame, one reply and one control call for all of them instead of one each, on P's loop and on D's.
+D applies each item as if it came alone and answers ``Replies`` in order, so what a DONE means does
+not change: a transfer's outcome is published only once D acked ITS item.
 An item D left unanswered (a fault-injection hook dropped it), and every item when D does not know
 the batch (an older node answers ``Nack`` ``decode``: from then on that D gets them one by one) or
 finds it too big (``size``), is sent again alone, within the same deadline.

@@ -5,7 +5,7 @@ item is a finished value (an ``Outcome`` or an id), so a reader never sees one h
 
 What the loop publishes is staged and made visible together once per pass of the loop (a
 ``call_soon``): ``on_change`` (the runtime's metrics snapshot) runs once for all of them, not once
-per outcome and release; with a thousand transfers ending together that was a fifth of the loop.
+per outcome and once per release.
 """
 
 from __future__ import annotations
