@@ -173,20 +173,18 @@ class GroupPoller:
                 except asyncio.TimeoutError:
                     pass
 
-    def _check_all(self, now: float) -> bool:
+    def _check_all(self, now: float) -> None:
         check = self.check
-        progressed = False
         heap = self._deadlines
         while heap and heap[0][0] <= now:   # first, so that the scan below drops them from their queue
             group = heapq.heappop(heap)[2]
             if not group.settled:
                 self._expire(group, check)
-                progressed = True
         if len(heap) > 2 * self._groups + 1024:   # settled groups' entries: drop them now and then
             self._deadlines = heap = [e for e in heap if not e[2].settled]
             heapq.heapify(heap)
         for target, queue in list(self._inflight.items()):
-            progressed |= self._check_target(target, queue, check)
+            self._check_target(target, queue, check)
             if self._waiting.get(target):
                 self._top_up(target)
             if not queue:
@@ -194,11 +192,9 @@ class GroupPoller:
         if self._quarantine and now >= self._quarantine_due:
             self._quarantine_due = now + _QUARANTINE_POLL_S
             self._check_quarantine(check)
-        return progressed
 
-    def _check_target(self, target: str, queue: list[Group], check) -> bool:
+    def _check_target(self, target: str, queue: list[Group], check) -> None:
         """Advance the first groups of one target's queue; drop the settled ones from it."""
-        progressed = False
         ahead = scanned = 0
         for group in queue:
             if ahead >= _SCAN_AHEAD:
@@ -216,7 +212,6 @@ class GroupPoller:
                     group.late.append(self._quarantine_run(ids[cursor]))
                 cursor += 1
             if cursor != group.cursor:
-                progressed = True
                 self._count(target, group.cursor - cursor)
                 group.cursor = cursor
                 if group.settled:
@@ -228,7 +223,6 @@ class GroupPoller:
             kept = [g for g in head if not g.settled]
             if len(kept) != len(head):
                 queue[:scanned] = kept
-        return progressed
 
     def _top_up(self, target: str) -> None:
         """Submit waiting runs to ``target``, oldest write first, as far as its room allows."""

@@ -25,6 +25,7 @@ from aiolayer.errors import ConfigError
 from aiolayer.transport import Transport
 
 DEBUG_ZERO_RECEIVED_ENV = "AIOLAYER_DEBUG_ZERO_RECEIVED"
+DEFAULT_QUEUE_SPIN_MS = 2.0   # docs/vllm.md: a parked D's readers spin 1 s after each message otherwise
 
 
 class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -36,14 +37,14 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     transport: Transport = msgspec.field(default_factory=Transport)
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
     layerwise_min_tokens: int = 0
-    queue_spin_ms: float | None = 2.0
+    queue_spin_ms: float | None = DEFAULT_QUEUE_SPIN_MS
 
 
 class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True):
     node: NodeConfig
     timeouts: Timeouts
     layerwise_min_tokens: int = 0
-    queue_spin_s: float | None = 0.002    # None: vLLM's own spin
+    queue_spin_s: float | None = DEFAULT_QUEUE_SPIN_MS / 1e3    # None: vLLM's own spin
     debug_zero_received: bool = False
 
 
