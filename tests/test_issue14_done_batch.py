@@ -7,9 +7,12 @@ and each still means what it meant alone.
 - A D that does not know ``DoneBatch`` (an older node answers ``Nack(decode)``) gets them one by one:
   every transfer still finishes.
 - D answers a batch item by item: a wrong token or a sender D does not expect is that item's Nack.
+- The first DONE of a pass, cancelled while the others join, does not strand them.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import msgspec
 import numpy as np
@@ -20,6 +23,8 @@ from aiolayer.errors import ControlRejected
 from aiolayer.kvcache import PagedKVCache
 from aiolayer.protocol import messages as m
 from aiolayer.protocol.codes import NackCode
+from aiolayer.runtime.control import ControlPeers
+from aiolayer.runtime.done_batch import DoneBatcher
 
 from helpers_node import SMALL_SHAPE
 
@@ -108,3 +113,31 @@ def test_issue14_d_answers_each_batched_done_alone(memory_runtime, memory_decode
     with pytest.raises(ControlRejected) as refused:
         p.request(d.control_endpoint, too_many, timeout=5)
     assert refused.value.code == NackCode.SIZE
+
+
+def test_issue14_a_cancelled_first_done_does_not_strand_the_others(memory_runtime, memory_decode_node):
+    """The first DONE of a pass sends the pass's batch; cancelled while it waits for the others to
+    join (the runtime stopping under it), those others are still sent and answered."""
+    d = memory_decode_node(SHAPE, "d-cancel", FAST)
+    p = _p(memory_runtime, "p-cancel")
+    regs = [p.request(d.control_endpoint, m.AllocRequest(transfer_id=f"c{i}", num_blocks=1), timeout=5)
+            for i in range(3)]
+    dones = [m.Done(transfer_id=r.transfer_id, sender="p-cancel", token=r.token) for r in regs]
+
+    async def main() -> list:
+        async with asyncio.TaskGroup() as group:
+            peers = ControlPeers(FAST, group.create_task)
+            batcher = DoneBatcher(peers, FAST)
+            batcher.spawn = group.create_task
+            first = group.create_task(batcher.deliver(d.control_endpoint, dones[0]))
+            others = [group.create_task(batcher.deliver(d.control_endpoint, x)) for x in dones[1:]]
+            await asyncio.sleep(0)   # all three queued; the first waits one pass for the others
+            first.cancel()
+            answers = await asyncio.wait_for(asyncio.gather(*others), 5)
+            await peers.close()
+        assert first.cancelled()
+        return answers
+
+    answers = asyncio.run(main())
+    assert [a.detail for a in answers] == ["finished", "finished"]
+    assert [_state(p, d.control_endpoint, f"c{i}") for i in range(3)] == ["registered", "finished", "finished"]

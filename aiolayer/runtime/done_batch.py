@@ -7,7 +7,9 @@ not change: a transfer's outcome is published only once D acked ITS item.
 An item D left unanswered (a fault-injection hook dropped it), and every item when D does not know
 the batch (an older node answers ``Nack`` ``decode``: from then on that D gets them one by one) or
 finds it too big (``size``), is sent again alone, within the same deadline.
-A DONE that is alone in its pass goes as a plain ``Done``, as before.
+The first DONE of a pass to a D waits one pass for others to join; alone, it goes as a plain
+``Done`` from its own transfer's coroutine (no task, as before); with others, one task sends the
+batch, so that no answer depends on one transfer's coroutine (cancelled, it hands the rest on).
 """
 
 from __future__ import annotations
@@ -38,25 +40,39 @@ class DoneBatcher:
     async def deliver(self, endpoint: str, done: m.Done) -> m.Message:
         """D's reply to this DONE; raises as ``ControlClient.call_with_retries`` would (a Nack:
         ``ControlRejected``), within ``Timeouts.done_delivery``."""
-        loop = asyncio.get_running_loop()
-        answer = loop.create_future()
+        answer = asyncio.get_running_loop().create_future()
         queue = self._queued.setdefault(endpoint, [])
         queue.append((done, answer))
-        if len(queue) == 1:
-            loop.call_soon(self._flush, endpoint)
-        return await answer
-
-    def _flush(self, endpoint: str) -> None:
+        if len(queue) > 1:
+            return await answer   # the first DONE of this pass to this D sends them all
+        try:
+            await asyncio.sleep(0)    # one pass: the DONEs decided in it join the queue
+        except asyncio.CancelledError:
+            self._start([it for it in self._queued.pop(endpoint, []) if it[1] is not answer], endpoint)
+            raise
         items = self._queued.pop(endpoint, [])
-        for first in range(0, len(items), m.MAX_DONE_BATCH):
-            chunk = items[first:first + m.MAX_DONE_BATCH]
-            try:
-                self.spawn(self._send(endpoint, chunk), name=f"done-batch {endpoint}")
-            except Exception as exc:  # noqa: BLE001 - the runtime is stopping: no task can start
-                _fail(chunk, ControlError(f"DONE not sent: {type(exc).__name__}: {exc}"))
+        if len(items) > 1:   # a task: the others' answers must not depend on this transfer's coroutine
+            self._start(items, endpoint)
+            return await answer
+        try:                 # alone: sent from this coroutine, no task
+            await self._send(endpoint, items)
+        finally:
+            if answer.done() and not answer.cancelled():
+                answer.exception()   # retrieved here, also when this coroutine is cancelled
+        return answer.result()
+
+    def _start(self, items: list[_Item], endpoint: str) -> None:
+        if not items:
+            return
+        sender = self._send(endpoint, items)
+        try:
+            self.spawn(sender, name=f"done-batch {endpoint}")
+        except Exception as exc:  # noqa: BLE001 - the runtime is stopping: no task can start
+            sender.close()
+            _fail(items, ControlError(f"DONE not sent: {type(exc).__name__}: {exc}"))
 
     async def _send(self, endpoint: str, items: list[_Item]) -> None:
-        """Never raises into the TaskGroup: every item's future gets its answer or its error."""
+        """Never raises (but cancellation): every item's future gets its answer or its error."""
         deadline = asyncio.get_running_loop().time() + self.timeouts.done_delivery
         try:
             live = [item for item in items if not item[1].done()]   # done: its waiter was cancelled
