@@ -261,6 +261,8 @@ def test_scale_two_p_ranks_to_four_d_ranks(tmp_path):
     whole = report["whole_blocks"]   # the same requests again, 2 P -> 2 D, in the same run
     assert whole["decode_ranks"] == 2 and whole["all_verified"] and whole["verified"] == whole["transfers"] == 300
     assert whole["loop_cpu_head_slices_over_whole_blocks"] > 0 and whole["raw_cpu_head_slices_over_whole_blocks"] > 0
+    assert report["loop_us_per_run"] > 0 and whole["loop_us_per_run"] > 0   # loop CPU over runs submitted
+    assert whole["loop_cpu_per_run_head_slices_over_whole_blocks"] > 0
     assert _children() <= before, "a P or D rank process is still running"
 
 

@@ -256,6 +256,9 @@ def compare_whole_blocks(sliced: dict, whole: dict) -> dict:
             "cpu_s_per_gb": whole["cpu_s_per_gb"], "gc_s_per_gb": whole.get("gc_s_per_gb"),
             "verified": whole["verified"], "transfers": whole["transfers"], "all_verified": whole["all_verified"],
             "loop_cpu_head_slices_over_whole_blocks": round(loop_sliced / max(1e-9, loop_whole), 2),
+            "loop_us_per_run": whole["loop_us_per_run"],
+            "loop_cpu_per_run_head_slices_over_whole_blocks": round(sliced["loop_us_per_run"]
+                                                                    / max(1e-9, whole["loop_us_per_run"]), 2),
             "raw_cpu_head_slices_over_whole_blocks": round(sliced["cpu_s_per_gb"]["raw_process"]
                                                            / max(1e-9, whole["cpu_s_per_gb"]["raw_process"]), 2)}
 

@@ -120,6 +120,9 @@ def raw_report(summaries: dict[int, dict], raws: dict[str, dict[int, dict]], nby
             "raw_same_spans": (raw["bytes"] == nbytes
                                and raw["writes"] == sum(s["writes_submitted"] for s in summaries.values())),
             "gc_s_per_gb": round(sum(s.get("gc_s", 0.0) for s in summaries.values()) / gb, 3),
+            # per run submitted: head slices have twice the runs per GB of whole blocks (half-block runs)
+            "loop_us_per_run": round(1e6 * sum(s["loop_cpu_s"] for s in summaries.values())
+                                     / max(1, sum(s["writes_submitted"] for s in summaries.values())), 2),
             "cpu_s_per_gb": {"loop": round(sum(s["loop_cpu_s"] for s in summaries.values()) / gb, 3),
                              "process": round(sum(s["cpu_s"] for s in summaries.values()) / gb, 3),
                              "raw_process": round(raw["cpu_s"] / raw_gb, 3)}}
@@ -144,7 +147,9 @@ def print_whole_blocks(r: dict) -> None:
           f"{w['gbps']:.3f} GB/s, aiolayer / raw = {w['raw_ratio']:.2f}, loop CPU {w['cpu_s_per_gb']['loop']:.2f} s/GB, "
           f"verified {w['verified']}/{w['transfers']}")
     print(f"head slices' loop CPU per GB = {w['loop_cpu_head_slices_over_whole_blocks']:.2f}x whole blocks' "
-          f"(raw Mooncake's process CPU per GB, the same spans: {w['raw_cpu_head_slices_over_whole_blocks']:.2f}x)")
+          f"(raw Mooncake's process CPU per GB, the same spans: {w['raw_cpu_head_slices_over_whole_blocks']:.2f}x); "
+          f"per run submitted: {r['loop_us_per_run']:.1f} us vs {w['loop_us_per_run']:.1f} us "
+          f"({w['loop_cpu_per_run_head_slices_over_whole_blocks']:.2f}x)")
 
 
 def print_raw(r: dict) -> None:
