@@ -102,9 +102,11 @@ def test_issue14_d_answers_each_batched_done_alone(memory_runtime, memory_decode
         m.Done(transfer_id="good", sender="p", token=good.token),
         m.Done(transfer_id="other", sender="p", token="wrong-token-for-this-one"),
         m.Done(transfer_id="good", sender="p", token=good.token),   # a repeat: idempotent
+        m.Done(transfer_id="other", sender="p", token=other.token, v=m.PROTOCOL_VERSION + 1),
     ]), timeout=5)
-    assert isinstance(reply, m.Replies) and len(reply.items) == 3
-    first, wrong, repeat = reply.items
+    assert isinstance(reply, m.Replies) and len(reply.items) == 4
+    first, wrong, repeat, newer = reply.items
+    assert isinstance(newer, m.Nack) and newer.code == NackCode.VERSION
     assert isinstance(first, m.Ack) and first.detail == "finished"
     assert isinstance(wrong, m.Nack) and wrong.code == NackCode.AUTH
     assert isinstance(repeat, m.Ack) and repeat.detail.startswith("already")

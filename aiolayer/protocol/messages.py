@@ -213,10 +213,15 @@ def decode(payload: bytes) -> Message:
         raise DecodeFailure(NackCode.DECODE, str(exc)[:200]) from None
     except (ValueError, TypeError, OverflowError) as exc:
         raise DecodeFailure(NackCode.DECODE, f"{type(exc).__name__}: {exc}"[:200]) from None
+    check_version(msg)
+    return msg
+
+
+def check_version(msg: Message) -> None:
+    """Refuse a message of another protocol version (a frame's, or an item inside one)."""
     if msg.v != PROTOCOL_VERSION:
         raise DecodeFailure(NackCode.VERSION,
                             f"protocol version {msg.v} unsupported; this side speaks {PROTOCOL_VERSION}")
-    return msg
 
 
 def confirms_stop(reply: Message) -> bool:

@@ -18,13 +18,11 @@ log = logging.getLogger("aiolayer.runtime.runtime")   # the runtime's own log, a
 def _batched_done(rt, done: m.Done) -> m.Ack | m.Nack | None:
     """One item of a ``DoneBatch``, answered as if it came alone (its own Nack; None: dropped by a hook)."""
     try:
-        if done.v != m.PROTOCOL_VERSION:
-            raise ControlRejected(NackCode.VERSION, f"protocol version {done.v} unsupported; this side "
-                                  f"speaks {m.PROTOCOL_VERSION}")
+        m.check_version(done)
         if rt._hooks.inbound_filter is not None:
             rt._hooks.inbound_filter(done)
         return rt.receiver.handle(done)
-    except ControlRejected as exc:
+    except (ControlRejected, m.DecodeFailure) as exc:
         return m.Nack(code=exc.code, reason=exc.reason)
     except FrameDropped:
         return None

@@ -178,33 +178,34 @@ class Sender:
         elif kind == "cancel":
             self._cancel(item[1], item[2])
 
-    def _start_request(self, spec: TransferSpec, feed: StepLayers) -> Request | None:
-        """Start one transfer (None: not started). Never raises: whatever is wrong with this spec
-        fails this transfer only, with a visible outcome, and the step's others go on."""
+    def _start_request(self, spec: TransferSpec, feed: StepLayers) -> None:
+        """Start one transfer, reading its layers from ``feed``. Never raises: whatever is wrong with
+        this spec fails this transfer only, with a visible outcome, and the step's others go on."""
         tid = getattr(spec, "transfer_id", None)
         if isinstance(tid, str) and tid in self._live:
             # its outcome and release belong to the live one: nothing may be published under its id
             log.error("transfer %s: started again while live; the second start is ignored", tid)
             self.outcome_counts["duplicate"] += 1
-            return None
+            return
         try:
             check_spec(spec)
             check_block_bounds(spec.src_blocks, self.local.num_blocks, "source")
             runs = merge_runs(spec.src_blocks, spec.dst_blocks)
         except Exception as exc:  # noqa: BLE001 - ValueError, OverflowError (ids >= 2**63), TypeError...
-            return self._refuse(spec, f"invalid transfer spec: {type(exc).__name__}: {exc}")
+            self._refuse(spec, f"invalid transfer spec: {type(exc).__name__}: {exc}")
+            return
         req = Request(spec, runs, feed)
         if self._aborted_early.take((tid, spec.token), time.monotonic()):
             self._spawn(self._finish(req, "aborted by D before it started", None), name=f"fail {tid}")
-            return req
+            return
         try:
             self.layouts.prefetch(spec.peer, (tid, spec.token))
         except Exception as exc:  # noqa: BLE001 - e.g. an endpoint the control plane cannot parse
-            return self._refuse(spec, f"layout prefetch failed: {type(exc).__name__}: {exc}")
+            self._refuse(spec, f"layout prefetch failed: {type(exc).__name__}: {exc}")
+            return
         self._live[tid] = req
         self.active += 1
         self._spawn(self._run_request(req), name=f"send {tid}")
-        return req
 
     def _refuse(self, spec, reason: str) -> None:
         """A transfer that cannot start: its outcome at once; FAILED to D if the spec can address it."""
