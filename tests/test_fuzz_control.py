@@ -28,7 +28,8 @@ SHAPE = KVShape(num_layers=2, num_blocks=16, block_size=16, kv_heads=2, head_dim
 VALID = [m.encode(x) for x in (m.StatusRequest(transfer_id="t"), m.LayoutRequest(requester="fuzz"),
                                m.Done(transfer_id="fz", sender="fuzz"), m.VerifyRequest(transfer_id="nope"),
                                m.AllocRequest(transfer_id="a", num_blocks=10 ** 9),
-                               m.DoneBatch(items=[m.Done(transfer_id="fz", sender="fuzz")] * 3))]
+                               m.DoneBatch(items=[m.Done(transfer_id="fz", sender="fuzz")] * 3),
+                               m.LayoutBatch(items=[m.LayoutRequest(requester="fuzz", transfer_id="fz")] * 3))]
 SENT = {"frames": 0}
 
 
@@ -87,7 +88,8 @@ def test_f06_every_fuzzed_frame_gets_exactly_one_reply(dealer, data):
         msg = m.decode(reply[1])
         if len(frames) >= 1 and len(frames[0]) == 8:
             assert reply[0] == frames[0]      # a valid request id is echoed, even on a Nack
-        assert isinstance(msg, (m.Nack, m.StatusReply, m.LayoutReply, m.Ack, m.VerifyReply, m.Replies))
+        assert isinstance(msg, (m.Nack, m.StatusReply, m.LayoutReply, m.Ack, m.VerifyReply, m.Replies,
+                                m.LayoutReplies))
     assert not dealer.poll(0)                 # exactly one reply per frame: nothing extra
     SENT["frames"] += len(batch)
 

@@ -15,18 +15,17 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
-import numpy as np
 import pytest
 
-from aiolayer import DecodeNode, NodeConfig, Timeouts, TransferSpec
+from aiolayer import DecodeNode, NodeConfig, Timeouts
 from aiolayer.errors import ControlRejected
-from aiolayer.kvcache import PagedKVCache
 from aiolayer.protocol import messages as m
 from aiolayer.protocol.codes import NackCode
 from aiolayer.runtime.control import ControlPeers
 from aiolayer.runtime.done_batch import DoneBatcher
 
 from helpers_node import SMALL_SHAPE
+from helpers_step import d_state, memory_p, one_step
 
 pytestmark = pytest.mark.timeout(60)
 SHAPE = SMALL_SHAPE
@@ -34,34 +33,15 @@ FAST = Timeouts(control_call=0.5, done_delivery=1.5)
 COUNT = 24
 
 
-CACHES: list[PagedKVCache] = []   # alive as long as the runtimes that registered them
-
-
 def _p(memory_runtime, name: str):
-    p = memory_runtime(name, FAST)
-    cache = PagedKVCache(SHAPE)
-    CACHES.append(cache)
-    cache.buffer[:] = np.random.default_rng(5).integers(1, 256, cache.buffer.size, dtype=np.uint8)
-    p.register_kv_memory(cache.k_base, cache.v_base, SHAPE.block_bytes, SHAPE.num_blocks)
-    return p
+    return memory_p(memory_runtime, name, FAST, 5)
 
 
-def _stream(p, d_control: str, drop: set[str] = frozenset()) -> dict:
-    """COUNT one-block transfers in one step, every layer ready at once; their outcomes by id."""
-    specs = []
-    for i in range(COUNT):
-        tid = f"t{i}"
-        rep = p.request(d_control, m.AllocRequest(transfer_id=tid, num_blocks=1, drop_done=tid in drop), timeout=5)
-        specs.append(TransferSpec.from_registration(rep, src_blocks=[i], peer=d_control))
-    p.sender.begin_step(1, specs)
-    for layer in range(SHAPE.num_layers):
-        p.sender.layer_ready(1, layer)
-    p.sender.end_step(1)
-    return {s.transfer_id: p.sender.wait(s.transfer_id, 10) for s in specs}
+def _stream(p, d_control: str, drop: frozenset[str] = frozenset()) -> dict:
+    return one_step(p, d_control, COUNT, drop)
 
 
-def _state(p, d_control: str, tid: str) -> str:
-    return p.request(d_control, m.StatusRequest(transfer_id=tid), timeout=5).state
+_state = d_state
 
 
 def test_issue14_dones_of_one_pass_go_as_batches_and_a_dropped_one_fails_alone(memory_runtime, memory_decode_node):

@@ -67,8 +67,13 @@ def test_protocol_sources_import_no_io_modules():
 
 SAMPLES: list[m._Msg] = [
     m.LayoutRequest(requester="p0"),
+    m.LayoutBatch(items=[m.LayoutRequest(requester="p0", transfer_id="t", token="k"), m.LayoutRequest(transfer_id="u")]),
     m.LayoutReply(engine_id="d", incarnation="inc", session="127.0.0.1:1", block_bytes=4096,
                   num_blocks=8, layers=[m.LayerRegion(1 << 40, (1 << 40) + 4096), m.LayerRegion(0, 1)]),
+    m.LayoutReplies(layout=m.LayoutReply(engine_id="d", incarnation="inc", session="127.0.0.1:1", block_bytes=4096,
+                                         num_blocks=8, layers=[m.LayerRegion(0, 1)]),
+                    items=[m.Ack(), None, m.Nack(code="auth", reason="no")]),
+    m.LayoutReplies(layout=None, items=[m.Nack(code="ended", reason="gone")]),
     m.Done(transfer_id="t", sender="p", incarnation="inc", layers=4, bytes=1 << 33),
     m.DoneBatch(items=[m.Done(transfer_id="t", sender="p", bytes=1), m.Done(transfer_id="u", sender="p")]),
     m.Failed(transfer_id="t", sender="p", reason="boom"),

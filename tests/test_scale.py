@@ -9,6 +9,7 @@ scenario for real: P rank and D rank processes over Mooncake, every transfer ver
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import time
 
@@ -196,12 +197,15 @@ async def test_receiver_waits_for_every_sender():
     rx = Receiver(Timeouts())
     try:
         rx.register("k", [1, 2], token=TOKEN, senders=2)
+        assert rx.pending == 1
         assert rx.handle(_done("p0")).detail == "1 of 2 senders reported"
+        assert rx.pending == 1
         assert rx.state_of("k")[0] == "registered"    # p1 may still write: the blocks stay fenced
         assert rx.handle(_done("p0")).detail == "1 of 2 senders reported"
         assert rx.duplicates == 1
         assert rx.handle(_done("p1")).detail == "finished"
         assert rx.state_of("k")[0] == "finished"
+        assert rx.pending == 0
         assert [r.ok for r in rx.pop_results()] == [True]
         assert rx.handle(_done("p1")).detail == "already finished"
         with pytest.raises(ControlRejected, match="already heard its 2 senders"):
@@ -223,6 +227,35 @@ async def test_receiver_k_senders_one_failed():
             rx.register("k2", [2], token=TOKEN, senders=0)
     finally:
         rx.close()
+
+
+async def test_receiver_counts_unsettled_transfers_through_every_ending():
+    """``pending`` (the metrics' receiving queue) is kept as a count: it must match the entries not
+    settled yet through DONE, duplicate DONE, abort + fence grace, release, and early words."""
+    rx = Receiver(Timeouts(fence_grace=0.05))
+    rx.bind(lambda coro, name: asyncio.ensure_future(coro), stop_sender=None)
+    try:
+        for tid in ("a", "b", "c"):
+            rx.register(tid, [1], token=TOKEN)
+        assert rx.pending == 3
+        rx.handle(m.Done(transfer_id="a", sender="p0", bytes=1, token=TOKEN))
+        rx.handle(m.Done(transfer_id="a", sender="p0", bytes=1, token=TOKEN))   # a duplicate settles nothing
+        assert rx.pending == 2
+        rx.abort("b", "test")
+        assert rx.pending == 2   # aborting: fenced, not settled
+        for _ in range(100):
+            if rx.state_of("b")[0] == "failed":
+                break
+            await asyncio.sleep(0.01)
+        assert rx.state_of("b")[0] == "failed" and rx.pending == 1
+        assert rx.release("a") and rx.release("b") and rx.pending == 1
+        rx.handle(m.Done(transfer_id="d", sender="p0", bytes=1, token=TOKEN))   # early: kept for "d"
+        rx.register("d", [2], token=TOKEN)   # settles at once with the early DONE
+        assert rx.state_of("d")[0] == "finished" and rx.pending == 1
+        assert rx.pending == sum(1 for tid in "abcd" if rx.state_of(tid)[0] == "registered")
+    finally:
+        rx.close()
+    assert rx.pending == 0
 
 
 # --- the scenario, for real: processes over Mooncake ----------------------------------------------

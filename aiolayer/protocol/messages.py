@@ -44,6 +44,16 @@ class LayoutRequest(_Msg, tag="layout_req"):
     token: str = ""
 
 
+MAX_LAYOUT_BATCH = 256
+
+
+class LayoutBatch(_Msg, tag="layout_batch"):
+    """Several transfers' ``LayoutRequest``s to one D in one frame (P's prefetches of one pass of its
+    loop, e.g. a step's transfers). D authorizes each as if it came alone; answers ``LayoutReplies``."""
+
+    items: list[LayoutRequest]
+
+
 class LayoutReply(_Msg, tag="layout"):
     engine_id: str
     incarnation: str           # new on every process start: stale cached layouts are refused
@@ -183,8 +193,17 @@ class Replies(_Msg, tag="replies"):
     items: list[Union[Ack, Nack, None]]
 
 
+class LayoutReplies(_Msg, tag="layouts"):
+    """The answer to a ``LayoutBatch``: per item, in order, ``Ack`` (authorized: ``layout`` is its
+    answer), its ``Nack``, or None (left unanswered: a fault-injection hook dropped it; asked again
+    alone). ``layout`` is None when no item was authorized."""
+
+    layout: Union[LayoutReply, None]
+    items: list[Union[Ack, Nack, None]]
+
+
 Message = Union[
-    LayoutRequest, LayoutReply, Done, DoneBatch, Failed, Abort, AllocRequest, AbortRequest, AllocReply,
+    LayoutRequest, LayoutBatch, LayoutReply, LayoutReplies, Done, DoneBatch, Failed, Abort, AllocRequest, AbortRequest, AllocReply,
     LookupRequest, VerifyRequest, VerifyReply, ReleaseRequest, StatusRequest, StatusReply, Ack, Nack, Replies,
 ]
 

@@ -22,6 +22,7 @@ from ..errors import ControlError, ControlRejected, ControlTimeout, ProtocolErro
 from ..protocol import messages as m
 from ..protocol.codes import NackCode
 from .control import ControlPeers
+from .loop import fail_futures, settle_future
 
 log = logging.getLogger(__name__)
 _Item = tuple[m.Done, asyncio.Future]
@@ -69,7 +70,7 @@ class DoneBatcher:
             self.spawn(sender, name=f"done-batch {endpoint}")
         except Exception as exc:  # noqa: BLE001 - the runtime is stopping: no task can start
             sender.close()
-            _fail(items, ControlError(f"DONE not sent: {type(exc).__name__}: {exc}"))
+            fail_futures(items, ControlError(f"DONE not sent: {type(exc).__name__}: {exc}"))
 
     async def _send(self, endpoint: str, items: list[_Item]) -> None:
         """Never raises (but cancellation): every item's future gets its answer or its error."""
@@ -81,10 +82,10 @@ class DoneBatcher:
             elif live:
                 await self._batch(endpoint, live, deadline)
         except asyncio.CancelledError:
-            _fail(items, ControlError("DONE not delivered: the runtime stopped"))
+            fail_futures(items, ControlError("DONE not delivered: the runtime stopped"))
             raise
         except Exception as exc:  # noqa: BLE001 - becomes each item's failure, logged by its sender
-            _fail(items, exc)
+            fail_futures(items, exc)
 
     async def _batch(self, endpoint: str, live: list[_Item], deadline: float) -> None:
         client = await self.peers.get(endpoint)
@@ -108,9 +109,9 @@ class DoneBatcher:
             if answer is None:
                 again.append(self._alone(endpoint, item, deadline))
             elif isinstance(answer, m.Nack):
-                _settle(item[1], exc=ControlRejected(answer.code, answer.reason))
+                settle_future(item[1], exc=ControlRejected(answer.code, answer.reason))
             else:
-                _settle(item[1], result=answer)
+                settle_future(item[1], result=answer)
         if again:
             await asyncio.gather(*again)
 
@@ -118,28 +119,14 @@ class DoneBatcher:
         done, answer = item
         try:
             client = await self.peers.get(endpoint)
-            _settle(answer, result=await client.call_with_retries(done, self._left(deadline)))
+            settle_future(answer, result=await client.call_with_retries(done, self._left(deadline)))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the item's own error, as a plain call would raise it
-            _settle(answer, exc=exc)
+            settle_future(answer, exc=exc)
 
     def _left(self, deadline: float) -> float:
         left = deadline - asyncio.get_running_loop().time()
         if left <= 0:
             raise ControlTimeout("done_delivery", self.timeouts.done_delivery, "DONE not answered in time")
         return left
-
-
-def _settle(answer: asyncio.Future, *, result=None, exc: BaseException | None = None) -> None:
-    if answer.done():   # its waiter was cancelled
-        return
-    if exc is not None:
-        answer.set_exception(exc)
-    else:
-        answer.set_result(result)
-
-
-def _fail(items: list[_Item], exc: BaseException) -> None:
-    for _, answer in items:
-        _settle(answer, exc=exc)

@@ -206,26 +206,17 @@ def _settle(setter: Callable[[Any], None], value: Any) -> None:
         pass
 
 
-def spawn_future(spawn: Callable[..., asyncio.Task], coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Future:
-    """Run ``coro`` as an owned task whose outcome lands in the returned future.
+def settle_future(fut: asyncio.Future, *, result=None, exc: BaseException | None = None) -> None:
+    """Set ``fut``'s result (or ``exc``) unless it is done already (e.g. its waiter was cancelled)."""
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
 
-    The task itself never raises (only the future carries the error), so one failed operation
-    cannot cancel its TaskGroup siblings.
-    """
-    fut = asyncio.get_running_loop().create_future()
 
-    async def fill() -> None:
-        try:
-            value = await coro
-        except asyncio.CancelledError:
-            fut.cancel()
-            raise
-        except Exception as exc:  # noqa: BLE001 - handed to whoever awaits the future
-            if not fut.done():
-                fut.set_exception(exc)
-        else:
-            if not fut.done():
-                fut.set_result(value)
-
-    spawn(fill(), name=name)
-    return fut
+def fail_futures(items, exc: BaseException) -> None:
+    """``exc`` into the future of every (anything, future) pair not done yet."""
+    for _, fut in items:
+        settle_future(fut, exc=exc)

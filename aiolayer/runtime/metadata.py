@@ -9,22 +9,36 @@ fetch per D would skip that check for all but the first transfer.
 
 A layout from another incarnation than the one a transfer was allocated on is refused
 (``StaleLayout``): a restarted D never receives writes at its old addresses.
+
+The fetches one pass of the loop starts for one D (a step's transfers) go as ONE ``LayoutBatch``
+frame (up to ``MAX_LAYOUT_BATCH`` each): D still authorizes every transfer, answers each item as
+if it came alone and sends the layout once. A fetch alone in its pass goes as a plain
+``LayoutRequest``; an item D left unanswered (a fault-injection hook), and every item when D does
+not know the batch (an older node: from then on it gets them one by one) or finds it too big, is
+asked again alone, within the same ``layout_fetch`` deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 
 import msgspec
 import numpy as np
 
 from .. import compat
 from ..config import Timeouts
-from ..errors import ControlError, DeadlineExceeded, MetadataError, StaleLayout
+from ..errors import ControlError, ControlRejected, DeadlineExceeded, MetadataError, StaleLayout
 from ..protocol import messages as m
+from ..protocol.codes import NackCode
 from .control import ControlPeers
-from .loop import spawn_future
+from .loop import fail_futures, settle_future
+
+log = logging.getLogger(__name__)
+_Item = tuple[tuple[str, str], asyncio.Future]   # (transfer id, token), the fetch's future
+# A batch Nacked with these was not understood (an older D) or too big: its items go alone.
+_NOT_BATCHED = (NackCode.DECODE, NackCode.UNKNOWN, NackCode.SIZE)
 
 MAX_PREFETCHED = 4096   # fetches waiting for their transfer; a transfer that never came cannot pin more
 
@@ -63,14 +77,18 @@ class LayoutCache:
         self.requester = requester
         # (endpoint, transfer id, token) -> the fetch, until its transfer consumes it (``get``)
         self._entries: dict[tuple[str, str, str], asyncio.Future] = {}
-        self.fetches: collections.Counter[str] = collections.Counter()   # per endpoint
+        self._queued: dict[str, list[_Item]] = {}      # endpoint -> fetches of this pass, not sent yet
+        self._singles: set[str] = set()                # Ds that did not know a batch: one by one
+        self.fetches: collections.Counter[str] = collections.Counter()   # per endpoint: transfers asked for
+        self.batches = 0                               # LayoutBatch frames answered
+        self.batched = 0                               # the fetches they carried
         self.deadlines_expired = 0
 
     def prefetch(self, endpoint: str, credentials: tuple[str, str]) -> asyncio.Future:
         """Start fetching ``endpoint``'s layout for a transfer unless its fetch is running already.
 
         ``credentials`` is (transfer id, token) of a transfer D registered: D shows its layout
-        only to a peer that holds one.
+        only to a peer that holds one. Sent once this pass of the loop ends, with the pass's others.
         """
         key = (endpoint, *credentials)
         fut = self._entries.get(key)
@@ -78,9 +96,14 @@ class LayoutCache:
             return fut
         while len(self._entries) >= MAX_PREFETCHED:   # never consumed (its transfer failed first): oldest go
             self._entries.pop(next(iter(self._entries)))
-        fut = spawn_future(self._spawn, self._fetch(endpoint, credentials), name=f"layout-fetch {endpoint}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         fut.add_done_callback(_consume_exception)
         self._entries[key] = fut
+        queue = self._queued.setdefault(endpoint, [])
+        queue.append((credentials, fut))
+        if len(queue) == 1:
+            loop.call_soon(self._flush, endpoint)
         return fut
 
     async def get(self, endpoint: str, credentials: tuple[str, str], incarnation: str = "") -> RemoteLayout:
@@ -102,27 +125,101 @@ class LayoutCache:
         for key in [k for k, fut in self._entries.items() if k[0] == endpoint and fut.done()]:
             del self._entries[key]
 
-    async def _fetch(self, endpoint: str, credentials: tuple[str, str]) -> RemoteLayout:
-        self.fetches[endpoint] += 1
-        limit = self.timeouts.layout_fetch
-        request = m.LayoutRequest(requester=self.requester, transfer_id=credentials[0], token=credentials[1])
+    def _flush(self, endpoint: str) -> None:
+        """This pass's fetches for ``endpoint``, one task per ``MAX_LAYOUT_BATCH`` of them."""
+        items = [item for item in self._queued.pop(endpoint, []) if not item[1].done()]   # done: closed
+        for i in range(0, len(items), m.MAX_LAYOUT_BATCH):
+            chunk = items[i:i + m.MAX_LAYOUT_BATCH]
+            fetch = self._fetch_all(endpoint, chunk)
+            try:
+                self._spawn(fetch, name=f"layout-fetch {endpoint}")
+            except Exception as exc:  # noqa: BLE001 - the runtime is stopping: no task can start
+                fetch.close()
+                fail_futures(chunk, MetadataError(f"layout of {endpoint} not fetched: {type(exc).__name__}: {exc}"))
+
+    async def _fetch_all(self, endpoint: str, items: list[_Item]) -> None:
+        """Never raises (but cancellation): every item's future gets its layout or its error."""
+        deadline = asyncio.get_running_loop().time() + self.timeouts.layout_fetch
         try:
-            async with compat.timeout(limit):
+            if len(items) == 1 or endpoint in self._singles:
+                await asyncio.gather(*(self._alone(endpoint, item, deadline) for item in items))
+            else:
+                await self._batch(endpoint, items, deadline)
+        except asyncio.CancelledError:
+            for _, fut in items:
+                fut.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - each item's failure, reported by its transfer
+            fail_futures(items, exc)
+
+    async def _batch(self, endpoint: str, items: list[_Item], deadline: float) -> None:
+        batch = m.LayoutBatch(items=[m.LayoutRequest(requester=self.requester, transfer_id=tid, token=token)
+                                     for (tid, token), _ in items])
+        try:
+            reply = await self._call(endpoint, batch, deadline, len(items))
+        except MetadataError as exc:
+            code = getattr(exc.__cause__, "code", None)
+            if code not in _NOT_BATCHED:
+                raise
+            if code != NackCode.SIZE:   # too big for D's max_frame_bytes: this batch only
+                log.warning("D at %s does not take batched layout requests (%s): one by one to it", endpoint, code)
+                self._singles.add(endpoint)
+            self.fetches[endpoint] -= len(items)   # each is counted again when it goes alone
+            reply = m.LayoutReplies(layout=None, items=[None] * len(items))
+        else:
+            granted = isinstance(reply, m.LayoutReplies) and any(isinstance(a, m.Ack) for a in reply.items)
+            if (not isinstance(reply, m.LayoutReplies) or len(reply.items) != len(items)
+                    or granted != isinstance(reply.layout, m.LayoutReply)):
+                raise MetadataError(f"{endpoint} answered {len(items)} batched layout requests with "
+                                    f"{type(reply).__name__}")
+            self.batches += 1
+            self.batched += len(items)
+        layout = RemoteLayout.from_reply(endpoint, reply.layout) if reply.layout is not None else None
+        again = []
+        for item, answer in zip(items, reply.items):
+            if answer is None:
+                again.append(self._alone(endpoint, item, deadline))
+            elif isinstance(answer, m.Nack):   # as a Nack to a LayoutRequest alone reads
+                cause = ControlRejected(answer.code, answer.reason)
+                settle_future(item[1], exc=MetadataError(f"layout of {endpoint} unavailable: {cause}"))
+            else:
+                settle_future(item[1], result=layout)
+        if again:
+            await asyncio.gather(*again)
+
+    async def _alone(self, endpoint: str, item: _Item, deadline: float) -> None:
+        (tid, token), fut = item
+        try:
+            request = m.LayoutRequest(requester=self.requester, transfer_id=tid, token=token)
+            reply = await self._call(endpoint, request, deadline, 1)
+            if not isinstance(reply, m.LayoutReply):
+                raise MetadataError(f"{endpoint} answered a layout request with {type(reply).__name__}")
+            settle_future(fut, result=RemoteLayout.from_reply(endpoint, reply))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the item's own error, as its transfer reports it
+            settle_future(fut, exc=exc)
+
+    async def _call(self, endpoint: str, request: m.Message, deadline: float, count: int) -> m.Message:
+        """``request``'s reply by ``deadline``; ``DeadlineExceeded`` or ``MetadataError`` (cause: the
+        control error) else."""
+        self.fetches[endpoint] += count
+        limit = self.timeouts.layout_fetch
+        try:
+            async with compat.timeout(max(0.0, deadline - asyncio.get_running_loop().time())):
                 client = await self.peers.get(endpoint)
-                reply = await client.call_with_retries(request, limit)
+                return await client.call_with_retries(request, limit)
         except TimeoutError:
-            self.deadlines_expired += 1
+            self.deadlines_expired += count
             raise DeadlineExceeded("layout_fetch", limit, endpoint) from None
         except ControlError as exc:
             raise MetadataError(f"layout of {endpoint} unavailable: {exc}") from exc
-        if not isinstance(reply, m.LayoutReply):
-            raise MetadataError(f"{endpoint} answered a layout request with {type(reply).__name__}")
-        return RemoteLayout.from_reply(endpoint, reply)
 
     def close(self) -> None:
         for fut in self._entries.values():
             fut.cancel()
         self._entries.clear()
+        self._queued.clear()
 
 
 def _consume_exception(fut: asyncio.Future) -> None:

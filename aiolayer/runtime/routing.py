@@ -15,20 +15,35 @@ from ..protocol.codes import NackCode
 log = logging.getLogger("aiolayer.runtime.runtime")   # the runtime's own log, as before the split
 
 
-def _batched_done(rt, done: m.Done) -> m.Ack | m.Nack | None:
-    """One item of a ``DoneBatch``, answered as if it came alone (its own Nack; None: dropped by a hook)."""
+def _batched_item(rt, msg: m.Message, answer) -> m.Ack | m.Nack | m.Message | None:
+    """One item of a batch frame (``DoneBatch``, ``LayoutBatch``), answered as if it came alone:
+    ``answer(msg)``, or its own Nack; None when a fault-injection hook dropped it."""
     try:
-        m.check_version(done)
+        m.check_version(msg)
         if rt._hooks.inbound_filter is not None:
-            rt._hooks.inbound_filter(done)
-        return rt.receiver.handle(done)
+            rt._hooks.inbound_filter(msg)
+        return answer(msg)
     except (ControlRejected, m.DecodeFailure) as exc:
         return m.Nack(code=exc.code, reason=exc.reason)
     except FrameDropped:
         return None
     except Exception as exc:  # noqa: BLE001 - this item's sender is told, the batch's others go on
-        log.exception("control handler failed on a batched Done")
+        log.exception("control handler failed on a batched %s", type(msg).__name__)
         return m.Nack(code=NackCode.INTERNAL, reason=f"{type(exc).__name__}: {exc}"[:300])
+
+
+def _check_batch(items: list, limit: int, what: str) -> None:
+    if len(items) > limit:
+        raise ControlRejected(NackCode.SIZE, f"{len(items)} {what} in one batch; at most {limit}")
+
+
+def _grant_layout(rt, msg: m.LayoutRequest) -> m.Ack:
+    """The layout names our memory: only for a peer holding the token of a transfer that still takes
+    writes (P asks for it for every transfer before its first write)."""
+    rt.receiver.authorize_writer(msg.transfer_id, msg.token, f"layout request from {msg.requester!r}")
+    if rt.layout_reply is None:
+        raise ControlRejected(m.NackCode.NOT_READY, "no KV layout registered yet")
+    return m.Ack()
 
 
 async def stop_sender(rt, endpoint: str, transfer_id: str, token: str, reason: str) -> bool:
@@ -49,9 +64,8 @@ async def handle(rt, msg: m.Message) -> m.Message:
     if isinstance(msg, (m.Done, m.Failed)):
         return rt.receiver.handle(msg)
     if isinstance(msg, m.DoneBatch):
-        if len(msg.items) > m.MAX_DONE_BATCH:
-            raise ControlRejected(NackCode.SIZE, f"{len(msg.items)} DONEs in one batch; at most {m.MAX_DONE_BATCH}")
-        return m.Replies(items=[_batched_done(rt, done) for done in msg.items])
+        _check_batch(msg.items, m.MAX_DONE_BATCH, "DONEs")
+        return m.Replies(items=[_batched_item(rt, done, rt.receiver.handle) for done in msg.items])
     if isinstance(msg, m.Abort):
         return m.Ack(detail=await rt.sender.abort(msg.transfer_id, msg.reason, msg.token))
     if isinstance(msg, m.AbortRequest):
@@ -61,12 +75,13 @@ async def handle(rt, msg: m.Message) -> m.Message:
         return m.AllocReply(transfer_id=msg.transfer_id, block_ids=block_ids, incarnation=rt.incarnation,
                             first_block=first, token=msg.token)
     if isinstance(msg, m.LayoutRequest):
-        # the layout names our memory: only for a peer holding the token of a transfer that still
-        # takes writes (P fetches it for every transfer before its first write)
-        rt.receiver.authorize_writer(msg.transfer_id, msg.token, f"layout request from {msg.requester!r}")
-        if rt.layout_reply is None:
-            raise ControlRejected(m.NackCode.NOT_READY, "no KV layout registered yet")
+        _grant_layout(rt, msg)
         return rt.layout_reply
+    if isinstance(msg, m.LayoutBatch):
+        _check_batch(msg.items, m.MAX_LAYOUT_BATCH, "layout requests")
+        answers = [_batched_item(rt, req, lambda r: _grant_layout(rt, r)) for req in msg.items]
+        granted = any(isinstance(a, m.Ack) for a in answers)
+        return m.LayoutReplies(layout=rt.layout_reply if granted else None, items=answers)
     if rt._hooks.extra_handler is not None:
         return await rt._hooks.extra_handler(msg)
     raise ControlRejected(m.NackCode.UNKNOWN, f"{type(msg).__name__} is not served here")

@@ -103,10 +103,15 @@ class LayerStreamer:
         sink = _Sink(req, plan, layout)
         held: list[tuple[int, float]] = []   # layers ready but not yet submitted
         reason = ""
+        last = local.num_layers - 1
         async with compat.TaskGroup() as group:
-            for index in range(local.num_layers):
+            for index in range(last + 1):
                 try:
-                    item = await self._next_layer(req)
+                    # a layer handed over already is taken with no coroutine: a step's every
+                    # transfer reads every layer, and one coroutine each showed in the loop's profile
+                    item = None if req.aborted else req.take_layer()
+                    if item is None and not req.aborted:
+                        item = await self._next_layer(req)
                     if item is None:
                         reason = req.aborted
                         break
@@ -127,7 +132,7 @@ class LayerStreamer:
                     break  # stopped, or a write failed already: submit no more layers
                 held.append((layer, handed))
                 together = self._start is not None and req.layer_ready   # more ready: one write
-                if (req.spec.layerwise and not together) or index == local.num_layers - 1:
+                if (req.spec.layerwise and not together) or index == last:
                     self._submit(group, sink, held)
             await sink.wait()
         settled = time.perf_counter()
