@@ -89,6 +89,14 @@ class Request:
         self.cursor += 1
         return items[self.cursor - 1]
 
+    def take_layers(self, limit: int) -> list[tuple]:
+        """Every layer handed over and not taken yet (at most ``limit``); none once stopped."""
+        if self.state.stopped:
+            return []
+        start = self.cursor
+        self.cursor = min(len(self.feed.items), start + limit)
+        return self.feed.items[start:self.cursor]
+
     def next_arrival(self) -> asyncio.Future:
         """A future set when a layer is handed over or the transfer is stopped (call with none ready)."""
         self._waiter = asyncio.get_running_loop().create_future()

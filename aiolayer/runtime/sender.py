@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import operator
 import time
 from typing import Callable
 
@@ -51,6 +52,7 @@ from .stream import LayerStreamer
 
 __all__ = ["MAX_EARLY_ABORTS", "LayerTiming", "LocalLayout", "Outcome", "Sender", "TransferSpec", "check_geometry"]
 log = logging.getLogger(__name__)
+_BY_LAYER = operator.attrgetter("layer")
 _NO_RUNS = merge_runs([], [])
 
 
@@ -342,7 +344,7 @@ class Sender:
         outcome = Outcome(transfer_id=req.spec.transfer_id, ok=req.state.state is State.FINISHED,
                           reason=req.state.reason, bytes=req.bytes, finished_s=now,
                           writes_settled_s=settled or now, source_released=not unsettled,
-                          layers=sorted(req.timings, key=lambda x: x.layer))
+                          layers=sorted(req.timings, key=_BY_LAYER))
         self.results.publish(outcome)
         if unsettled:
             self._spawn(self._release_when_quiet(req, req.pending), name=f"fence {req.spec.transfer_id}")

@@ -103,23 +103,32 @@ class LayerStreamer:
         sink = _Sink(req, plan, layout)
         held: list[tuple[int, float]] = []   # layers ready but not yet submitted
         reason = ""
-        last = local.num_layers - 1
+        layerwise = req.spec.layerwise
+        each = layerwise and self._start is None   # no start_write: every layer its own write (task)
+        left = local.num_layers
         async with compat.TaskGroup() as group:
-            for index in range(last + 1):
+            while left:
                 try:
-                    # a layer handed over already is taken with no coroutine: a step's every
-                    # transfer reads every layer, and one coroutine each showed in the loop's profile
-                    item = None if req.aborted else req.take_layer()
-                    if item is None and not req.aborted:
+                    # every layer handed over already, taken at once: a step's every transfer reads
+                    # every layer, and a coroutine or a full loop turn per layer showed in the profile
+                    items = req.take_layers(left)
+                    if not items:
                         item = await self._next_layer(req)
-                    if item is None:
-                        reason = req.aborted
-                        break
-                    layer, event, handed = item
-                    if not event.query():
-                        if held and req.spec.layerwise:   # what is ready goes before we wait
+                        if item is None:
+                            reason = req.aborted
+                            break
+                        items = [item]
+                    for layer, event, handed in items:
+                        if not event.query():
+                            if held and layerwise:   # what is ready goes before we wait
+                                self._submit(group, sink, held)
+                            await wait_event(event, self.timeouts.layer_event)
+                            if req.aborted or sink.failed:
+                                break
+                        held.append((layer, handed))
+                        left -= 1
+                        if each:
                             self._submit(group, sink, held)
-                        await wait_event(event, self.timeouts.layer_event)
                 except DeadlineExceeded as exc:   # first: it is a TimeoutError too (wait_event's layer_event)
                     self.deadlines[exc.phase] += 1
                     reason = str(exc)
@@ -130,9 +139,8 @@ class LayerStreamer:
                     break
                 if req.aborted or sink.failed:
                     break  # stopped, or a write failed already: submit no more layers
-                held.append((layer, handed))
-                together = self._start is not None and req.layer_ready   # more ready: one write
-                if (req.spec.layerwise and not together) or index == last:
+                # with start_write, the layers ready together go as one write once no more is ready
+                if held and (not left or (layerwise and not req.layer_ready)):
                     self._submit(group, sink, held)
             await sink.wait()
         settled = time.perf_counter()

@@ -111,6 +111,8 @@ def _stream(rt: Runtime, cfg: ScaleConfig, specs: list[TransferSpec], rank: int)
             "backend_writes": getattr(backend, "writes_started", None),   # write calls (groups of runs)
             "done_batches": rt.sender.dones.batches,   # frames that carried several DONEs to one D
             "dones_batched": rt.sender.dones.batched,  # the DONEs they carried (the rest went alone)
+            "layout_batches": rt.layouts.batches,      # LayoutBatch frames (a pass's layout requests to one D)
+            "layouts_batched": rt.layouts.batched,     # the layout requests they carried
             "cpu_s": round(cpu_s, 3), "loop_cpu_s": round(loop_cpu_s, 3), "gc_s": round(gc_s.seconds, 3),
             "gc_collections": gc_s.collections,
             "finished": {tid: o.finished_s for tid, o in outcomes.items()},

@@ -8,6 +8,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from aiolayer.protocol import messages as m
 from aiolayer.protocol.plan import HeadGeometry, local_heads, merge_runs, routes_from, slice_addresses
 
 from .model import ScaleConfig, rank_heads
@@ -38,6 +39,7 @@ def build_report(cfg: ScaleConfig, routes, writers, allocs, summaries: dict[int,
               **{k: s[k] for k in ("specs", "ok", "failed", "lost", "bytes", "peak_active", "peak_backend_writes",
                                    "writes_submitted")}, "backend_writes": s.get("backend_writes"),
               "done_batches": s.get("done_batches"), "dones_batched": s.get("dones_batched"),
+              "layout_batches": s.get("layout_batches"), "layouts_batched": s.get("layouts_batched"),
               "peak_runs_per_target": s.get("peak_runs_per_target"),
               "seconds": round(s["t_end"] - s["t_begin"], 3),
               "gbps": round(s["bytes"] / max(1e-9, s["t_end"] - s["t_begin"]) / 1e9, 3),
@@ -80,6 +82,10 @@ def print_scale(r: dict) -> None:
     if all(b is not None for b, _ in batched):
         print(f"DONEs to D: {sum(n for _, n in batched)} of {sum(p['ok'] for p in r['per_p_rank'])} went in "
               f"{sum(b for b, _ in batched)} batch frames (those decided in one pass of P's loop), the rest alone")
+    layouts = [(p.get("layout_batches"), p.get("layouts_batched")) for p in r["per_p_rank"]]
+    if all(b is not None for b, _ in layouts):
+        print(f"layout requests to D: {sum(n for _, n in layouts)} of {sum(p['specs'] for p in r['per_p_rank'])} went in "
+              f"{sum(b for b, _ in layouts)} batch frames (a step's, up to {m.MAX_LAYOUT_BATCH} per frame)")
     print_raw(r)
     print_whole_blocks(r)
     for line in r["failures"]:
