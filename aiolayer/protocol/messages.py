@@ -203,8 +203,9 @@ class LayoutReplies(_Msg, tag="layouts"):
 
 
 Message = Union[
-    LayoutRequest, LayoutBatch, LayoutReply, LayoutReplies, Done, DoneBatch, Failed, Abort, AllocRequest, AbortRequest, AllocReply,
-    LookupRequest, VerifyRequest, VerifyReply, ReleaseRequest, StatusRequest, StatusReply, Ack, Nack, Replies,
+    LayoutRequest, LayoutBatch, LayoutReply, LayoutReplies, Done, DoneBatch, Failed, Abort, AllocRequest,
+    AbortRequest, AllocReply, LookupRequest, VerifyRequest, VerifyReply, ReleaseRequest, StatusRequest,
+    StatusReply, Ack, Nack, Replies,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -117,6 +117,8 @@ class LayerStreamer:
                         if item is None:
                             reason = req.aborted
                             break
+                        if sink.failed:
+                            break   # a write failed while we waited: submit no more layers
                         items = [item]
                     for layer, event, handed in items:
                         if not event.query():
