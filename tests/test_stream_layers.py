@@ -22,21 +22,22 @@ LAYERS = SMALL_SHAPE.num_layers
 
 
 class TimedEvent:
-    """A device event that completes at ``ready_at`` (monotonic seconds); never, when None."""
+    """A device event that completes ``delay`` seconds after it was recorded; never, when None."""
 
-    def __init__(self, ready_at: float | None) -> None:
-        self.ready_at = ready_at
+    def __init__(self, delay: float | None) -> None:
+        self.ready_at = None if delay is None else time.monotonic() + delay
 
     def query(self) -> bool:
         return self.ready_at is not None and time.monotonic() >= self.ready_at
 
 
-def _one_transfer(p, d, tid: str, events: list[TimedEvent], monkeypatch, handed: int = LAYERS):
-    """One transfer whose first ``handed`` layers are handed over at once with ``events``; its outcome."""
+def _one_transfer(p, d, tid: str, delays: list[float | None], monkeypatch, handed: int = LAYERS):
+    """One transfer whose first ``handed`` layers are handed over at once, layer i's event completing
+    ``delays[i]`` seconds after its hand-over; its outcome."""
     rep = p.request(d.control_endpoint, m.AllocRequest(transfer_id=tid, num_blocks=1), timeout=5)
     spec = TransferSpec.from_registration(rep, src_blocks=[0], peer=d.control_endpoint)
-    queue = iter(events)
-    monkeypatch.setattr(sender_module, "record_event", lambda: next(queue))
+    queue = iter(delays)
+    monkeypatch.setattr(sender_module, "record_event", lambda: TimedEvent(next(queue)))
     p.sender.begin_step(1, [spec])
     for layer in range(handed):
         p.sender.layer_ready(1, layer)
@@ -46,9 +47,7 @@ def _one_transfer(p, d, tid: str, events: list[TimedEvent], monkeypatch, handed:
 def test_a_pending_layer_is_waited_for_and_the_ready_ones_go_first(memory_runtime, memory_decode_node, monkeypatch):
     d = memory_decode_node(SMALL_SHAPE, "d-pending", Timeouts())
     p = memory_p(memory_runtime, "p-pending", Timeouts(), 11)
-    ready_at = time.monotonic() + 0.3
-    events = [TimedEvent(0.0)] + [TimedEvent(ready_at)] + [TimedEvent(0.0)] * (LAYERS - 2)
-    outcome = _one_transfer(p, d, "pending", events, monkeypatch)
+    outcome = _one_transfer(p, d, "pending", [0.0, 0.3] + [0.0] * (LAYERS - 2), monkeypatch)
     assert outcome.ok, outcome.reason
     submitted = {t.layer: t.submitted_s for t in outcome.layers}
     assert sorted(submitted) == list(range(LAYERS))
@@ -61,8 +60,7 @@ def test_a_layer_that_never_completes_fails_the_transfer_by_layer_event(memory_r
                                                                           monkeypatch):
     d = memory_decode_node(SMALL_SHAPE, "d-event", Timeouts())
     p = memory_p(memory_runtime, "p-event", Timeouts(layer_event=0.3), 12)
-    events = [TimedEvent(0.0), TimedEvent(0.0), TimedEvent(None)] + [TimedEvent(0.0)] * (LAYERS - 3)
-    outcome = _one_transfer(p, d, "event", events, monkeypatch)
+    outcome = _one_transfer(p, d, "event", [0.0, 0.0, None] + [0.0] * (LAYERS - 3), monkeypatch)
     assert not outcome.ok and "layer_event" in outcome.reason, outcome.reason
     assert {t.layer for t in outcome.layers} <= {0, 1}   # nothing from the stuck layer on
     assert p.sender.deadlines["layer_event"] == 1
@@ -72,7 +70,7 @@ def test_a_layer_that_never_completes_fails_the_transfer_by_layer_event(memory_r
 def test_a_layer_that_never_comes_fails_the_transfer_by_layer_gap(memory_runtime, memory_decode_node, monkeypatch):
     d = memory_decode_node(SMALL_SHAPE, "d-gap", Timeouts())
     p = memory_p(memory_runtime, "p-gap", Timeouts(layer_gap=0.3), 13)
-    outcome = _one_transfer(p, d, "gap", [TimedEvent(0.0)] * LAYERS, monkeypatch, handed=LAYERS - 1)
+    outcome = _one_transfer(p, d, "gap", [0.0] * LAYERS, monkeypatch, handed=LAYERS - 1)
     assert not outcome.ok and "layer_gap" in outcome.reason, outcome.reason
     assert p.sender.deadlines["layer_gap"] == 1
     assert d_state(p, d.control_endpoint, "gap") == "failed"
