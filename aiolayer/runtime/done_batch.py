@@ -22,7 +22,7 @@ from ..errors import ControlError, ControlRejected, ControlTimeout, ProtocolErro
 from ..protocol import messages as m
 from ..protocol.codes import NackCode
 from .control import ControlPeers
-from .loop import fail_futures, settle_future
+from .loop import fail_futures, settle_future, spawn_or_fail
 
 log = logging.getLogger(__name__)
 _Item = tuple[m.Done, asyncio.Future]
@@ -65,12 +65,8 @@ class DoneBatcher:
     def _start(self, items: list[_Item], endpoint: str) -> None:
         if not items:
             return
-        sender = self._send(endpoint, items)
-        try:
-            self.spawn(sender, name=f"done-batch {endpoint}")
-        except Exception as exc:  # noqa: BLE001 - the runtime is stopping: no task can start
-            sender.close()
-            fail_futures(items, ControlError(f"DONE not sent: {type(exc).__name__}: {exc}"))
+        spawn_or_fail(self.spawn, self._send(endpoint, items), f"done-batch {endpoint}", items,
+                      lambda exc: ControlError(f"DONE not sent: {type(exc).__name__}: {exc}"))
 
     async def _send(self, endpoint: str, items: list[_Item]) -> None:
         """Never raises (but cancellation): every item's future gets its answer or its error."""

@@ -220,3 +220,14 @@ def fail_futures(items, exc: BaseException) -> None:
     """``exc`` into the future of every (anything, future) pair not done yet."""
     for _, fut in items:
         settle_future(fut, exc=exc)
+
+
+def spawn_or_fail(spawn: Callable[..., asyncio.Task], coro: Coroutine[Any, Any, Any], name: str, items,
+                  failure: Callable[[Exception], BaseException]) -> None:
+    """Start ``coro`` as an owned task that answers ``items`` (pairs of anything and a future); when
+    no task can start (the runtime is stopping), close it and fail each future with ``failure(exc)``."""
+    try:
+        spawn(coro, name=name)
+    except Exception as exc:  # noqa: BLE001 - handed to every item's waiter
+        coro.close()
+        fail_futures(items, failure(exc))

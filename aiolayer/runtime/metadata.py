@@ -33,7 +33,7 @@ from ..errors import ControlError, ControlRejected, DeadlineExceeded, MetadataEr
 from ..protocol import messages as m
 from ..protocol.codes import NackCode
 from .control import ControlPeers
-from .loop import fail_futures, settle_future
+from .loop import fail_futures, settle_future, spawn_or_fail
 
 log = logging.getLogger(__name__)
 _Item = tuple[tuple[str, str], asyncio.Future]   # (transfer id, token), the fetch's future
@@ -130,12 +130,8 @@ class LayoutCache:
         items = [item for item in self._queued.pop(endpoint, []) if not item[1].done()]   # done: closed
         for i in range(0, len(items), m.MAX_LAYOUT_BATCH):
             chunk = items[i:i + m.MAX_LAYOUT_BATCH]
-            fetch = self._fetch_all(endpoint, chunk)
-            try:
-                self._spawn(fetch, name=f"layout-fetch {endpoint}")
-            except Exception as exc:  # noqa: BLE001 - the runtime is stopping: no task can start
-                fetch.close()
-                fail_futures(chunk, MetadataError(f"layout of {endpoint} not fetched: {type(exc).__name__}: {exc}"))
+            spawn_or_fail(self._spawn, self._fetch_all(endpoint, chunk), f"layout-fetch {endpoint}", chunk,
+                          lambda exc: MetadataError(f"layout of {endpoint} not fetched: {type(exc).__name__}: {exc}"))
 
     async def _fetch_all(self, endpoint: str, items: list[_Item]) -> None:
         """Never raises (but cancellation): every item's future gets its layout or its error."""

@@ -183,10 +183,10 @@ class LayerStreamer:
         return True
 
     async def _next_layer(self, req: Request):
-        """The next handed-over layer, None once stopped; a timeout only when none is ready (``layer_gap``)."""
-        item = None if req.aborted else req.take_layer()
-        if item is not None or req.aborted:
-            return item
+        """The next layer to be handed over (call with none ready: ``take_layers`` took those), None
+        once stopped; ``layer_gap`` bounds the wait."""
+        if req.aborted:
+            return None
         async with compat.timeout(self.timeouts.layer_gap):
             await req.next_arrival()
         return None if req.aborted else req.take_layer()
