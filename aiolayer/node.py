@@ -74,7 +74,7 @@ class DecodeNode:
             token = msg.token or secrets.token_hex(16)
             try:
                 receiver.register(msg.transfer_id, ids, token=token, on_release=self.allocator.release,
-                                  sender_control=msg.sender_control, senders=msg.senders)
+                                  senders=msg.senders)
             except ConfigError as exc:
                 self.allocator.release(ids)
                 raise ControlRejected(NackCode.TOKEN, str(exc)) from None

@@ -70,8 +70,11 @@ def test_node_and_p_metrics_scraped_over_http():
             rt.register_kv_memory(cache.k_base, cache.v_base, SMALL_SHAPE.block_bytes, SMALL_SHAPE.num_blocks)
             d = node.info["control"]
             _transfer(rt, d, cache)
-            # a transfer whose P never comes: D's receive deadline expires and it fences through P
-            rt.request(d, m.AllocRequest(transfer_id="never", num_blocks=1, sender_control=rt.control_endpoint))
+            # a transfer whose P fetched the layout and never wrote: D's receive deadline expires and it
+            # fences through that P (which answers 'stopped': it runs nothing of it)
+            never = rt.request(d, m.AllocRequest(transfer_id="never", num_blocks=1))
+            rt.request(d, m.LayoutRequest(requester="metrics-p", transfer_id="never", token=never.token,
+                                          control=rt.control_endpoint, incarnation=rt.incarnation))
             deadline = time.monotonic() + RECEIVE_S + 10
             while rt.request(d, m.StatusRequest(transfer_id="never")).state != "failed":
                 assert time.monotonic() < deadline, "the receive deadline never ended the transfer"

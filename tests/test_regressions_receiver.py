@@ -45,6 +45,12 @@ def register(rt: Runtime, tid: str, blocks=(1, 2), **kw) -> None:
     on_loop(rt, lambda: rt.receiver.register(tid, list(blocks), token=kw.pop("token", TOKEN), forget=True, **kw))
 
 
+def reached(rt: Runtime, tid: str, sender: str, control: str = "") -> None:
+    """``sender`` (a P rank at ``control``) fetched the transfer's layout: D's fence asks it from now on."""
+    msg = m.LayoutRequest(requester=sender, transfer_id=tid, token=TOKEN, control=control, incarnation="i")
+    on_loop(rt, lambda: rt.receiver.admit_writer(msg))
+
+
 def state(rt: Runtime, tid: str) -> str:
     return on_loop(rt, lambda: rt.receiver.state_of(tid))[0]
 
@@ -125,7 +131,8 @@ def test_endpoints_zmq_itself_refuses_are_control_errors_too(runtimes, endpoint)
 
 
 def _fence_ends(d: Runtime, control: str) -> None:
-    register(d, "t5", sender_control=control)
+    register(d, "t5")
+    reached(d, "t5", "p", control)
     assert not wait_result(d, "t5", limit=5.0)[0].ok
     assert fence_tasks(d, "t5") == 0
 
@@ -148,7 +155,8 @@ def test_issue11_5_fence_ends_after_the_grace_when_asking_p_raises(runtimes):
         raise RuntimeError("bug in the stop call")
 
     on_loop(d, lambda: d.receiver.bind(d.loop_thread.spawn, broken_stop_sender))
-    register(d, "t5b", sender_control="tcp://127.0.0.1:1")
+    register(d, "t5b")
+    reached(d, "t5b", "p", "tcp://127.0.0.1:1")
     start = time.monotonic()
     on_loop(d, lambda: d.receiver.abort("t5b", "client gone"))
     time.sleep(0.3)
@@ -257,11 +265,13 @@ def test_issue11_6_stats_from_another_thread_while_the_loop_churns_transfers():
 # --- 10: several senders ---------------------------------------------------------------------------
 
 def test_issue11_10_one_senders_stop_does_not_end_the_fence_of_several(runtimes):
-    """Two P ranks write head slices; D can ask only the one at sender_control to stop. Its 'stopped'
+    """Two P ranks write head slices; only rank 0 can be reached to be told to stop. Its 'stopped'
     speaks for itself: the blocks stay fenced until every rank's word (or the grace)."""
     d = runtimes("d10", Timeouts(receive=30, fence_grace=10))
     p = runtimes("p10")                                   # answers 'stopped': it runs nothing of t10
-    register(d, "t10", senders=2, sender_control=p.control_endpoint)
+    register(d, "t10", senders=2)
+    reached(d, "t10", "rank-0", p.control_endpoint)
+    reached(d, "t10", "rank-1", "tcp://127.0.0.1:1")      # nothing listens there: it never confirms
     ack = p.request(d.control_endpoint, m.AbortRequest(transfer_id="t10", reason="client gone", token=TOKEN))
     assert ack.detail == "aborting"
     time.sleep(1.0)
@@ -279,7 +289,8 @@ def test_a_single_sender_still_ends_the_fence_with_its_stop(runtimes):
     """The control for f11_10: with one sender, its 'stopped' ends the fence at once."""
     d = runtimes("d10b", Timeouts(receive=30, fence_grace=10))
     p = runtimes("p10b")
-    register(d, "t10b", sender_control=p.control_endpoint)
+    register(d, "t10b")
+    reached(d, "t10b", "p10b", p.control_endpoint)
     on_loop(d, lambda: d.receiver.abort("t10b", "client gone"))
     result, took = wait_result(d, "t10b", limit=3.0)
     assert not result.ok and took < 3.0
@@ -338,7 +349,8 @@ def test_issue11_11_a_transfer_d_refuses_gets_no_layout_and_writes_nothing(memor
 def test_issue11_12_settled_transfer_leaves_no_fence_task(runtimes):
     d = runtimes("d12", Timeouts(receive=30, fence_grace=30))
     p = runtimes("p12")
-    register(d, "t12")                                     # no sender_control: the fence waits the grace
+    register(d, "t12")
+    reached(d, "t12", "p12")                               # an endpoint it never said: the fence waits the grace
     on_loop(d, lambda: d.receiver.abort("t12", "client gone"))
     assert fence_tasks(d, "t12") == 1
     p.request(d.control_endpoint, m.Failed(transfer_id="t12", sender="p12", reason="stopped", token=TOKEN))

@@ -271,10 +271,13 @@ def status_via(d, tid: str) -> str:
 
 
 def test_f08_receiver_deadline_fails_the_transfer(memory_runtime, memory_decode_node, small_shape):
-    """F08: D's deadline ends the transfer, but its blocks stay fenced until P cannot write any more."""
+    """F08: D's deadline ends the transfer, but its blocks stay fenced until its writer cannot write
+    any more (here a P rank that fetched the layout and then cannot be reached: the whole grace)."""
     d = memory_decode_node(small_shape, engine_id="d-deadline", timeouts=Timeouts(receive=0.2, fence_grace=0.4))
     p = memory_runtime("p-deadline")
     rep = alloc(p, d, "late", 2, True)
+    p.request(d.control_endpoint, m.LayoutRequest(requester="p-gone", transfer_id="late", token=rep.token,
+                                                  control="tcp://127.0.0.1:1"))
     assert status(p, d, "late").state == "registered"
     time.sleep(0.35)
     st = status(p, d, "late")
@@ -287,6 +290,21 @@ def test_f08_receiver_deadline_fails_the_transfer(memory_runtime, memory_decode_
     assert st.state == "failed" and "no DONE/FAILED" in st.reason
     assert isinstance(p.request(d.control_endpoint, m.ReleaseRequest(transfer_id="late")), m.Ack)
     assert rep.block_ids
+
+
+def test_receiver_deadline_frees_at_once_a_transfer_no_p_rank_reached(memory_runtime, memory_decode_node, small_shape):
+    """No P rank ever fetched the layout: none can learn where to write any more, so the deadline's
+    fence ends at once instead of holding the blocks for the grace."""
+    d = memory_decode_node(small_shape, engine_id="d-unreached", timeouts=Timeouts(receive=0.2, fence_grace=30))
+    p = memory_runtime("p-unreached")
+    rep = alloc(p, d, "unreached", 2, True)
+    time.sleep(0.35)
+    st = status(p, d, "unreached")
+    assert st.state == "failed" and "no DONE/FAILED" in st.reason
+    assert isinstance(p.request(d.control_endpoint, m.ReleaseRequest(transfer_id="unreached")), m.Ack)
+    with pytest.raises(ControlRejected) as info:        # and a late P is refused the layout
+        p.request(d.control_endpoint, m.LayoutRequest(requester="late-p", transfer_id="unreached", token=rep.token))
+    assert info.value.code == "auth"
 
 
 def test_wait_is_bounded(pd):

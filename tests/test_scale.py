@@ -208,7 +208,7 @@ async def test_receiver_waits_for_every_sender():
         assert rx.pending == 0
         assert [r.ok for r in rx.pop_results()] == [True]
         assert rx.handle(_done("p1")).detail == "already finished"
-        with pytest.raises(ControlRejected, match="already heard its 2 senders"):
+        with pytest.raises(ControlRejected, match="already has its 2 writer"):
             rx.handle(_done("p2"))
     finally:
         rx.close()

@@ -143,18 +143,28 @@ def test_failed_receive_ends_in_failed_recving_not_a_stuck_request(engines):
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1    # every block back: nothing leaked
 
 
-@pytest.mark.parametrize("p_answers", [True, False], ids=["p-acks", "p-silent"])
-def test_abort_while_waiting_keeps_blocks_until_the_fence(engines, p_answers):
+@pytest.mark.parametrize("writer", ["acks", "silent", "none"])
+def test_abort_while_waiting_keeps_blocks_until_the_fence(engines, writer):
+    """D frees an aborted request's blocks once the P rank that reached the transfer confirmed it
+    stopped ("acks"), after the whole grace when that rank cannot be reached ("silent"), and at once
+    when no P rank ever fetched the layout ("none": nothing can land). The endpoint named in the
+    request (nobody listens there) is never asked."""
     from vllm.v1.request import RequestStatus
 
-    d = engines("kv_consumer", f"d-abort-{p_answers}")
-    p = engines("kv_producer", f"p-abort-{p_answers}")
-    prefill = p.runtime.control_endpoint if p_answers else "tcp://127.0.0.1:9"   # nobody there
-    d.add("d-3", list(range(64)), 3, {"aiolayer": {"transfer_id": "t3", "token": tok("t3"), "prefill_control": prefill}})
+    from aiolayer.protocol import messages as m
+
+    d = engines("kv_consumer", f"d-abort-{writer}")
+    p = engines("kv_producer", f"p-abort-{writer}")
+    d.add("d-3", list(range(64)), 3, {"aiolayer": {"transfer_id": "t3", "token": tok("t3"),
+                                                   "prefill_control": "tcp://127.0.0.1:9"}})
     d.step()
     blocks = d.blocks_of("d-3")
     assert blocks and _status(d, "d-3") is RequestStatus.WAITING_FOR_REMOTE_KVS
     lookup(p, d, "t3")
+    if writer != "none":   # a P rank fetches the layout, as before its first write
+        control = p.runtime.control_endpoint if writer == "acks" else "tcp://127.0.0.1:9"
+        p.runtime.request(d.runtime.control_endpoint, m.LayoutRequest(requester="p-rank", transfer_id="t3",
+                                                                      token=tok("t3"), control=control))
     t0 = time.monotonic()
     d.scheduler.finish_requests("d-3", RequestStatus.FINISHED_ABORTED)
     assert d.blocks_of("d-3") == blocks                # not freed at the abort itself
@@ -166,10 +176,10 @@ def test_abort_while_waiting_keeps_blocks_until_the_fence(engines, p_answers):
             break
         time.sleep(0.005)
     assert held_until is not None, "D never freed the aborted request's blocks"
-    if p_answers:
-        assert held_until < FAST["fence_grace"]       # P confirmed it stopped: no need to wait
+    if writer == "silent":
+        assert held_until >= FAST["fence_grace"]      # its writer never confirmed: the full grace period
     else:
-        assert held_until >= FAST["fence_grace"]      # nobody confirmed: the full grace period
+        assert held_until < FAST["fence_grace"]       # quiet (or never reached): no need to wait
 
 
 def test_chunked_prefill_sends_every_block_in_the_last_chunk(engines):

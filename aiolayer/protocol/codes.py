@@ -36,7 +36,8 @@ class NackCode(WireEnum):
     ENDED = "ended"                        # D gave the transfer up: write nothing more
     DUPLICATE = "duplicate"                # D: the id is already registered
     BUSY = "busy"                          # a bounded table is full, or the transfer is not terminal yet
-    SENDER = "sender"                      # D: a DONE/FAILED from a sender the transfer does not expect
+    SENDER = "sender"                      # D: a writer or DONE/FAILED from a sender the transfer does not expect
+    WRITERS = "writers"                    # D: P's plan names another number of writers than D registered
     STATE = "state"                        # D: the word is not allowed in the transfer's state
     UNKNOWN_TRANSFER = "unknown_transfer"  # D: no such transfer (abort, release)
     NOT_REGISTERED = "not_registered"      # D: lookup before the registration

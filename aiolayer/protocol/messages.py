@@ -39,9 +39,16 @@ class LayerRegion(msgspec.Struct, frozen=True, array_like=True):
 
 
 class LayoutRequest(_Msg, tag="layout_req"):
-    requester: str = ""
+    """P asks for D's layout before a transfer's first write: D records the asking P rank as one of the
+    transfer's writers (``requester`` with its ``control`` endpoint and runtime ``incarnation``), and
+    its fence later asks exactly those writers to stop (docs/fencing.md)."""
+
+    requester: str = ""        # the P rank's engine id: its DONE/FAILED carry the same ``sender``
     transfer_id: str = ""      # a transfer D registered, and its token: D shows its layout only then
     token: str = ""
+    control: str = ""          # the P rank's own control endpoint: where D's fence asks it to stop
+    incarnation: str = ""      # the P rank's runtime incarnation
+    writers: int = 0           # how many P ranks write into this D's transfer, as P's plan says (0: not said)
 
 
 MAX_LAYOUT_BATCH = 256
@@ -114,7 +121,7 @@ class AllocRequest(_Msg, tag="alloc"):
     transfer_id: str
     num_blocks: int
     contiguous: bool = True
-    sender_control: str = ""   # P's control endpoint: whom D tells to stop on abort or deadline
+    sender_control: str = ""   # not used: D's fence asks the P ranks that fetched the layout (docs/fencing.md)
     token: str = ""            # the transfer's secret; "" = the node mints one and returns it
     drop_done: bool = False    # fault injection (bench/tests): D never answers this transfer's DONE
     senders: int = 1           # P ranks writing disjoint head slices: D ends it once each said DONE/FAILED

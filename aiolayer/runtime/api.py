@@ -21,8 +21,9 @@ class ReceiveSpec(msgspec.Struct, frozen=True, kw_only=True):
     transfer_id: str
     block_ids: list[int]
     token: str = ""               # the transfer's secret (>= 16 characters) P must present; "" = mint one
-    # P's control endpoint: whom D tells to stop on an abort or deadline. "" = nobody can be told, so a
-    # given-up transfer keeps its blocks for the whole Timeouts.fence_grace
+    # Not used: D learns its writers (each P rank that fetched the transfer's layout, with its own
+    # control endpoint) and its fence asks exactly those (docs/fencing.md). Kept so that callers of
+    # the earlier API still construct; a P named here is never believed.
     sender_control: str = ""
     first_block: int = 0          # blocks before this index of the request were already at D (prefix hit)
     senders: int = 1              # P ranks that each write a head slice and each say DONE/FAILED

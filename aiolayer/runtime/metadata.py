@@ -36,7 +36,9 @@ from .control import ControlPeers
 from .loop import fail_futures, settle_future, spawn_or_fail
 
 log = logging.getLogger(__name__)
-_Item = tuple[tuple[str, str], asyncio.Future]   # (transfer id, token), the fetch's future
+# (transfer id, token[, writers]), the fetch's future; writers: how many P ranks write into the
+# transfer by this P's plan (D checks it against its registration), 0 or absent = not said
+_Item = tuple[tuple, asyncio.Future]
 # A batch Nacked with these was not understood (an older D) or too big: its items go alone.
 _NOT_BATCHED = (NackCode.DECODE, NackCode.UNKNOWN, NackCode.SIZE)
 
@@ -75,6 +77,10 @@ class LayoutCache:
         self._spawn = spawn
         self.timeouts = timeouts
         self.requester = requester
+        # who asks, as D records its writers (its fence asks exactly these to stop): set by the runtime
+        # once its control server is bound
+        self.control = ""
+        self.incarnation = ""
         # (endpoint, transfer id, token) -> the fetch, until its transfer consumes it (``get``)
         self._entries: dict[tuple[str, str, str], asyncio.Future] = {}
         self._queued: dict[str, list[_Item]] = {}      # endpoint -> fetches of this pass, not sent yet
@@ -84,11 +90,13 @@ class LayoutCache:
         self.batched = 0                               # the fetches they carried
         self.deadlines_expired = 0
 
-    def prefetch(self, endpoint: str, credentials: tuple[str, str]) -> asyncio.Future:
+    def prefetch(self, endpoint: str, credentials: tuple) -> asyncio.Future:
         """Start fetching ``endpoint``'s layout for a transfer unless its fetch is running already.
 
         ``credentials`` is (transfer id, token) of a transfer D registered: D shows its layout
-        only to a peer that holds one. Sent once this pass of the loop ends, with the pass's others.
+        only to a peer that holds one, and records the asking P rank as one of its writers; a third
+        item, the number of P ranks writing the transfer by our plan, lets D refuse a plan that
+        disagrees with its registration. Sent once this pass of the loop ends, with the pass's others.
         """
         key = (endpoint, *credentials)
         fut = self._entries.get(key)
@@ -106,7 +114,7 @@ class LayoutCache:
             loop.call_soon(self._flush, endpoint)
         return fut
 
-    async def get(self, endpoint: str, credentials: tuple[str, str], incarnation: str = "") -> RemoteLayout:
+    async def get(self, endpoint: str, credentials: tuple, incarnation: str = "") -> RemoteLayout:
         """The layout of ``endpoint`` as D showed it to this transfer; it must be of ``incarnation``."""
         key = (endpoint, *credentials)
         fut = self.prefetch(endpoint, credentials)
@@ -149,8 +157,7 @@ class LayoutCache:
             fail_futures(items, exc)
 
     async def _batch(self, endpoint: str, items: list[_Item], deadline: float) -> None:
-        batch = m.LayoutBatch(items=[m.LayoutRequest(requester=self.requester, transfer_id=tid, token=token)
-                                     for (tid, token), _ in items])
+        batch = m.LayoutBatch(items=[self._request(credentials) for credentials, _ in items])
         try:
             reply = await self._call(endpoint, batch, deadline, len(items))
         except MetadataError as exc:
@@ -184,9 +191,9 @@ class LayoutCache:
             await asyncio.gather(*again)
 
     async def _alone(self, endpoint: str, item: _Item, deadline: float) -> None:
-        (tid, token), fut = item
+        credentials, fut = item
         try:
-            request = m.LayoutRequest(requester=self.requester, transfer_id=tid, token=token)
+            request = self._request(credentials)
             reply = await self._call(endpoint, request, deadline, 1)
             if not isinstance(reply, m.LayoutReply):
                 raise MetadataError(f"{endpoint} answered a layout request with {type(reply).__name__}")
@@ -195,6 +202,11 @@ class LayoutCache:
             raise
         except Exception as exc:  # noqa: BLE001 - the item's own error, as its transfer reports it
             settle_future(fut, exc=exc)
+
+    def _request(self, credentials: tuple) -> m.LayoutRequest:
+        tid, token, *writers = credentials
+        return m.LayoutRequest(requester=self.requester, transfer_id=tid, token=token, control=self.control,
+                               incarnation=self.incarnation, writers=writers[0] if writers else 0)
 
     async def _call(self, endpoint: str, request: m.Message, deadline: float, count: int) -> m.Message:
         """``request``'s reply by ``deadline``; ``DeadlineExceeded`` or ``MetadataError`` (cause: the

@@ -5,13 +5,15 @@ a DONE or FAILED that still arrives for an unknown transfer is kept for ``Timeou
 seconds and applied when the registration comes. DONE and FAILED are idempotent per
 (transfer id, sender).
 
-Fencing: on a deadline or an abort the transfer goes to ``aborting``: D tells P to stop and keeps
-the blocks until P acknowledges that none of its writes is in flight (or P's FAILED arrives, which
-P sends only then). P answers ``Nack(settling)`` while a write may still land: D asks again until
-``fence_grace``, longer than a write can stay in flight. With several senders one rank's ack says
-nothing of the others: only every sender's DONE/FAILED (or the grace) ends the fence. The fence
-always ends (whatever asking P does), and only then is the failure published and may the blocks
-be released.
+Writers: D records each P rank that reaches a transfer (fetches its layout, or reports) with its
+own control endpoint (``writers``); no endpoint named by the deployment is believed.
+
+Fencing: on a deadline or an abort the transfer goes to ``aborting``: D tells each writer to stop
+and keeps the blocks until every writer acknowledged that none of its writes is in flight (or sent
+DONE/FAILED, which P sends only then); with no writer at all the fence ends at once (no P rank can
+learn where to write any more). P answers ``Nack(settling)`` while a write may still land: D asks
+again until ``fence_grace``, longer than a write can stay in flight. The fence always ends
+(whatever asking P does), and only then is the failure published and may the blocks be released.
 
 Settled transfers: the id and token of each settled transfer are kept for ``Timeouts.receive``
 seconds (at most ``MAX_SETTLED`` of them), even once the entry is forgotten. A late or retried
@@ -30,7 +32,7 @@ import asyncio
 import collections
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import Callable
 
 import msgspec
 
@@ -40,14 +42,12 @@ from ..protocol import messages as m
 from ..protocol.checks import check_senders, check_token
 from ..protocol.codes import AckDetail, NackCode
 from ..protocol.state import Event, IllegalTransition, State, receiver_transfer
+from .writers import StopSender, Writers, ask_until_quiet
 
 log = logging.getLogger(__name__)
 
-# (P's control endpoint, transfer id, token, reason) -> True once P confirmed it is quiet
-StopSender = Callable[[str, str, str, str], Awaitable[bool]]
 MAX_EARLY = 4096          # DONE/FAILED kept for unregistered transfers: a stranger cannot grow it further
 MAX_SETTLED = 16384       # settled ids remembered: the oldest go first beyond this
-ASK_PAUSE_S = (0.05, 1.0)  # fence: first and longest pause before asking a settling P again
 
 
 class Received(msgspec.Struct, kw_only=True):
@@ -59,18 +59,17 @@ class Received(msgspec.Struct, kw_only=True):
 
 
 class _Entry:
-    __slots__ = ("transfer_id", "token", "block_ids", "first_block", "state", "sender", "sender_control",
+    __slots__ = ("transfer_id", "token", "block_ids", "first_block", "state", "writers",
                  "timer", "on_release", "fence", "forget")
 
-    def __init__(self, transfer_id: str, token: str, block_ids: list[int], on_release, sender_control: str,
+    def __init__(self, transfer_id: str, token: str, block_ids: list[int], on_release,
                  first_block: int, senders: int = 1) -> None:
         self.transfer_id = transfer_id
         self.token = token
         self.block_ids = block_ids
         self.first_block = first_block
         self.state = receiver_transfer(senders)   # with the P ranks it waits for (head slices)
-        self.sender = ""
-        self.sender_control = sender_control
+        self.writers = Writers(senders)         # the P ranks that reached it: the fence asks these
         self.timer: asyncio.TimerHandle | None = None
         self.on_release = on_release
         self.fence: asyncio.Task | None = None
@@ -109,7 +108,7 @@ class Receiver:
     # --- on the loop ---------------------------------------------------------------------------
 
     def register(self, transfer_id: str, block_ids: list[int], *, token: str, on_release=None,
-                 sender_control: str = "", first_block: int = 0,
+                 first_block: int = 0,
                  senders: int = 1, forget: bool = False) -> None:
         """Register before publishing the block ids; ``on_release(block_ids)`` frees them later.
 
@@ -124,7 +123,7 @@ class Receiver:
         if self._settled_token(transfer_id) is not None:
             raise ControlRejected(NackCode.SETTLED,
                                   f"transfer {transfer_id} already settled; a new transfer needs a new id")
-        entry = _Entry(transfer_id, token, block_ids, on_release, sender_control, first_block, senders)
+        entry = _Entry(transfer_id, token, block_ids, on_release, first_block, senders)
         entry.forget = forget
         self._entries[transfer_id] = entry
         self._unsettled += 1   # every entry settles once (``_settle``) or goes with ``close``
@@ -150,6 +149,24 @@ class Receiver:
                                   f"{what}: transfer {transfer_id} is already {entry.state.state.value}")
         return entry
 
+    def admit_writer(self, msg: m.LayoutRequest) -> None:
+        """A P rank asks for a transfer's layout: authorized by its token while the transfer takes
+        writes, and recorded as one of its writers before it learns where to write. Refused: a rank
+        beyond the registered writers (``sender``), or one whose plan names another number of writers
+        than D registered (``writers``): P's and D's parallel layouts disagree, so the transfer fails
+        here, loudly, instead of finishing with part of its KV never written."""
+        tid = msg.transfer_id
+        entry = self.authorize_writer(tid, msg.token, f"layout request from {msg.requester!r}")
+        expected = entry.state.senders
+        if msg.writers and msg.writers != expected:
+            reason = (f"P rank {msg.requester!r} writes as one of {msg.writers} P ranks, but D registered the "
+                      f"transfer for {expected}: P's and D's tensor-parallel layouts disagree (check the sizes "
+                      "the proxy was given)")
+            log.error("transfer %s: %s", tid, reason)
+            self.abort(tid, reason)
+            raise ControlRejected(NackCode.WRITERS, reason)
+        entry.writers.admit(tid, msg.requester, msg.control, msg.incarnation)
+
     def handle(self, msg: m.Message) -> m.Message:
         """Apply a Done or Failed from P; always returns the reply to send."""
         tid = msg.transfer_id
@@ -164,13 +181,13 @@ class Receiver:
             self.duplicates += 1   # a retry whose first delivery settled it, or a word after the deadline
             return m.Ack(detail=AckDetail.ALREADY_SETTLED)
         entry = self.authorize(tid, msg.token, type(msg).__name__)
+        entry.writers.admit(tid, msg.sender)   # a writer beyond the registered ones: refused
+        entry.writers.mark_quiet(msg.sender)   # P says DONE/FAILED only once its writes are quiet
         if entry.state.senders > 1:
             msg, repeated = entry.state.gather(tid, msg)
             self.duplicates += repeated
             if msg is None:
                 return m.Ack(detail=entry.state.tally())
-        elif entry.sender and entry.sender != msg.sender:
-            raise ControlRejected(NackCode.SENDER, f"transfer {tid} belongs to another sender")
         event = Event.DONE if isinstance(msg, m.Done) else Event.FAILED
         reason = "" if event is Event.DONE else f"P reported: {msg.reason}"
         if entry.state.state is State.ABORTING:
@@ -182,7 +199,6 @@ class Receiver:
         if not changed:
             self.duplicates += 1
             return m.Ack(detail=f"already {entry.state.state.value}")
-        entry.sender = msg.sender
         if event is Event.DONE:
             self.bytes_received += msg.bytes
         self._settle(entry)
@@ -364,26 +380,11 @@ class Receiver:
                 self._end_fence(entry)
 
     async def _ask_until_quiet(self, entry: _Entry, end: float) -> bool:
-        """True once P says none of its writes can land, asked again (backing off) until ``end``.
-        Several senders: the one P asked speaks only for itself, so its ack never ends the fence."""
-        if not entry.sender_control or self._stop_sender is None:
-            return False
-        t, loop = self.timeouts, asyncio.get_running_loop()
-        pause = ASK_PAUSE_S[0]
-        while (left := end - loop.time()) > 0:
-            try:
-                quiet = await asyncio.wait_for(
-                    self._stop_sender(entry.sender_control, entry.transfer_id, entry.token, entry.state.reason),
-                    min(left, t.abort_ask))
-            except asyncio.TimeoutError:
-                quiet = False
-            if quiet:
-                return entry.state.senders == 1
-            await asyncio.sleep(max(0.0, min(pause, end - loop.time())))
-            pause = min(2 * pause, ASK_PAUSE_S[1])
-        log.warning("transfer %s: P at %s never confirmed it stopped; blocks fenced for the whole grace",
-                    entry.transfer_id, entry.sender_control)
-        return False
+        """True once every P rank that reached the transfer is quiet (at once if none did)."""
+        if self._stop_sender is None:
+            return not entry.writers.unquiet()
+        return await ask_until_quiet(entry.writers, self._stop_sender, entry.transfer_id, entry.token,
+                                     entry.state.reason, end, self.timeouts.abort_ask)
 
     def _end_fence(self, entry: _Entry) -> None:
         entry.fence = None   # done: settling must not cancel the task that is ending

@@ -39,8 +39,8 @@ def _check_batch(items: list, limit: int, what: str) -> None:
 
 def _grant_layout(rt, msg: m.LayoutRequest) -> m.Ack:
     """The layout names our memory: only for a peer holding the token of a transfer that still takes
-    writes (P asks for it for every transfer before its first write)."""
-    rt.receiver.authorize_writer(msg.transfer_id, msg.token, f"layout request from {msg.requester!r}")
+    writes (P asks for it for every transfer before its first write), recorded as its writer."""
+    rt.receiver.admit_writer(msg)
     if rt.layout_reply is None:
         raise ControlRejected(m.NackCode.NOT_READY, "no KV layout registered yet")
     return m.Ack()

@@ -114,6 +114,7 @@ class Runtime:
                                     max_frame_bytes=self.node.max_frame_bytes)
         await self.server.start(spawn)
         self.control_endpoint = f"tcp://{advertised}:{self.server.port}"
+        self.layouts.control, self.layouts.incarnation = self.control_endpoint, self.incarnation
         if self.node.metrics_port >= 0:
             self.metrics_server = MetricsServer(transport.bind_host, self.node.metrics_port, self._scrape,
                                                 self.timeouts.control_call)
@@ -269,7 +270,7 @@ class Runtime:
     def _register_receive(self, spec: ReceiveSpec, announce: Announce | None, reg: Registration) -> None:
         try:
             self.receiver.register(spec.transfer_id, spec.block_ids, token=spec.token, forget=True,
-                                   sender_control=spec.sender_control, first_block=spec.first_block,
+                                   first_block=spec.first_block,
                                    senders=spec.senders)
         except Exception as exc:  # noqa: BLE001 - the caller learns it from the transfer's result
             self.receiver.refuse(spec.transfer_id, f"registration refused: {type(exc).__name__}: {exc}")

@@ -201,7 +201,7 @@ class Sender:
             self._spawn(self._finish(req, "aborted by D before it started", None), name=f"fail {tid}")
             return
         try:
-            self.layouts.prefetch(spec.peer, (tid, spec.token))
+            self.layouts.prefetch(spec.peer, (tid, spec.token, spec.writers))
         except Exception as exc:  # noqa: BLE001 - e.g. an endpoint the control plane cannot parse
             self._refuse(spec, f"layout prefetch failed: {type(exc).__name__}: {exc}")
             return
@@ -259,7 +259,7 @@ class Sender:
         reason = ""
         settled = None
         try:
-            layout = await self.layouts.get(req.spec.peer, (req.spec.transfer_id, req.spec.token),
+            layout = await self.layouts.get(req.spec.peer, (req.spec.transfer_id, req.spec.token, req.spec.writers),
                                             req.spec.dst_incarnation)
             req.spans = check_layout(self.local, req.spec, req.runs, layout)
             req.state.apply(Event.LAYOUT_READY)

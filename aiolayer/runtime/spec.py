@@ -26,6 +26,9 @@ class TransferSpec(msgspec.Struct, frozen=True, kw_only=True):
     # Head slice: copy the route's heads of every block (P and D ranks of other TP sizes, see
     # protocol.plan.map_ranks); both sides must have published their head geometry. None: whole blocks.
     route: RankRoute | None = None
+    # How many P ranks write into this D transfer by our plan (head slices from several TP ranks): D
+    # refuses the layout when it registered another number. 0 = not said (D trusts its registration).
+    writers: int = 0
 
     @classmethod
     def from_registration(cls, reg, *, src_blocks: list[int], peer: str = "", layerwise: bool = True,
@@ -89,6 +92,8 @@ def check_spec(spec) -> None:
         if not (value.isascii() if name in ("peer", "token") else _encodable(value)):
             raise ValueError(f"{name} must be {'ASCII' if name in ('peer', 'token') else 'valid UTF-8'}, "
                              f"got {value!r:.80}")
+    if isinstance(spec.writers, bool) or not isinstance(spec.writers, int) or not 0 <= spec.writers <= 1 << 16:
+        raise ValueError(f"writers must be an integer in 0..65536, got {spec.writers!r:.80}")
     if spec.route is not None and not isinstance(spec.route, RankRoute):
         raise ValueError(f"route must be a RankRoute or None, got {type(spec.route).__name__}")
 

@@ -3,7 +3,7 @@
 decodes from the received blocks. D never sees the prompt: only its length and P's first token.
 
 Commands:
-  ``receive`` {transfer_id, num_tokens, sender}  -> the Registration (plain JSON) to give to P
+  ``receive`` {transfer_id, num_tokens}  -> the Registration (plain JSON) to give to P
   ``decode``  {transfer_id, first_token, max_tokens, zero_received} -> tokens and the transfer's result
 ``zero_received`` wipes the received blocks before decoding: the control run that shows the tokens
 depend on the transferred KV.
@@ -35,8 +35,7 @@ class Decode:
     def receive(self, cmd: dict) -> dict:
         blocks = self.pool.take(blocks_for(cmd["num_tokens"], self.paged.block_size))
         # no token given: aiolayer mints the transfer's secret, and the Registration carries it to P
-        spec = ReceiveSpec(transfer_id=cmd["transfer_id"], block_ids=blocks,
-                           sender_control=cmd.get("sender", ""))     # P's control endpoint: whom to stop on abort
+        spec = ReceiveSpec(transfer_id=cmd["transfer_id"], block_ids=blocks)   # D learns its writers itself
         try:
             reg = self.rt.receive(spec)   # registered before this returns what P needs
         except Exception:

@@ -130,8 +130,7 @@ class Cluster:
         """One request through D and P; returns D's tokens and what each side said."""
         self._ids += 1
         tid = f"req-{self._ids}"
-        reg = self.d.call({"op": "receive", "transfer_id": tid, "num_tokens": len(prompt),
-                           "sender": self.p_info["control"]})["registration"]
+        reg = self.d.call({"op": "receive", "transfer_id": tid, "num_tokens": len(prompt)})["registration"]
         p = self.p.call({"op": "prefill", "prompt": prompt, "registration": reg})
         d = self.d.call({"op": "decode", "transfer_id": tid, "first_token": p["first_token"],
                          "max_tokens": max_tokens, "zero_received": zero_received})

@@ -174,10 +174,9 @@ def plan(cfg: ScaleConfig, d_controls: list[str], p_controls: list[str]):
     for req in range(cfg.requests):
         for d in range(cfg.d_tp):
             tid = f"s{req}-d{d}"
-            ctl = p_controls[writers[d][0]] if len(writers[d]) == 1 else ""   # k senders: no single P to ask
             allocs.append((req, d, m.AllocRequest(transfer_id=tid, num_blocks=cfg.blocks_per_request,
-                                                  contiguous=cfg.contiguous, sender_control=ctl,
-                                                  token=secrets.token_hex(16), senders=len(writers[d]))))
+                                                  contiguous=cfg.contiguous, token=secrets.token_hex(16),
+                                                  senders=len(writers[d]))))
     return routes, writers, allocs
 
 
@@ -298,6 +297,7 @@ def _drive(cfg: ScaleConfig, tmp: Path, nodes, ranks, ready, proxy) -> dict:
         _progress(f"note: up to {writes_per_peer(cfg, routes)} writes per P->D pair; aiolayer keeps at most "
                   f"{MAX_RUNS_PER_TARGET} in flight per target (Mooncake's queue holds "
                   f"{MOONCAKE_ENV['MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER']}), the rest wait", final=True)
+    layouts = raw_layouts(proxy, d_controls)   # before the allocations fill D's blocks
     replies = call_all(proxy, [(d_controls[d], msg) for _, d, msg in allocs], "allocating")
     refused = [r for r in replies if not isinstance(r, m.AllocReply)]
     if refused:
@@ -305,7 +305,7 @@ def _drive(cfg: ScaleConfig, tmp: Path, nodes, ranks, ready, proxy) -> dict:
     items = rank_items(cfg, routes, allocs, replies, d_controls)
     for p in items:
         (tmp / f"plan-{p}.json").write_bytes(msgspec.json.encode(items[p]))
-    (tmp / "raw-layouts.json").write_bytes(msgspec.json.encode(raw_layouts(cfg, proxy, d_controls, allocs)))
+    (tmp / "raw-layouts.json").write_bytes(msgspec.json.encode(layouts))
     total, counts = sum(len(v) for v in items.values()), {}
 
     def note(rank: int, msg: dict) -> None:
@@ -332,17 +332,25 @@ def _drive(cfg: ScaleConfig, tmp: Path, nodes, ranks, ready, proxy) -> dict:
     return build_report(cfg, routes, writers, allocs, summaries, verdict, wall, raws)
 
 
-def raw_layouts(cfg: ScaleConfig, proxy: Runtime, d_controls: list[str], allocs) -> list[RawLayout]:
-    """Each D rank's layout for the raw baseline, fetched with one of its transfers' credentials
-    before the transfers start (D shows it only while they take writes)."""
-    first = {}
-    for _, d, msg in allocs:
-        first.setdefault(d, msg)
-    replies = call_all(proxy, [(d_controls[d], m.LayoutRequest(requester="scale-raw", transfer_id=msg.transfer_id,
-                                                               token=msg.token)) for d, msg in sorted(first.items())],
-                       "layouts")
+def raw_layouts(proxy: Runtime, d_controls: list[str]) -> list[RawLayout]:
+    """Each D rank's layout for the raw baseline, fetched under a probe transfer of its own (D shows
+    its layout only to a transfer's writer, and admits no writer beyond the transfer's P ranks), which
+    the probe then ends with FAILED and releases."""
+    ranks = list(range(len(d_controls)))
+    probes = {d: m.AllocRequest(transfer_id=f"raw-layout-d{d}", num_blocks=1, token=secrets.token_hex(16))
+              for d in ranks}
+    made = call_all(proxy, [(d_controls[d], probes[d]) for d in ranks], "layout probes")
+    if any(not isinstance(r, m.AllocReply) for r in made):
+        raise RuntimeError(f"D refused a layout probe: {next(r for r in made if not isinstance(r, m.AllocReply))!r}")
+    replies = call_all(proxy, [(d_controls[d], m.LayoutRequest(requester="scale-raw", transfer_id=probes[d].transfer_id,
+                                                               token=probes[d].token)) for d in ranks], "layouts")
+    call_all(proxy, [(d_controls[d], m.Failed(transfer_id=probes[d].transfer_id, sender="scale-raw",
+                                              reason="layout probe", token=probes[d].token)) for d in ranks],
+             "ending layout probes")
+    call_all(proxy, [(d_controls[d], m.ReleaseRequest(transfer_id=probes[d].transfer_id)) for d in ranks],
+             "releasing layout probes")
     bad = [r for r in replies if not isinstance(r, m.LayoutReply)]
     if bad:
         raise RuntimeError(f"D refused a layout request: {bad[0]!r}")
     return [RawLayout(d, r.session, [x.k_base for x in r.layers], [x.v_base for x in r.layers], r.kv_heads)
-            for d, r in zip(sorted(first), replies)]
+            for d, r in zip(ranks, replies)]

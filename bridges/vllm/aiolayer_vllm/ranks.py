@@ -102,6 +102,13 @@ def routes_for_p(topo: Topology, d_tp: int) -> list[RankRoute]:
     return mine
 
 
+def writers_into(topo: Topology, d_tp: int, d_rank: int) -> int:
+    """How many P ranks (this P's TP size) write into D rank ``d_rank`` of ``d_tp``: said in P's layout
+    request, so that a D registered for another number refuses the plan (P's and D's views disagree)."""
+    routes = _routes(topo.total_kv_heads, topo.tp_size, d_tp, topo.mla)
+    return len({r.p_rank for r in routes if r.d_rank == d_rank})
+
+
 def writers_of_d(topo: Topology, p_tp: int) -> list[int]:
     """The P ranks (of ``p_tp``) that write into this D rank: each must report before it finishes."""
     routes = _routes(topo.total_kv_heads, p_tp, topo.tp_size, topo.mla)

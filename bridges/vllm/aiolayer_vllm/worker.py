@@ -23,7 +23,7 @@ from aiolayer import ReceiveSpec, Registration, Runtime, Step, TransferSpec
 from .config import BridgeConfig
 from .layout import describe
 from .metadata import AiolayerMetadata, RecvReq, SendReq
-from .ranks import Topology, rank_transfer_id, routes_for_p, whole_blocks, writers_of_d
+from .ranks import Topology, rank_transfer_id, routes_for_p, whole_blocks, writers_into, writers_of_d
 from .stats import AiolayerStats, delta, totals
 from .threads import unpinned
 from .wake import Waker
@@ -116,14 +116,14 @@ class WorkerSide:
     def _receive(self, recv: RecvReq) -> None:
         """D: register before anything is published; a refused registration fails the request alone.
 
-        This rank waits for every P rank that writes into it (``ranks.writers_of_d``); it can tell P to
-        stop only where exactly one P rank writes (else its fence waits ``fence_grace``)."""
+        This rank waits for every P rank that writes into it (``ranks.writers_of_d``); its fence asks
+        the P ranks that actually reached the transfer (whichever DP rank ran the request), never an
+        endpoint named in the request."""
         tid = self._rank_tid(recv.transfer_id)
         try:
             p_ranks = recv.prefill_ranks
             writers = writers_of_d(self.topology, len(p_ranks))
             spec = ReceiveSpec(transfer_id=tid, block_ids=recv.block_ids, token=recv.token,
-                               sender_control=p_ranks[writers[0]] if len(writers) == 1 else "",
                                first_block=recv.first_block, senders=len(writers))
             announce = functools.partial(self._publish, url=recv.notify_url, transfer_id=recv.transfer_id) \
                 if recv.notify_url else None
@@ -183,7 +183,8 @@ class WorkerSide:
             specs.append(TransferSpec(transfer_id=tid, peer=control, src_blocks=send.src_blocks,
                                       dst_blocks=send.dst_blocks, dst_incarnation=incarnation, token=send.token,
                                       layerwise=send.layerwise,
-                                      route=None if whole_blocks(route, self.topology, len(d_ranks)) else route))
+                                      route=None if whole_blocks(route, self.topology, len(d_ranks)) else route,
+                                      writers=writers_into(self.topology, len(d_ranks), route.d_rank)))
         return specs
 
     def _send_quiet(self, tid: str) -> None:

@@ -1,0 +1,126 @@
+"""D fences against the P ranks that actually reached a transfer, never against a named endpoint.
+
+The design aiolayer replaces let D believe whichever P endpoint the deployment named: with a prefill
+engine of several data-parallel ranks the proxy can name only one, and when another rank ran the
+request D's abort asked the wrong one, which answered "stopped" at once (it had no such transfer):
+D freed the blocks while the real writer kept writing into them. Here D learns its writers from
+their layout requests (engine id, own control endpoint, incarnation) and asks exactly those.
+
+Real runtimes on the memory backend talking over real control sockets; D is a decode node whose
+blocks can be checksummed (``VerifyRequest``) before and after.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from aiolayer import Timeouts
+from aiolayer.errors import ControlRejected
+from aiolayer.protocol import messages as m
+
+from test_regressions_sender import SHAPE, alloc, d_state, p_runtime, spec_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def crcs(p, endpoint: str, tid: str) -> tuple:
+    reply = p.request(endpoint, m.VerifyRequest(transfer_id=tid), timeout=5)
+    return reply.crc_k, reply.crc_v
+
+
+def wait_state(p, endpoint: str, tid: str, want: str, limit: float) -> float:
+    """Seconds until D's transfer is in state ``want``; fails after ``limit``."""
+    start = time.monotonic()
+    while (got := d_state(p, endpoint, tid)) != want:
+        assert time.monotonic() - start < limit, f"{tid} still {got!r} after {limit}s"
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def test_d_fence_asks_the_p_rank_that_wrote_not_the_one_it_was_named(memory_runtime, memory_decode_node):
+    """P's DP rank 1 runs the request; the registration names DP rank 0 (all a proxy can name). D's
+    abort must wait for rank 1 to be quiet: rank 0's instant "stopped" (it never had the transfer)
+    must not free blocks rank 1 still writes into."""
+    d = memory_decode_node(SHAPE, engine_id="d-dp", timeouts=Timeouts(fence_grace=30))
+    rank0 = memory_runtime("p-dp0")                        # named, never runs the transfer
+    rank1, _ = p_runtime(memory_runtime, "p-dp1")          # runs it
+    rep = alloc(rank1, d.control_endpoint, "dp", 3, sender_control=rank0.control_endpoint)
+    empty = crcs(rank1, d.control_endpoint, "dp")
+    rank1.sender.begin_step(0, [spec_for(d.control_endpoint, "dp", [4, 5, 6], rep)])
+    rank1.sender.layer_ready(0, 0)
+    deadline = time.monotonic() + 5
+    while crcs(rank1, d.control_endpoint, "dp")[0][0] == empty[0][0]:   # until layer 0 landed
+        assert time.monotonic() < deadline, "layer 0 never landed"
+        time.sleep(0.01)
+
+    rank1.request(d.control_endpoint, m.AbortRequest(transfer_id="dp", reason="client gone", token=rep.token))
+    took = wait_state(rank1, d.control_endpoint, "dp", "failed", limit=10)
+    at_release = crcs(rank1, d.control_endpoint, "dp")
+    rank1.request(d.control_endpoint, m.ReleaseRequest(transfer_id="dp"))
+    reused = alloc(rank0, d.control_endpoint, "next", 3)
+    assert reused.block_ids == rep.block_ids               # the freed blocks belong to another transfer now
+    before_next = crcs(rank0, d.control_endpoint, "next")
+
+    for layer in range(1, SHAPE.num_layers):               # rank 1's forward goes on, as a real engine's does
+        rank1.sender.layer_ready(0, layer)
+    rank1.sender.end_step(0)
+    out = rank1.sender.wait("dp", 10)
+    print(f"D failed the transfer {took * 1e3:.1f} ms after the abort; rank 1: {out.reason!r}")
+    assert not out.ok and "client gone" in out.reason, out   # rank 1 itself was told to stop
+    assert crcs(rank0, d.control_endpoint, "next") == before_next, "a write landed in blocks D had released"
+    assert at_release[0][1:] == empty[0][1:], "layers rank 1 was never handed over landed before the abort"
+
+
+def test_a_plan_with_another_number_of_writers_fails_before_any_write(memory_runtime, memory_decode_node):
+    """D registered one writer (the proxy was told P has TP=1) but P's plan says two P ranks write head
+    slices: D refuses the layout and fails the transfer at once, naming both numbers, instead of
+    finishing on one rank's DONE with half the heads never written."""
+    d = memory_decode_node(SHAPE, engine_id="d-w", timeouts=Timeouts(fence_grace=30))
+    p, _ = p_runtime(memory_runtime, "p-w")
+    rep = alloc(p, d.control_endpoint, "w", 2)
+    before = crcs(p, d.control_endpoint, "w")
+    spec = spec_for(d.control_endpoint, "w", [1, 2], rep, writers=2)
+    p.sender.begin_step(0, [spec])
+    for layer in range(SHAPE.num_layers):
+        p.sender.layer_ready(0, layer)
+    p.sender.end_step(0)
+    out = p.sender.wait("w", 10)
+    assert not out.ok and out.bytes == 0 and "writers" in out.reason, out
+    assert "2 P ranks" in out.reason and "for 1" in out.reason, out.reason
+    assert wait_state(p, d.control_endpoint, "w", "failed", limit=2) < 2
+    status = p.request(d.control_endpoint, m.StatusRequest(transfer_id="w"), timeout=5)
+    assert "disagree" in status.reason, status
+    assert crcs(p, d.control_endpoint, "w") == before
+
+
+def test_a_p_rank_beyond_the_registered_writers_is_refused_the_layout(memory_runtime, memory_decode_node):
+    d = memory_decode_node(SHAPE, engine_id="d-x")
+    first = memory_runtime("p-first")
+    second, _ = p_runtime(memory_runtime, "p-second")
+    rep = alloc(first, d.control_endpoint, "x", 2)
+    first.request(d.control_endpoint, m.LayoutRequest(requester="p-first", transfer_id="x", token=rep.token,
+                                                      control=first.control_endpoint))
+    with pytest.raises(ControlRejected) as info:
+        second.request(d.control_endpoint, m.LayoutRequest(requester="p-second", transfer_id="x", token=rep.token,
+                                                           control=second.control_endpoint))
+    assert info.value.code == "sender" and "p-first" in info.value.reason
+    with pytest.raises(ControlRejected) as info:          # the same id from another process: refused too
+        second.request(d.control_endpoint, m.LayoutRequest(requester="p-first", transfer_id="x", token=rep.token,
+                                                           control=second.control_endpoint))
+    assert info.value.code == "sender"
+    assert d_state(first, d.control_endpoint, "x") == "registered"
+
+
+def test_two_writers_each_confirming_ends_the_fence_without_the_grace(memory_runtime, memory_decode_node):
+    """Head slices from two P ranks: each reached the transfer and each answers 'stopped' for itself;
+    once both did, nothing can land and the fence ends long before its grace."""
+    d = memory_decode_node(SHAPE, engine_id="d-2w", timeouts=Timeouts(fence_grace=30))
+    a, b = memory_runtime("p-a"), memory_runtime("p-b")
+    rep = alloc(a, d.control_endpoint, "2w", 2, senders=2)
+    for p in (a, b):
+        p.request(d.control_endpoint, m.LayoutRequest(requester=p.node.engine_id, transfer_id="2w", token=rep.token,
+                                                      control=p.control_endpoint, incarnation=p.incarnation))
+    a.request(d.control_endpoint, m.AbortRequest(transfer_id="2w", reason="client gone", token=rep.token))
+    assert wait_state(a, d.control_endpoint, "2w", "failed", limit=5) < 5
