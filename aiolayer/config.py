@@ -12,6 +12,7 @@ import msgspec
 from .errors import ConfigError
 from .transport import Transport
 
+DEFAULT_INTEGRITY_SAMPLE = 0.01   # share of transfers checked end to end: a CRC pass over 1 % of the bytes
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1, "uint8": 1}
 
 
@@ -150,11 +151,16 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     backend: str = "mooncake"        # "mooncake" | "memory"
     max_frame_bytes: int = 1 << 20   # control frames larger than this are refused
     bridge_capacity: int = 65536     # items the forward thread may queue before BridgeFull
+    # P: the share of transfers whose bytes are checksummed end to end (D verifies what landed before it
+    # accepts DONE; runtime/integrity.py). Only where KV is in host memory.
+    integrity_sample: float = DEFAULT_INTEGRITY_SAMPLE
 
     def __post_init__(self) -> None:
         if not 0 <= self.control_port <= 65535:
             raise ConfigError(f"control_port out of range: {self.control_port}")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port out of range: {self.metrics_port} (-1 = off)")
+        if not 0.0 <= self.integrity_sample <= 1.0:
+            raise ConfigError(f"integrity_sample must be a share in 0..1, got {self.integrity_sample}")
         if self.backend not in ("mooncake", "memory"):
             raise ConfigError(f"unknown backend {self.backend!r}; 'mooncake' or 'memory'")

@@ -48,7 +48,8 @@ class DecodeNode:
             shape = self.shape
             self.runtime.register_kv_memory(self.cache.k_base, self.cache.v_base, shape.block_bytes,
                                             shape.num_blocks, kv_heads=shape.kv_heads,
-                                            geometry=HeadGeometry(shape.block_size, shape.head_bytes, shape.layout))
+                                            geometry=HeadGeometry(shape.block_size, shape.head_bytes, shape.layout),
+                                            host_memory=True)
         except BaseException:
             self.runtime.stop()
             raise

@@ -78,6 +78,20 @@ class LayoutReply(_Msg, tag="layout"):
 
 # --- transfer outcome (P tells D) ----------------------------------------------------------------
 
+MAX_CHECK_RUNS = 4096   # runs per layer a sampled integrity check may name (larger transfers are not sampled)
+
+
+class LayerCheck(msgspec.Struct, frozen=True, kw_only=True):
+    """A sampled transfer's end-to-end check: per layer, the CRC32 of the bytes P wrote, taken in run
+    order over P's source; ``offsets``/``lengths`` are the runs at D, relative to each layer's base (the
+    same for every layer, and for K and V). ``crc_v`` is empty where K and V share one plane."""
+
+    offsets: list[int]
+    lengths: list[int]
+    crc_k: list[int]
+    crc_v: list[int] = []
+
+
 class Done(_Msg, tag="done"):
     transfer_id: str
     sender: str
@@ -85,6 +99,7 @@ class Done(_Msg, tag="done"):
     layers: int = 0
     bytes: int = 0
     token: str = ""
+    check: Union[LayerCheck, None] = None   # sampled transfers: D verifies what landed before it accepts
 
 
 # Items per DoneBatch: ~40 KB of DONEs, far below a node's max_frame_bytes (1 MiB by default).

@@ -56,6 +56,8 @@ def snapshot(rt) -> dict:
         "frames": server.frames_received if server else 0,
         "fence_timeouts": sender.fence_timeouts if sender else 0,
         "task_errors": rt.loop_thread.task_errors,
+        # sampled end-to-end checks: P's sent ("sampled"), D's "verified" / "mismatch"
+        "integrity": {"sampled": sender.integrity_checks if sender else 0, **receiver.integrity},
     }
 
 
@@ -97,6 +99,8 @@ class _SnapshotCollector:
         yield _counter("aiolayer_control_frames", "control frames received", s["frames"])
         yield _counter("aiolayer_fence_timeouts", "timed-out writes still unresolved after the quarantine",
                        s["fence_timeouts"])
+        yield _counter("aiolayer_integrity_checks", "sampled end-to-end KV checks: sent by P, verified or "
+                       "mismatched at D", None, ["result"], [([k], v) for k, v in sorted(s["integrity"].items())])
         yield _counter("aiolayer_task_errors", "loop tasks that ended with an error (logged, the runtime went on)",
                        s.get("task_errors", 0))
 

@@ -98,6 +98,7 @@ class Receiver:
         self.rejected: collections.Counter[str] = collections.Counter()   # dropped without a Nack, by reason
         self.outcome_counts: collections.Counter[str] = collections.Counter()
         self.bytes_received = 0
+        self.integrity: collections.Counter[str] = collections.Counter()   # sampled DONEs: verified / mismatch
 
     def bind(self, spawn, stop_sender: StopSender, on_outcome: Callable[[], None] | None = None) -> None:
         """Give the receiver its task owner, the way to tell a P to stop and whom to tell of an outcome."""
@@ -218,6 +219,14 @@ class Receiver:
             self.aborts += 1
             self._start_fence(entry)
         return entry.state.state.value
+
+    def blocks_to_verify(self, transfer_id: str, token: str) -> list[int] | None:
+        """The blocks of a transfer a DONE's integrity check may read: registered, this token, still
+        taking writes; None otherwise (the DONE then goes on unchecked, to be refused or kept as usual)."""
+        entry = self._entries.get(transfer_id)
+        if entry is None or entry.state.state is not State.REGISTERED or not m.same_token(token, entry.token):
+            return None
+        return entry.block_ids
 
     def registration(self, transfer_id: str, token: str) -> tuple[list[int], int]:
         """(block ids, first block) of a registered transfer, for whoever dispatches P."""

@@ -6,11 +6,13 @@ imported here: the runtime imports this module).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from ..errors import ControlError, ControlRejected, DeadlineExceeded, FrameDropped
 from ..protocol import messages as m
 from ..protocol.codes import NackCode
+from .integrity import verify_check
 
 log = logging.getLogger("aiolayer.runtime.runtime")   # the runtime's own log, as before the split
 
@@ -58,14 +60,34 @@ async def stop_sender(rt, endpoint: str, transfer_id: str, token: str, reason: s
     return m.confirms_stop(reply)
 
 
+async def _verified(rt, done: m.Done) -> m.Done | m.Failed:
+    """A DONE carrying an integrity check, once D compared what landed (in a worker thread): as sent,
+    or a FAILED from the same sender saying what differs. A DONE D would refuse or keep anyway
+    (unknown, wrong token, already given up) goes on unchecked."""
+    if not isinstance(done, m.Done) or done.check is None:
+        return done
+    blocks = rt.receiver.blocks_to_verify(done.transfer_id, done.token)
+    if blocks is None:
+        return done
+    problem = await asyncio.to_thread(verify_check, rt.sender.local, blocks, done.check)
+    rt.receiver.integrity["mismatch" if problem else "verified"] += 1
+    if not problem:
+        return done
+    log.error("transfer %s from %s: %s", done.transfer_id, done.sender, problem)
+    return m.Failed(transfer_id=done.transfer_id, sender=done.sender, reason=problem, token=done.token)
+
+
 async def handle(rt, msg: m.Message) -> m.Message:
     if rt._hooks.inbound_filter is not None:
         rt._hooks.inbound_filter(msg)
     if isinstance(msg, (m.Done, m.Failed)):
-        return rt.receiver.handle(msg)
+        return rt.receiver.handle(await _verified(rt, msg))
     if isinstance(msg, m.DoneBatch):
         _check_batch(msg.items, m.MAX_DONE_BATCH, "DONEs")
-        return m.Replies(items=[_batched_item(rt, done, rt.receiver.handle) for done in msg.items])
+        items = msg.items
+        if any(getattr(done, "check", None) is not None for done in items):   # else answered in this pass
+            items = await asyncio.gather(*(_verified(rt, done) for done in items))
+        return m.Replies(items=[_batched_item(rt, done, rt.receiver.handle) for done in items])
     if isinstance(msg, m.Abort):
         return m.Ack(detail=await rt.sender.abort(msg.transfer_id, msg.reason, msg.token))
     if isinstance(msg, m.AbortRequest):

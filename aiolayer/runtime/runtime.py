@@ -105,7 +105,7 @@ class Runtime:
         self.layouts = LayoutCache(self.peers, self.timeouts, self.node.engine_id, spawn)
         self.sender = Sender(engine_id=self.node.engine_id, bridge=self.bridge, backend=self.backend,
                              peers=self.peers, layouts=self.layouts, timeouts=self.timeouts,
-                             on_outcome=self._outcome)
+                             on_outcome=self._outcome, integrity_sample=self.node.integrity_sample)
         spawn(self.sender.run(spawn), name="sender")
         self.receiver.bind(spawn, functools.partial(routing.stop_sender, self), on_outcome=self._outcome)
         transport = self.node.transport
@@ -185,7 +185,8 @@ class Runtime:
     # --- both sides: the local KV memory ----------------------------------------------------------
 
     def register_kv_memory(self, k_base: list[int], v_base: list[int], block_bytes: int, num_blocks: int,
-                           *, kv_heads: int = 0, geometry: HeadGeometry | None = None) -> None:
+                           *, kv_heads: int = 0, geometry: HeadGeometry | None = None,
+                           host_memory: bool = False) -> None:
         """Register this process's paged KV caches: the target of peers' writes (D), or their source (P).
 
         Per layer, block ``b`` of K is at ``k_base + b * block_bytes``, likewise for V. Where one
@@ -193,19 +194,21 @@ class Runtime:
 
         ``kv_heads`` and ``geometry`` (tokens per block, bytes per head, NHD/HND) describe a block's
         local heads; with them, peers of another TP size can write or be written head slices
-        (``TransferSpec.route``). Without them only whole blocks move. Blocks until registered.
+        (``TransferSpec.route``). Without them only whole blocks move. ``host_memory``: the bases are
+        host addresses this process may read, so sampled integrity checks run here (never set it for
+        device memory). Blocks until registered.
         """
         check_geometry(block_bytes, kv_heads, geometry)
-        self.loop_thread.call(self._register_layout(k_base, v_base, block_bytes, num_blocks, kv_heads, geometry),
-                              timeout=self.timeouts.shutdown)
+        self.loop_thread.call(self._register_layout(k_base, v_base, block_bytes, num_blocks, kv_heads, geometry,
+                                                    host_memory), timeout=self.timeouts.shutdown)
 
     async def _register_layout(self, k_base, v_base, block_bytes: int, num_blocks: int,
-                               kv_heads: int = 0, geometry: HeadGeometry | None = None) -> None:
+                               kv_heads: int = 0, geometry: HeadGeometry | None = None, host: bool = False) -> None:
         span = num_blocks * block_bytes
         for base in list(k_base) + list(v_base) if not self._hooks.refuse_writes else ():
             if base:   # a V base of 0: K and V share one tensor per layer
                 self.backend.register(int(base), span)
-        self.sender.set_local_layout(k_base, v_base, block_bytes, num_blocks, kv_heads, geometry)
+        self.sender.set_local_layout(k_base, v_base, block_bytes, num_blocks, kv_heads, geometry, host)
         geo = {} if geometry is None else dict(kv_heads=kv_heads, block_size=geometry.block_size,
                                                head_bytes=geometry.head_bytes, kv_layout=geometry.layout)
         self.layout_reply = m.LayoutReply(

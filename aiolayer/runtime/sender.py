@@ -45,6 +45,7 @@ from .control import ControlPeers
 from .done_batch import DoneBatcher
 from .events import record_event
 from .fence import MAX_EARLY_ABORTS, EarlyAborts, Request, StepLayers, guarded
+from .integrity import sample_check
 from .metadata import LayoutCache
 from .results import Results
 from .spec import LayerTiming, LocalLayout, Outcome, TransferSpec, check_layout, check_spec
@@ -58,7 +59,8 @@ _NO_RUNS = merge_runs([], [])
 
 class Sender:
     def __init__(self, *, engine_id: str, bridge: LayerBridge, backend, peers: ControlPeers,
-                 layouts: LayoutCache, timeouts: Timeouts, on_outcome: Callable[[], None] | None = None) -> None:
+                 layouts: LayoutCache, timeouts: Timeouts, on_outcome: Callable[[], None] | None = None,
+                 integrity_sample: float = 0.0) -> None:
         self.engine_id = engine_id
         self.bridge = bridge
         self.backend = backend
@@ -66,6 +68,8 @@ class Sender:
         self.layouts = layouts
         self.timeouts = timeouts
         self.local: LocalLayout | None = None
+        self.integrity_sample = integrity_sample    # share of transfers checked end to end (integrity.py)
+        self.integrity_checks = 0
         self._steps: dict[int, StepLayers] = {}     # a begun step's layers, read by its transfers
         self.results = Results(on_outcome)
         r = self.results   # the same containers under their old names (the soak report sizes them)
@@ -90,10 +94,10 @@ class Sender:
     # --- forward-thread API (never blocks) -------------------------------------------------
 
     def set_local_layout(self, k_base, v_base, block_bytes: int, num_blocks: int, heads: int = 0,
-                         geometry: HeadGeometry | None = None) -> None:
+                         geometry: HeadGeometry | None = None, host: bool = False) -> None:
         check_geometry(block_bytes, heads, geometry)
         self.local = LocalLayout(np.asarray(k_base, dtype=np.int64), np.asarray(v_base, dtype=np.int64),
-                                 block_bytes, num_blocks, heads, geometry)
+                                 block_bytes, num_blocks, heads, geometry, host)
 
     def begin_step(self, step: int, specs: list[TransferSpec]) -> None:
         """Hand a step's transfers to the loop. A bad spec fails that transfer there, never here."""
@@ -306,8 +310,12 @@ class Sender:
                 pass   # logged; D's own deadline and fence end the transfer there
             return
         req.state.apply(Event.ALL_LAYERS_WRITTEN)
+        check = None
+        if self.integrity_sample:   # every write completed: the held source is what D must hold now
+            check = await asyncio.to_thread(sample_check, self.local, req.runs, req.spans, self.integrity_sample)
+            self.integrity_checks += check is not None
         msg = m.Done(transfer_id=spec.transfer_id, sender=self.engine_id, incarnation=spec.dst_incarnation,
-                     layers=len(req.timings), bytes=req.bytes, token=spec.token)
+                     layers=len(req.timings), bytes=req.bytes, token=spec.token, check=check)
         try:
             await self._tell_d(spec, msg)
         except DeliveryFailed as exc:

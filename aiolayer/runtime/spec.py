@@ -71,6 +71,7 @@ class LocalLayout(msgspec.Struct, frozen=True):
     num_blocks: int
     heads: int = 0                          # local KV heads per block (0: geometry not published)
     geometry: HeadGeometry | None = None    # what a head slice needs: tokens per block, head bytes, layout
+    host: bool = False                      # host memory: readable here, so integrity can be checked
 
     @property
     def num_layers(self) -> int:

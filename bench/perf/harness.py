@@ -69,7 +69,8 @@ class Harness:
         transport = {"transport": Transport(bind_host=bind_host)} if bind_host else {}
         self.runtime = Runtime(NodeConfig(engine_id="bench-p", backend=args.backend, **transport), Timeouts()).start()
         self.cache = PagedKVCache(p)
-        self.runtime.register_kv_memory(self.cache.k_base, self.cache.v_base, p.block_bytes, p.num_blocks)
+        self.runtime.register_kv_memory(self.cache.k_base, self.cache.v_base, p.block_bytes, p.num_blocks,
+                                        host_memory=True)
         self.forward = SimulatedForward(self.cache, args.layer_ms, cpus=self.device_cpus)
         self.base_kv = seeded_kv(p.num_layers, p.num_blocks, p.block_bytes, args.seed)
         self.kv_buf = np.zeros_like(self.base_kv)

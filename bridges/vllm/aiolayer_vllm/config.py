@@ -7,7 +7,9 @@ fields: ``bind_host``, ``advertise_host``, ``protocol``, ``device_name``, ``meta
 same keys as ``aiolayer node``'s flags), ``timeouts`` (a dict of ``aiolayer.Timeouts`` fields),
 ``layerwise_min_tokens`` (shorter prompts go in bulk), ``queue_spin_ms`` (how long vLLM's shared-memory
 message-queue readers in this engine's worker and engine core spin after a message before they
-sleep: 2 by default, vLLM's own is 1000; null leaves vLLM's; ``spin.py`` says why).
+sleep: 2 by default, vLLM's own is 1000; null leaves vLLM's; ``spin.py`` says why), ``integrity_sample``
+(P: the share of transfers whose bytes D verifies end to end before it reports them, 0.01 by default, 0 =
+off; CPU engines only, where the KV is in host memory: ``aiolayer/runtime/integrity.py``).
 
 Test-only switches are not configuration: ``AIOLAYER_DEBUG_ZERO_RECEIVED=1`` in a D engine's
 environment zeroes the KV that arrived before D uses it (the end-to-end tests' negative control).
@@ -20,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from aiolayer.config import NodeConfig, Timeouts
+from aiolayer.config import DEFAULT_INTEGRITY_SAMPLE, NodeConfig, Timeouts
 from aiolayer.errors import ConfigError
 from aiolayer.transport import Transport
 
@@ -38,6 +40,7 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
     layerwise_min_tokens: int = 0
     queue_spin_ms: float | None = DEFAULT_QUEUE_SPIN_MS
+    integrity_sample: float = DEFAULT_INTEGRITY_SAMPLE
 
 
 class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -57,7 +60,7 @@ def from_extra_config(extra: dict[str, Any] | None, default_engine_id: str) -> B
         if user.queue_spin_ms is not None and not 0 <= user.queue_spin_ms <= 1000:
             raise ConfigError(f"queue_spin_ms must be null or 0-1000, got {user.queue_spin_ms}")
         node = NodeConfig(engine_id=user.engine_id or default_engine_id, control_port=user.control_port,
-                          backend=user.backend, transport=user.transport)
+                          backend=user.backend, transport=user.transport, integrity_sample=user.integrity_sample)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid aiolayer kv_connector_extra_config: {exc}") from None
     except ConfigError as exc:

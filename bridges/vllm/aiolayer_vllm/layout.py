@@ -60,8 +60,9 @@ class KVLayout:
 
     def register(self, runtime) -> None:
         """Publish these caches: ``runtime.register_kv_memory`` with the geometry, if any."""
+        host = all(plane.device.type == "cpu" for planes in self.views.values() for plane in planes)
         runtime.register_kv_memory(list(self.k_base), list(self.v_base), self.block_bytes, self.num_blocks,
-                                   kv_heads=self.kv_heads, geometry=self.geometry)
+                                   kv_heads=self.kv_heads, geometry=self.geometry, host_memory=host)
 
 
 @dataclass(frozen=True)
