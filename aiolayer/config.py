@@ -15,8 +15,9 @@ from .transport import Transport
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1, "uint8": 1}
 
 
-class Timeouts(msgspec.Struct, frozen=True, kw_only=True):
-    """Deadlines in seconds, one per named phase."""
+class Timeouts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Deadlines in seconds, one per named phase. Decoded from user input (the vLLM connector's
+    ``timeouts``), a misspelt name is refused, never silently left at its default."""
 
     control_call: float = 2.0        # one control request -> reply
     control_retries: int = 3         # attempts for DONE/FAILED delivery
@@ -99,7 +100,7 @@ COMPOSED: dict[str, tuple[str, ...]] = {
 }
 
 
-class KVShape(msgspec.Struct, frozen=True, kw_only=True):
+class KVShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A paged KV cache: per layer one K and one V tensor [num_blocks, block_size, kv_heads, head_dim]
     (``layout`` "NHD"), or [num_blocks, kv_heads, block_size, head_dim] ("HND")."""
 
@@ -139,7 +140,7 @@ class KVShape(msgspec.Struct, frozen=True, kw_only=True):
         return 2 * self.num_layers * self.layer_bytes
 
 
-class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
+class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Where this process listens and how it names itself to peers."""
 
     engine_id: str = "aiolayer"
