@@ -159,3 +159,5 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             raise ConfigError(f"metrics_port out of range: {self.metrics_port} (-1 = off)")
         if self.backend not in ("mooncake", "memory"):
             raise ConfigError(f"unknown backend {self.backend!r}; 'mooncake' or 'memory'")
+        if self.backend == "mooncake":
+            self.transport.check_mooncake()
