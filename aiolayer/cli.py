@@ -77,7 +77,8 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     t = Transport()
     g = p.add_argument_group("transport (aiolayer.transport.Transport)")
     g.add_argument("--bind-host", "--host", dest="bind_host", default=t.bind_host,
-                   help="address the control socket and /metrics bind (0.0.0.0: every interface)")
+                   help="address the control socket and /metrics bind (0.0.0.0: every interface; IPv6 such as "
+                        "::1 only with --backend memory: Mooncake needs IPv4)")
     g.add_argument("--advertise-host", default=t.advertise_host,
                    help="address peers dial; empty: the bind host, or for a wildcard bind the routed interface's")
     g.add_argument("--protocol", default=t.protocol, choices=PROTOCOLS, help="Mooncake transport")

@@ -16,8 +16,9 @@ DEFAULT_INTEGRITY_SAMPLE = 0.01   # share of transfers checked end to end: a CRC
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1, "uint8": 1}
 
 
-class Timeouts(msgspec.Struct, frozen=True, kw_only=True):
-    """Deadlines in seconds, one per named phase."""
+class Timeouts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Deadlines in seconds, one per named phase. Decoded from user input (the vLLM connector's
+    ``timeouts``), a misspelt name is refused, never silently left at its default."""
 
     control_call: float = 2.0        # one control request -> reply
     control_retries: int = 3         # attempts for DONE/FAILED delivery
@@ -100,7 +101,7 @@ COMPOSED: dict[str, tuple[str, ...]] = {
 }
 
 
-class KVShape(msgspec.Struct, frozen=True, kw_only=True):
+class KVShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A paged KV cache: per layer one K and one V tensor [num_blocks, block_size, kv_heads, head_dim]
     (``layout`` "NHD"), or [num_blocks, kv_heads, block_size, head_dim] ("HND")."""
 
@@ -140,7 +141,7 @@ class KVShape(msgspec.Struct, frozen=True, kw_only=True):
         return 2 * self.num_layers * self.layer_bytes
 
 
-class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
+class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Where this process listens and how it names itself to peers."""
 
     engine_id: str = "aiolayer"
@@ -164,3 +165,5 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"integrity_sample must be a share in 0..1, got {self.integrity_sample}")
         if self.backend not in ("mooncake", "memory"):
             raise ConfigError(f"unknown backend {self.backend!r}; 'mooncake' or 'memory'")
+        if self.backend == "mooncake":
+            self.transport.check_mooncake()

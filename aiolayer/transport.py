@@ -9,6 +9,9 @@ host, else (a wildcard bind) the address of the interface that routes to the out
 ``get_ip()`` finds it; loopback only when the machine has no other address. Never 0.0.0.0.
 Mooncake's own data listener takes no bind address (it listens on every interface, a Mooncake
 fact); it is told the advertised host, which peers use as its segment name.
+
+IPv6: the control plane and /metrics bind and dial IPv6 addresses (``url_host`` brackets them in
+endpoints); Mooncake 0.3 does not (``Transport.check_mooncake`` refuses it, before any I/O).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from .errors import BackendError, ConfigError
 PROTOCOLS = ("tcp", "rdma", "ascend")   # Mooncake's; "ascend" only on Ascend builds (mooncake-transfer-engine-npu)
 WILDCARDS = ("0.0.0.0", "::")
 RDMA_DEVICES = "/sys/class/infiniband"
+MOONCAKE_IPV6 = ("IPv6 address {!r}: IPv6 is not supported with the mooncake backend yet (its handshake cannot "
+                 "reach an IPv6 peer); give an IPv4 bind_host/advertise_host "
+                 "(the control plane itself works over IPv6)")
 _SIOCGIFADDR = 0x8915
 
 
@@ -52,6 +58,13 @@ class Transport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             _check_ip("advertise_host", self.advertise_host)
             if self.advertise_host in WILDCARDS:
                 raise ConfigError(f"advertise_host {self.advertise_host!r} is not an address a peer can dial")
+
+    def check_mooncake(self) -> None:
+        """Mooncake (0.3) cannot handshake with an IPv6 peer (it fails to resolve ``[::1]:port``):
+        refuse an IPv6 address Mooncake would be told, where it is known before start."""
+        told = self.advertise_host or ("" if self.bind_host in WILDCARDS else self.bind_host)
+        if ":" in told:
+            raise ConfigError(MOONCAKE_IPV6.format(told))
 
     def advertised(self) -> str:
         """The host peers are told to dial (never a wildcard)."""

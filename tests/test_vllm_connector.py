@@ -15,7 +15,7 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
 from vllm_sched import (FAST, LAYERS, Engine, engines_fixture, lookup, send_params, steps_until,  # noqa: E402
-                        tok)
+                        tok, vllm_config)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,10 +69,16 @@ def test_selecting_by_module_path_works_too():
 
 
 def test_bad_extra_config_is_refused_at_construction():
+    """Refused while vLLM builds its config (tests/test_connector_config.py); where nothing did that
+    (an explicit --disable-hybrid-kv-cache-manager on CPU), the constructor still refuses it."""
     from aiolayer.errors import ConfigError
+    from aiolayer_vllm.connector import AiolayerConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    with pytest.raises(ConfigError, match="unknown"):
-        Engine("kv_consumer", {"backend": "memory", "no_such_key": 1})
+    config = vllm_config("kv_consumer", {"backend": "memory"})
+    config.kv_transfer_config.kv_connector_extra_config["no_such_key"] = 1
+    with pytest.raises(ConfigError, match="unknown field `no_such_key`"):
+        AiolayerConnector(config, KVConnectorRole.SCHEDULER, None)
 
 
 # --- the flows through the real Scheduler ------------------------------------------------------------

@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from ..errors import BackendError, TransferTimeout
-from ..transport import Transport, check_rdma_devices
+from ..transport import MOONCAKE_IPV6, Transport, check_rdma_devices
 from .mooncake_poll import MAX_RUNS_PER_TARGET, GroupPoller, Group
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,8 @@ class MooncakeBackend:
         engine_cls = _import_engine()
         engine = engine_cls()
         self.host = t.advertised()
+        if ":" in self.host:   # a wildcard bind that routes over IPv6 only (check_mooncake: the rest)
+            raise BackendError(MOONCAKE_IPV6.format(self.host))
         rc = await asyncio.to_thread(engine.initialize, self.host, t.metadata_server, t.protocol, t.device_name)
         if rc != 0:
             raise BackendError(f"Mooncake initialize({self.host}, {t.metadata_server}, {t.protocol}, "

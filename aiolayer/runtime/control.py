@@ -28,6 +28,7 @@ from ..config import Timeouts
 from ..errors import ControlError, ControlRejected, ControlTimeout, FrameDropped, ProtocolError, RuntimeStateError
 from ..protocol import messages as m
 from ..protocol.codes import NackCode
+from ..transport import url_host
 
 log = logging.getLogger(__name__)
 
@@ -89,16 +90,19 @@ class ControlServer:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_frame_bytes)  # beyond: drop the peer, not our memory
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        host = url_host(self.host)
+        if host != self.host:
+            sock.setsockopt(zmq.IPV6, 1)   # ZMQ resolves IPv4 only unless told (and wants brackets)
         try:
             if self.port:
-                sock.bind(f"tcp://{self.host}:{self.port}")
+                sock.bind(f"tcp://{host}:{self.port}")
             else:
-                self.port = sock.bind_to_random_port(f"tcp://{self.host}")
+                self.port = sock.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError as exc:
             sock.close(0)
-            raise ControlError(f"cannot bind control socket on {self.host}:{self.port}: {exc}") from exc
+            raise ControlError(f"cannot bind control socket on {host}:{self.port}: {exc}") from exc
         self._sock = sock
-        self.endpoint = f"tcp://{self.host}:{self.port}"
+        self.endpoint = f"tcp://{host}:{self.port}"
         self._task = spawn(self._serve(), name=f"control-server {self.endpoint}")
         return self.endpoint
 
@@ -205,6 +209,10 @@ class ControlClient:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)      # queue nothing for a peer that is not connected
             sock.setsockopt(zmq.SNDHWM, 10000)
+            if "://[" in self.endpoint:
+                # an IPv6 peer (url_host's brackets); only then, so that a name such as localhost
+                # keeps resolving to IPv4, where an IPv4 server listens
+                sock.setsockopt(zmq.IPV6, 1)
             sock.connect(self.endpoint)
         except (zmq.ZMQError, UnicodeError, TypeError, ValueError) as exc:
             sock.close(0)

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from .. import compat
 from ..errors import ControlError
+from ..transport import url_host
 
 log = logging.getLogger(__name__)
 MAX_REQUEST_HEAD = 8192
@@ -137,7 +138,7 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/metrics"
+        return f"http://{url_host(self.host)}:{self.port}/metrics"
 
     async def start(self) -> str:
         try:

@@ -1,6 +1,7 @@
 """Everything the connector is configured with, decoded in one place from ``kv_connector_extra_config``.
 
-Keys (all optional; an unknown key or a value of the wrong type is refused with the key named):
+Keys (all optional; an unknown key at any level, or a value of the wrong type, is refused with the key
+named, while vLLM builds its engine config: ``plugin.py`` says where):
 ``engine_id``, ``control_port`` (0 = any; set it on P so that D and the proxy can reach it),
 ``backend`` ("mooncake" | "memory"), ``transport`` (a dict of ``aiolayer.transport.Transport``
 fields: ``bind_host``, ``advertise_host``, ``protocol``, ``device_name``, ``metadata_server``; the
@@ -49,6 +50,13 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True):
     layerwise_min_tokens: int = 0
     queue_spin_s: float | None = DEFAULT_QUEUE_SPIN_MS / 1e3    # None: vLLM's own spin
     debug_zero_received: bool = False
+
+
+def check_extra_config(extra: dict[str, Any] | None) -> None:
+    """Validate the whole extra config without building anything (no I/O): ``ConfigError`` naming the
+    key. vLLM's engine-config phase calls it (``plugin.py``, and ``requires_piecewise_for_cudagraph``),
+    so a bad key stops the start before any model loads."""
+    from_extra_config(extra, "vllm")
 
 
 def from_extra_config(extra: dict[str, Any] | None, default_engine_id: str) -> BridgeConfig:

@@ -9,8 +9,10 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorRole,
                                                                 KVConnectorTransferResults)
 
+from aiolayer.errors import ConfigError
+
 from . import ranks
-from .config import from_extra_config
+from .config import check_extra_config, from_extra_config
 from .metadata import AiolayerMetadata
 from .scheduler import SchedulerSide
 from .spin import cap_spin
@@ -33,10 +35,24 @@ def _configure_logging() -> None:
             logger.addHandler(handler)
 
 
+def check_one_kv_cache_group(kv_cache_config) -> None:
+    """Refuse a KV cache of several groups (both roles, at start): the bridge maps every layer onto
+    group 0's block ids, so another group's layers would be read from and written into blocks that
+    are not theirs."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        kinds = ", ".join(sorted({type(group.kv_cache_spec).__name__ for group in groups}))
+        raise ConfigError(f"aiolayer supports one KV cache group, vLLM gave {len(groups)} ({kinds}): hybrid "
+                          "and sliding-window KV cache groups are not supported yet; start vLLM with "
+                          "--disable-hybrid-kv-cache-manager (sliding-window layers then share the full-attention "
+                          "group), or use a model whose attention layers all have one KV shape")
+
+
 class AiolayerConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _configure_logging()
+        check_one_kv_cache_group(kv_cache_config)
         ktc = self._kv_transfer_config
         engine_id = getattr(ktc, "engine_id", None) or "vllm"
         self.config = from_extra_config(ktc.kv_connector_extra_config, str(engine_id))
@@ -57,6 +73,9 @@ class AiolayerConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # vLLM asks this while it builds the engine config (API server, CUDA graph platforms): the
+        # earliest the connector sees its settings there, so check them before any model loads
+        check_extra_config(extra_config)
         return True  # per-layer hooks cannot run inside a captured CUDA graph
 
     # --- worker side ---------------------------------------------------------------------------

@@ -1,0 +1,113 @@
+"""The vLLM connector's configuration is strict and checked early: a misspelt key anywhere in
+``kv_connector_extra_config`` is refused with the key named, while vLLM builds its engine config
+(before any engine process or model load), and a KV cache the bridge cannot map (several groups) is
+refused when the connector starts."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
+
+import torch  # noqa: E402
+
+from aiolayer import ConfigError, Timeouts  # noqa: E402
+from aiolayer_vllm.config import from_extra_config  # noqa: E402
+from vllm_sched import BLOCK_SIZE, LAYERS, vllm_config  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+MISSPELT = {"backend": "memory", "timeouts": {"recieve": 60}}
+
+
+def test_a_misspelt_timeout_name_is_refused_naming_it():
+    with pytest.raises(msgspec.ValidationError, match="unknown field `recieve`"):
+        msgspec.convert({"recieve": 60}, Timeouts)
+    with pytest.raises(ConfigError, match=r"unknown field `recieve` - at `\$.timeouts`"):
+        from_extra_config(MISSPELT, "eng")
+    assert from_extra_config({"timeouts": {"receive": 60}}, "eng").timeouts.receive == 60
+
+
+@pytest.mark.parametrize("extra, key", [
+    (MISSPELT, "recieve"),
+    ({"transport": {"bind_hots": "0.0.0.0"}}, "bind_hots"),
+    ({"layerwise_min_token": 5}, "layerwise_min_token"),
+    ({"backend": "memory", "timeouts": {"receive": 0}}, "receive"),
+])
+def test_a_bad_setting_stops_vllm_while_it_builds_the_engine_config(extra, key):
+    """vLLM resolves the connector while it builds its config, in the API server before any engine
+    process starts: the registered plugin checks the settings there."""
+    from aiolayer_vllm.config import check_extra_config
+    from aiolayer_vllm.plugin import register
+
+    register()
+    with pytest.raises(ConfigError, match=key):
+        check_extra_config(extra)
+    with pytest.raises(ValueError, match=f"invalid aiolayer kv_connector_extra_config: .*{key}"):
+        vllm_config("kv_consumer", extra)
+    vllm_config("kv_consumer", {"backend": "memory", "timeouts": {"receive": 60}})   # a good one builds
+
+
+def test_the_cuda_graph_question_checks_the_settings_too():
+    """Where CUDA graphs exist vLLM asks the connector class, with the extra config, at config time."""
+    from aiolayer_vllm.connector import AiolayerConnector
+
+    with pytest.raises(ConfigError, match="recieve"):
+        AiolayerConnector.requires_piecewise_for_cudagraph(MISSPELT)
+    assert AiolayerConnector.requires_piecewise_for_cudagraph({"backend": "memory"}) is True
+
+
+def _two_groups():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float32,
+                               sliding_window=128)
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(LAYERS[:1], full), KVCacheGroupSpec(LAYERS[1:], window)])
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_a_kv_cache_of_several_groups_is_refused_at_start(role):
+    from aiolayer_vllm.connector import AiolayerConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    config = vllm_config("kv_both", {"backend": "memory"})
+    config.cache_config.num_gpu_blocks = 64
+    try:
+        connector = AiolayerConnector(config, KVConnectorRole[role], _two_groups())
+    except ConfigError as exc:
+        message = str(exc)
+    else:
+        connector.shutdown()
+        message = ""
+    assert "one KV cache group, vLLM gave 2" in message and "--disable-hybrid-kv-cache-manager" in message
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_vllm_serve_with_a_misspelt_setting_exits_before_loading_the_model(tmp_path):
+    """A real ``vllm serve`` (CPU, the tiny model): it must stop while it builds its config, naming the
+    key, not ~40 s later inside a worker's traceback once the model has loaded."""
+    from e2e.procs import ServerError
+    from e2e.servers import VllmServer
+    from e2e.tiny_model import tiny_model_dir
+
+    server = VllmServer(tiny_model_dir(), name="misspelt", log_dir=tmp_path, enforce_eager=True, omp_bind="nobind",
+                        max_model_len=512, startup_timeout_s=150,
+                        kv_transfer_config={"kv_connector": "AiolayerConnector", "kv_role": "kv_consumer",
+                                            "kv_connector_extra_config": MISSPELT})
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ServerError, match="exited with code"):
+            server.start()
+    finally:
+        server.stop()   # a server that did start is not left running
+    elapsed = time.monotonic() - t0
+    log = server.log_text()
+    assert any("unknown field `recieve` - at `$.timeouts`" in line for line in log.splitlines()), log[-3000:]
+    assert "Initializing a V1 LLM engine" not in log and "Loading weights" not in log, log[-3000:]
+    assert elapsed < 60, f"{elapsed:.0f} s: the API server alone starts in ~10-25 s on a loaded 2-core box"
