@@ -16,7 +16,7 @@ _EXPORTS = {
     **dict.fromkeys(("KVShape", "NodeConfig", "Timeouts"), "aiolayer.config"),
     "Runtime": "aiolayer.runtime.runtime",
     **dict.fromkeys(("TransferSpec", "Outcome", "LayerTiming"), "aiolayer.runtime.spec"),
-    **dict.fromkeys(("ReceiveSpec", "Registration", "Step"), "aiolayer.runtime.api"),
+    **dict.fromkeys(("ReceiveSpec", "Registration", "Step", "Identity"), "aiolayer.runtime.api"),
     "Received": "aiolayer.runtime.receiver",
     **dict.fromkeys(("HeadGeometry", "RankRoute", "map_ranks"), "aiolayer.protocol.plan"),
     "MIN_TOKEN_CHARS": "aiolayer.protocol.checks",

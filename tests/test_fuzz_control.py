@@ -29,7 +29,8 @@ VALID = [m.encode(x) for x in (m.StatusRequest(transfer_id="t"), m.LayoutRequest
                                m.Done(transfer_id="fz", sender="fuzz"), m.VerifyRequest(transfer_id="nope"),
                                m.AllocRequest(transfer_id="a", num_blocks=10 ** 9),
                                m.DoneBatch(items=[m.Done(transfer_id="fz", sender="fuzz")] * 3),
-                               m.LayoutBatch(items=[m.LayoutRequest(requester="fuzz", transfer_id="fz")] * 3))]
+                               m.LayoutBatch(items=[m.LayoutRequest(requester="fuzz", transfer_id="fz")] * 3),
+                               m.TopologyRequest(requester="fuzz"))]
 SENT = {"frames": 0}
 
 
@@ -89,7 +90,7 @@ def test_f06_every_fuzzed_frame_gets_exactly_one_reply(dealer, data):
         if len(frames) >= 1 and len(frames[0]) == 8:
             assert reply[0] == frames[0]      # a valid request id is echoed, even on a Nack
         assert isinstance(msg, (m.Nack, m.StatusReply, m.LayoutReply, m.Ack, m.VerifyReply, m.Replies,
-                                m.LayoutReplies))
+                                m.LayoutReplies, m.TopologyReply))
     assert not dealer.poll(0)                 # exactly one reply per frame: nothing extra
     SENT["frames"] += len(batch)
 

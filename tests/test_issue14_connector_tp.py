@@ -15,6 +15,8 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
+from aiolayer import NodeConfig, Runtime  # noqa: E402
+from aiolayer.protocol import messages as m  # noqa: E402
 from aiolayer_vllm.config import from_extra_config  # noqa: E402
 from aiolayer_vllm.metadata import AiolayerMetadata, RecvReq, SendReq  # noqa: E402
 from aiolayer_vllm.ranks import Topology, rank_transfer_id  # noqa: E402
@@ -137,6 +139,51 @@ def test_issue14_a_d_rank_waits_for_every_p_rank_that_writes_into_it():
         ps[1].wait_for_save()
         _wait_all(ps[1:], ds)
         assert rank_transfer_id("tx", 0, 1) == "tx"
+    finally:
+        for w in ps + ds:
+            w.shutdown()
+
+
+def test_each_rank_answers_the_topology_query_with_its_rank_role_and_model():
+    ps = _ranks("p", 2, fill=False)
+    try:
+        with Runtime(NodeConfig(engine_id="asker", backend="memory")) as asker:
+            replies = [asker.request(p.runtime.control_endpoint, m.TopologyRequest()) for p in ps]
+    finally:
+        for w in ps:
+            w.shutdown()
+    assert [(r.role, r.tp_rank, r.tp_size, r.dp_size) for r in replies] == [("producer", 0, 2, 1),
+                                                                           ("producer", 1, 2, 1)]
+    assert replies[0].model == replies[1].model and replies[0].model
+    assert (replies[0].num_layers, replies[0].block_size, replies[0].kv_heads) == (len(LAYERS), BLOCK, HEADS // 2)
+
+
+def test_a_p_of_another_tp_size_than_planned_writes_nothing_and_fails_d_at_once(caplog):
+    """The plan was made for a P of one rank (D waits for one sender) but P has two: without the check D
+    finishes on rank 0's DONE with the other half of the heads never written."""
+    ps, ds = _ranks("p", 2, fill=True), _ranks("d", 1, fill=False)
+    try:
+        ds[0].bind(AiolayerMetadata(recvs=[RecvReq("rq-d", "tx", [1, 2], 0, ps[0].runtime.control_endpoint,
+                                                   token=TOKEN)]))
+        d = ds[0].runtime
+        send = SendReq("rq-p", "tx", [3, 4], d.control_endpoint, [1, 2], d.incarnation, token=TOKEN, prefill_tp=1)
+        started = time.monotonic()
+        for p in ps:
+            p.bind(AiolayerMetadata(sends=[send]))
+            for name in LAYERS:
+                p.save_kv_layer(name)
+            p.wait_for_save()
+        failed, sent = set(), [False, False]
+        while not (failed and all(sent)):
+            assert time.monotonic() - started < 10, (failed, sent)   # D's receive deadline is 20 s
+            failed |= ds[0].transfer_results(set())[2]
+            sent = [bool(p.transfer_results({"rq-p"})[0]) or done for p, done in zip(ps, sent)]
+            time.sleep(0.01)
+        assert failed == {"rq-d"}
+        assert not any(ds[0].caches[name].any() for name in LAYERS)   # nothing was written
+        said = [r.getMessage() for r in caplog.records if "aiolayer receive tx" in r.getMessage()]
+        assert len(said) == 1 and "tensor-parallel size 2" in said[0] and "planned for tensor-parallel size 1" \
+            in said[0], said
     finally:
         for w in ps + ds:
             w.shutdown()

@@ -3,9 +3,10 @@ D with TP=1, P with TP=1 feeding a D with TP=2 (each rank writes exactly its KV 
 and D finishes a request only once every P rank that writes into it reported), and a D with two
 data-parallel ranks behind one API server (the rank that holds the request registers; P writes to it).
 
-Every answer through the proxy must equal the aggregated engine's (the same prompt on one engine, no
-transfer) under greedy sampling, and the bytes must have moved (the connector's counters in vLLM's
-/metrics), so a D that silently recomputed the prompt cannot pass.
+The proxy is given each engine as ``URL,CONTROL`` only: it learns P's and D's parallel sizes from their
+ranks' control sockets. Every answer through the proxy must equal the aggregated engine's (the same
+prompt on one engine, no transfer) under greedy sampling, and the bytes must have moved (the
+connector's counters in vLLM's /metrics), so a D that silently recomputed the prompt cannot pass.
 
 The model: a 4-layer Llama with 4 query heads on 2 KV heads, so TP=2 splits the KV heads (one per
 rank). vLLM's defaults (block size 128, prefix caching, chunked prefill) but three: float32 (in
@@ -53,8 +54,9 @@ def _engine(name: str, control_port: int, *, tp: int = 1, dp: int = 1) -> VllmSe
                       extra_args=args, env=MC_ENV, startup_timeout_s=400)
 
 
-def _backend(server: VllmServer, control_port: int, tp: int = 1) -> str:
-    return f"{server.base_url},tcp://127.0.0.1:{control_port}" + (f",tp={tp}" if tp > 1 else "")
+def _backend(server: VllmServer, control_port: int) -> str:
+    """``URL,CONTROL`` only: the proxy learns each engine's TP and DP sizes from its ranks."""
+    return f"{server.base_url},tcp://127.0.0.1:{control_port}"
 
 
 def _moved(p: VllmServer, d: VllmServer) -> tuple[float, float]:
@@ -63,10 +65,10 @@ def _moved(p: VllmServer, d: VllmServer) -> tuple[float, float]:
     return total(p, "vllm:aiolayer_bytes_sent_total"), total(d, "vllm:aiolayer_bytes_received_total")
 
 
-def _through_proxy(p: VllmServer, p_port: int, p_tp: int, d: VllmServer, d_port: int) -> None:
+def _through_proxy(p: VllmServer, p_port: int, d: VllmServer, d_port: int) -> None:
     """Each prompt through a proxy from P to D equals D's and P's own aggregated answer; bytes moved."""
     sent0, got0 = _moved(p, d)
-    with ProxyProcess([_backend(p, p_port, p_tp)], [_backend(d, d_port)],
+    with ProxyProcess([_backend(p, p_port)], [_backend(d, d_port)],
                       extra_args=("--registration-timeout", "90", "--prefill-timeout", "90")) as proxy:
         for prompt in PROMPTS:
             alone = completion(d, prompt, max_tokens=MAX_TOKENS, timeout_s=120).token_ids
@@ -93,12 +95,12 @@ def pair():
 
 def test_issue14_p_tp2_into_d_tp1_equals_the_aggregated_engine(pair):
     (p, p_port), (d, d_port) = pair["tp2"], pair["tp1"]
-    _through_proxy(p, p_port, 2, d, d_port)
+    _through_proxy(p, p_port, d, d_port)
 
 
 def test_issue14_p_tp1_into_d_tp2_equals_the_aggregated_engine(pair):
     (p, p_port), (d, d_port) = pair["tp1"], pair["tp2"]
-    _through_proxy(p, p_port, 1, d, d_port)
+    _through_proxy(p, p_port, d, d_port)
 
 
 def test_issue14_d_with_two_data_parallel_ranks_through_the_proxy():

@@ -90,6 +90,10 @@ SAMPLES: list[m._Msg] = [
     m.Ack(detail="ok"),
     m.Nack(code="decode", reason="bad"),
     m.Replies(items=[m.Ack(detail="finished"), None, m.Nack(code="auth", reason="no")]),
+    m.TopologyRequest(requester="proxy"),
+    m.TopologyReply(engine_id="p-dp0-tp1", incarnation="inc", control="tcp://127.0.0.1:5601", role="producer",
+                    tp_rank=1, tp_size=2, dp_rank=0, dp_size=1, model="tiny/0123456789ab", num_layers=4,
+                    block_bytes=4096, block_size=16, kv_heads=1, head_bytes=256, kv_layout="HND"),
 ]
 
 

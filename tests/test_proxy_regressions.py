@@ -1,21 +1,16 @@
 """Issue 11, the proxy's part (findings 7 and 13), against ``aiolayer proxy`` as a real process.
 
-The engines are small fake vLLM servers (uvicorn in threads of this process, real sockets): D takes
-``kv_transfer_params``, POSTs its registration to the proxy's ``notify_url`` as the connector does,
-sends its status line at once and streams SSE chunks once P prefilled; P answers the prefill. Each
-has a real aiolayer control socket, so the proxy's ``AbortRequest`` to D is observed, not assumed.
-The proxy's state is read only from its ``/metrics`` and ``/health``.
+The engines are small fake vLLM servers (``helpers_proxy.FakeEngine``: uvicorn in threads of this
+process, real sockets). Each has a real aiolayer control socket, so the proxy's ``AbortRequest`` to D
+is observed, not assumed. The proxy's state is read only from its ``/metrics`` and ``/health``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import os
 import signal
 import socket
-import threading
 import time
 
 import pytest
@@ -23,148 +18,12 @@ import pytest
 pytest.importorskip("fastapi")
 
 import httpx  # noqa: E402
-import uvicorn  # noqa: E402
-from starlette.applications import Starlette  # noqa: E402
-from starlette.responses import JSONResponse, StreamingResponse  # noqa: E402
-from starlette.routing import Route  # noqa: E402
 
 from e2e.pd import ProxyProcess  # noqa: E402
 from e2e.servers import metric_value, parse_metrics  # noqa: E402
-
-from aiolayer.protocol import messages as m  # noqa: E402
-from aiolayer.runtime.control import ControlServer  # noqa: E402
+from helpers_proxy import FakeEngine, Hub, wait_for as _wait_for  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def _wait_for(check, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
-        time.sleep(0.02)
-
-
-class Hub:
-    """What the fake engines share across their threads: which transfers P prefilled, test switches."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._events: dict[str, threading.Event] = {}
-
-    def event(self, name: str) -> threading.Event:
-        with self._lock:
-            return self._events.setdefault(name, threading.Event())
-
-
-class FakeEngine:
-    """A vLLM-like OpenAI server (role "prefill" or "decode") with an aiolayer control socket."""
-
-    def __init__(self, role: str, name: str, hub: Hub) -> None:
-        self.role, self.name, self.hub = role, name, hub
-        self.requests: list[dict] = []        # bodies received on the OpenAI routes
-        self.headers: dict[str, dict] = {}    # transfer id -> the headers its OpenAI request came with
-        self.streams: dict[str, str] = {}     # D: transfer id -> open | completed | closed
-        self.aborts: list[str] = []           # D: transfer ids the proxy told to abort
-        self.gate = threading.Event()         # P: answers prefills only while set
-        self.gate.set()
-        self.control = ""
-        self._tasks: set[asyncio.Task] = set()
-        routes = [Route("/health", self._health), Route("/v1/completions", self._serve, methods=["POST"]),
-                  Route("/v1/chat/completions", self._serve, methods=["POST"])]
-        app = Starlette(routes=routes, lifespan=self._lifespan)
-        self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=1))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
-
-    def start(self) -> "FakeEngine":
-        self._thread.start()
-        _wait_for(lambda: self._server.started and self.control, 30, f"{self.name} started")
-        return self
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(10)
-        self._sock.close()
-
-    def saw(self, transfer_id: str) -> bool:
-        return any(b["kv_transfer_params"]["aiolayer"]["transfer_id"] == transfer_id for b in self.requests)
-
-    @contextlib.asynccontextmanager
-    async def _lifespan(self, app):
-        async def on_control(msg: m.Message) -> m.Message:
-            if isinstance(msg, m.AbortRequest):
-                self.aborts.append(msg.transfer_id)
-            return m.Ack(detail="aborting")
-
-        server = ControlServer("127.0.0.1", 0, on_control)
-        self.control = await server.start(asyncio.get_running_loop().create_task)
-        try:
-            yield
-        finally:
-            await server.close()
-
-    async def _health(self, request):
-        return JSONResponse({})
-
-    async def _serve(self, request):
-        body = await request.json()
-        self.requests.append(body)
-        params = body["kv_transfer_params"]["aiolayer"]
-        self.headers[params["transfer_id"]] = dict(request.headers)
-        fake = body.get("fake", {})
-        if self.role == "prefill":
-            while not self.gate.is_set():
-                await asyncio.sleep(0.01)
-            self.hub.event("prefilled " + params["transfer_id"]).set()   # the KV is at D
-            await asyncio.sleep(fake.get("p_reply_after_s", 0))   # P's own first token comes later
-            self.hub.event("p replied " + params["transfer_id"]).set()
-            if fake.get("p_status"):
-                return JSONResponse({"error": {"message": "P failed"}}, fake["p_status"])
-            return JSONResponse({"choices": [{"text": "p"}], "usage": {"completion_tokens": 1}})
-        if fake.get("register", True):   # the connector's worker POSTs it while the request is parked
-            task = asyncio.get_running_loop().create_task(self._register(params))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        if body.get("stream"):   # vLLM sends its status line at once and the tokens as they come
-            return StreamingResponse(self._stream(params["transfer_id"], fake), media_type="text/event-stream")
-        await self._prefilled(params["transfer_id"])
-        return JSONResponse({"choices": [{"text": f"{self.name}: done"}], "engine": self.name})
-
-    async def _register(self, params: dict) -> None:
-        body = {"transfer_id": params["transfer_id"], "token": params["token"], "block_ids": [3, 4],
-                "first_block": 0, "incarnation": f"{self.name}-1", "decode_control": self.control}
-        async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
-            await client.post(params["notify_url"], json=body)
-
-    async def _prefilled(self, transfer_id: str) -> None:
-        flag = self.hub.event("prefilled " + transfer_id)
-        deadline = time.monotonic() + 30
-        while not flag.is_set() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-
-    async def _stream(self, transfer_id: str, fake: dict):
-        self.streams[transfer_id] = "open"
-        try:
-            await self._prefilled(transfer_id)
-            await asyncio.sleep(fake.get("hold_s", 0))   # D's first token comes late
-            until = self.hub.event(fake["until"]) if "until" in fake else None
-            for i in range(fake.get("chunks", 3)):
-                if until is not None and until.is_set():
-                    break
-                if i == fake.get("fail_at"):
-                    raise RuntimeError("D died mid-stream")   # uvicorn drops the connection mid-body
-                yield f"data: {json.dumps({'choices': [{'text': f'{self.name}-{i}'}]})}\n\n"
-                await asyncio.sleep(fake.get("interval_s", 0))
-            yield "data: [DONE]\n\n"
-            self.streams[transfer_id] = "completed"
-        finally:
-            if self.streams[transfer_id] == "open":
-                self.streams[transfer_id] = "closed"
 
 
 class FakeStackProxy(ProxyProcess):

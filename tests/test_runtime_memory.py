@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from aiolayer import TransferSpec, Timeouts
+from aiolayer import Identity, TransferSpec, Timeouts
 from aiolayer.backends import memory
-from aiolayer.errors import ControlRejected, DeadlineExceeded, MetadataError, RuntimeStateError
+from aiolayer.errors import ConfigError, ControlRejected, DeadlineExceeded, MetadataError, RuntimeStateError
 from aiolayer.kvcache import PagedKVCache, checksums
 from aiolayer.protocol import messages as m
 from aiolayer.runtime.control import open_sockets
@@ -206,6 +206,35 @@ def test_mismatched_block_counts_fail(pd, small_shape):
     out = p.sender.wait("mm", 10)
     assert not out.ok and "destination blocks" in out.reason
     assert status_when(p, d, "mm", "failed").state == "failed"
+
+
+def test_a_refused_send_writes_nothing_and_d_fails_with_its_reason(pd, small_shape):
+    p, d, pc = pd
+    rep = alloc(p, d, "refused", 2, True)
+    p.refuse_send(spec(d, "refused", [0, 1], rep), "planned for another tensor-parallel size")
+    out = p.wait_outcome("refused", 10)
+    assert not out.ok and out.bytes == 0 and "another tensor-parallel size" in out.reason
+    st = status_when(p, d, "refused", "failed")
+    assert st.state == "failed" and "another tensor-parallel size" in st.reason, st
+    assert "refused" in p.pop_released()
+
+
+def test_a_runtime_answers_the_topology_query_with_its_identity_and_no_address(pd, small_shape):
+    p, d, pc = pd
+    bare = p.request(d.control_endpoint, m.TopologyRequest())
+    assert (bare.role, bare.tp_rank, bare.tp_size, bare.dp_rank, bare.dp_size, bare.model) == ("", 0, 1, 0, 1, "")
+    assert bare.engine_id == "d" and bare.control == d.control_endpoint and bare.incarnation
+    p.set_identity(Identity(role="producer", tp_rank=1, tp_size=2, dp_rank=0, dp_size=3, model="tiny/0a1b"))
+    reply = d.runtime.request(p.control_endpoint, m.TopologyRequest())
+    said = (reply.role, reply.tp_rank, reply.tp_size, reply.dp_size, reply.model)
+    assert said == ("producer", 1, 2, 3, "tiny/0a1b"), said
+    assert (reply.incarnation, reply.control) == (p.incarnation, p.control_endpoint)
+    assert (reply.num_layers, reply.block_bytes) == (small_shape.num_layers, small_shape.block_bytes)
+    assert not {f for f in reply.__struct_fields__ if "base" in f or f == "layers"}   # the layout's summary only
+    for bad in (Identity(role="prefill"), Identity(tp_rank=2, tp_size=2), Identity(dp_size=0)):
+        with pytest.raises(ConfigError):
+            p.set_identity(bad)
+    assert p.identity.model == "tiny/0a1b"   # a refused identity changes nothing
 
 
 def test_stale_incarnation_is_refused(pd, small_shape):

@@ -224,10 +224,41 @@ class LayoutReplies(_Msg, tag="layouts"):
     items: list[Union[Ack, Nack, None]]
 
 
+# --- topology (whoever routes requests asks a rank who it is) ------------------------------------
+
+class TopologyRequest(_Msg, tag="topology_req"):
+    """To any runtime: who it is and where it sits in its engine. No token: the answer names no
+    memory (the layout's summary only, never its addresses) and changes nothing."""
+
+    requester: str = ""
+
+
+class TopologyReply(_Msg, tag="topology"):
+    """A runtime's identity as its embedder set it (``Runtime.set_identity``), and its KV layout's
+    summary as its ``LayoutReply`` publishes it (0 / "" before the KV memory is registered)."""
+
+    engine_id: str
+    incarnation: str           # new on every process start
+    control: str               # its own control endpoint, as it advertises it
+    role: str = ""             # "producer", "consumer", "both", or "" (the embedder did not say)
+    tp_rank: int = 0
+    tp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    model: str = ""            # the embedder's fingerprint of what must match between P and D
+    num_layers: int = 0
+    block_bytes: int = 0
+    block_size: int = 0
+    kv_heads: int = 0
+    head_bytes: int = 0
+    kv_layout: str = ""
+
+
 Message = Union[
     LayoutRequest, LayoutBatch, LayoutReply, LayoutReplies, Done, DoneBatch, Failed, Abort, AllocRequest,
     AbortRequest, AllocReply, LookupRequest, VerifyRequest, VerifyReply, ReleaseRequest, StatusRequest,
     StatusReply, Ack, Nack, Replies,
+    TopologyRequest, TopologyReply,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -1,5 +1,6 @@
 """The value types of the embedding API that are not the sender's: D's receive spec, the registration
-D hands to P, and P's per-step handle. No I/O here; ``Runtime`` does the work (runtime.py).
+D hands to P, P's per-step handle, and the identity a runtime answers a topology query with. No I/O
+here; ``Runtime`` does the work (runtime.py).
 """
 
 from __future__ import annotations
@@ -52,6 +53,34 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True):
     token: str
     incarnation: str              # D's runtime instance: P never writes into another one's blocks
     decode_control: str           # D's control endpoint
+
+
+ROLES = ("producer", "consumer", "both", "")
+MAX_PARALLEL = 1 << 16
+
+
+class Identity(msgspec.Struct, frozen=True, kw_only=True):
+    """Who a runtime is in its engine, as the embedder knows it (``Runtime.set_identity``): what it
+    answers a ``TopologyRequest`` with, so that whoever routes requests learns the engine's parallel
+    layout and model from the engine itself instead of being told. A bare runtime is rank 0 of 1."""
+
+    role: str = ""                # "producer" (P), "consumer" (D), "both", or "" (not said)
+    tp_rank: int = 0
+    tp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    model: str = ""               # a fingerprint of what must match between P and D (model, dtype, geometry)
+
+    def check(self) -> None:
+        """Raise ``ConfigError`` for an identity no engine can have."""
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
+        for rank, size, what in ((self.tp_rank, self.tp_size, "tp"), (self.dp_rank, self.dp_size, "dp")):
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in (rank, size)) \
+                    or not 0 <= rank < size <= MAX_PARALLEL:
+                raise ConfigError(f"{what} rank {rank!r} of size {size!r}: not 0 <= rank < size <= {MAX_PARALLEL}")
+        if not isinstance(self.model, str) or len(self.model) > 256:
+            raise ConfigError("model must be a string of at most 256 characters")
 
 
 Announce = Callable[[Registration], Awaitable[None]]   # runs on the runtime's loop; raising aborts the transfer

@@ -1,7 +1,7 @@
 """A runtime's control-plane routing: each inbound message to the side that serves it (``handle``, the
-control server's handler), and D's fence asking P to stop writing (``stop_sender``, the receiver's
-``StopSender``). Runs on the runtime's loop; no state of its own. ``rt`` is the ``Runtime`` (not
-imported here: the runtime imports this module).
+control server's handler; a ``TopologyRequest`` is answered from the runtime's identity), and D's
+fence asking P to stop writing (``stop_sender``, the receiver's ``StopSender``). Runs on the runtime's
+loop; no state of its own. ``rt`` is the ``Runtime`` (not imported here: the runtime imports this module).
 """
 
 from __future__ import annotations
@@ -46,6 +46,17 @@ def _grant_layout(rt, msg: m.LayoutRequest) -> m.Ack:
     if rt.layout_reply is None:
         raise ControlRejected(m.NackCode.NOT_READY, "no KV layout registered yet")
     return m.Ack()
+
+
+def _topology(rt) -> m.TopologyReply:
+    """Who this runtime is (its embedder's ``Identity``) and its layout's summary, never its addresses."""
+    ident, layout = rt.identity, rt.layout_reply
+    geo = {} if layout is None else dict(
+        num_layers=len(layout.layers), block_bytes=layout.block_bytes, block_size=layout.block_size,
+        kv_heads=layout.kv_heads, head_bytes=layout.head_bytes, kv_layout=layout.kv_layout)
+    return m.TopologyReply(engine_id=rt.node.engine_id, incarnation=rt.incarnation, control=rt.control_endpoint,
+                           role=ident.role, tp_rank=ident.tp_rank, tp_size=ident.tp_size, dp_rank=ident.dp_rank,
+                           dp_size=ident.dp_size, model=ident.model, **geo)
 
 
 async def stop_sender(rt, endpoint: str, transfer_id: str, token: str, reason: str) -> bool:
@@ -104,6 +115,8 @@ async def handle(rt, msg: m.Message) -> m.Message:
         answers = [_batched_item(rt, req, lambda r: _grant_layout(rt, r)) for req in msg.items]
         granted = any(isinstance(a, m.Ack) for a in answers)
         return m.LayoutReplies(layout=rt.layout_reply if granted else None, items=answers)
+    if isinstance(msg, m.TopologyRequest):
+        return _topology(rt)
     if rt._hooks.extra_handler is not None:
         return await rt._hooks.extra_handler(msg)
     raise ControlRejected(m.NackCode.UNKNOWN, f"{type(msg).__name__} is not served here")

@@ -29,11 +29,11 @@ import msgspec
 
 from ..backends import make_backend
 from ..config import NodeConfig, Timeouts
-from ..errors import AiolayerError, BridgeClosed, DeadlineExceeded, RuntimeStateError
+from ..errors import AiolayerError, BridgeClosed, ConfigError, DeadlineExceeded, RuntimeStateError
 from ..protocol import messages as m
 from ..protocol.plan import HeadGeometry
 from ..transport import url_host
-from .api import Announce, ReceiveSpec, Registration, Step
+from .api import Announce, Identity, ReceiveSpec, Registration, Step
 from .bridge import LayerBridge
 from . import routing
 from .control import ControlPeers, ControlServer
@@ -69,6 +69,7 @@ class Runtime:
         self.layouts: LayoutCache | None = None
         self.sender: Sender | None = None
         self.layout_reply: m.LayoutReply | None = None
+        self.identity = Identity()   # answered to TopologyRequest (routing); replaced whole, never changed
         self.control_endpoint = ""
         self.metrics_server: MetricsServer | None = None
         self.metrics_url = ""
@@ -182,6 +183,15 @@ class Runtime:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def set_identity(self, identity: Identity) -> None:
+        """Say who this runtime is in its engine (role, TP/DP rank and size, model fingerprint): what a
+        ``TopologyRequest`` is answered with. Any thread, before ``start`` so that no peer ever learns
+        the default; ``ConfigError`` for an impossible identity."""
+        if not isinstance(identity, Identity):
+            raise ConfigError(f"identity must be an aiolayer.Identity, got {type(identity).__name__}")
+        identity.check()
+        self.identity = identity
+
     # --- both sides: the local KV memory ----------------------------------------------------------
 
     def register_kv_memory(self, k_base: list[int], v_base: list[int], block_bytes: int, num_blocks: int,
@@ -232,6 +242,12 @@ class Runtime:
         """Stop a send (its source blocks are needed back): it fails, never says DONE; never raises."""
         if self.sender is not None:
             self.sender.cancel(transfer_id, reason)
+
+    def refuse_send(self, spec: TransferSpec, reason: str) -> None:
+        """Fail a send without writing anything (the engine found it cannot be served correctly, e.g. a
+        plan made for another tensor-parallel size): its outcome at once, FAILED with ``reason`` to D (so
+        D learns now, not at its deadline), its source released. Forward thread; never blocks."""
+        self._running_sender().refuse(spec, reason)
 
     def pop_outcomes(self) -> list[Outcome]:
         return [] if self.sender is None else self.sender.pop_outcomes()

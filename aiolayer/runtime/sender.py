@@ -111,6 +111,15 @@ class Sender:
             self.results.forget(added)
             raise
 
+    def refuse(self, spec: TransferSpec, reason: str) -> None:
+        """Fail a send on the loop without writing: outcome, FAILED to D, release (``_refuse``)."""
+        added = self.results.expect([spec])
+        try:
+            self.bridge.put(("refuse", spec, str(reason)[:500]))
+        except RuntimeStateError:
+            self.results.forget(added)
+            raise
+
     def layer_ready(self, step: int, layer: int) -> None:
         self.bridge.put(("layer", step, layer, record_event(), time.perf_counter()))
 
@@ -183,6 +192,11 @@ class Sender:
             self._steps.pop(item[1], None)
         elif kind == "cancel":
             self._cancel(item[1], item[2])
+        elif kind == "refuse":
+            if getattr(item[1], "transfer_id", None) in self._live:   # its outcome belongs to the live one
+                log.error("transfer %s: refused while live; the refusal is ignored", item[1].transfer_id)
+            else:
+                self._refuse(item[1], item[2])
 
     def _start_request(self, spec: TransferSpec, feed: StepLayers) -> None:
         """Start one transfer, reading its layers from ``feed``. Never raises: whatever is wrong with

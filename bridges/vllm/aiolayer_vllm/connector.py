@@ -13,6 +13,7 @@ from aiolayer.errors import ConfigError
 
 from . import ranks
 from .config import check_extra_config, from_extra_config
+from .identity import model_facts
 from .metadata import AiolayerMetadata
 from .scheduler import SchedulerSide
 from .spin import cap_spin
@@ -69,7 +70,7 @@ class AiolayerConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(self.config, producer, consumer, kv_cache_config.num_blocks,
                                       ranks.from_vllm(vllm_config), block_size=vllm_config.cache_config.block_size,
                                       head_size=vllm_config.model_config.get_head_size(),
-                                      engine_core_pid=engine_core_pid(executor))
+                                      engine_core_pid=engine_core_pid(executor), model_facts=model_facts(vllm_config))
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

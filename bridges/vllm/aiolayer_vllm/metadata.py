@@ -38,6 +38,7 @@ class SendReq:
     layerwise: bool = True
     token: str = ""
     decode_ranks: tuple[tuple[str, str], ...] = ()   # (control, incarnation) per D TP rank when several
+    prefill_tp: int = 0                              # P's TP size the plan assumed (0: not said)
 
     @property
     def d_ranks(self) -> list[tuple[str, str]]:

@@ -5,11 +5,12 @@ To D (remote prefill): ``{"transfer_id": str, "token": str, "prefill_control": "
 where to POST the registration); a P with several tensor-parallel ranks is named by
 ``"prefill_controls": [rank 0's, rank 1's, ...]`` instead (D's ranks work out which P ranks write
 into them). To P (remote decode): ``{"transfer_id": str, "token": str, "decode_control": "tcp://...",
-"dst_blocks": [int], "dst_incarnation": str, "first_block": int}``, the registration D published; a D
-with several tensor-parallel ranks is named by ``"decode_ranks": [{"decode_control": ...,
-"dst_incarnation": ...}, ...]`` in rank order instead of the two single fields (the blocks are the same
-on every rank: one scheduler allocates them). Transfer ids are the proxy's own, never derived from vLLM's request
-ids. The token is a secret the proxy mints per transfer (``secrets.token_hex(16)``) and gives only
+"dst_blocks": [int], "dst_incarnation": str, "first_block": int, "prefill_tp": int}``, the registration
+D published and the P tensor-parallel size the plan assumed (optional; P refuses to send when its own
+differs, telling D at once); a D with several tensor-parallel ranks is named by ``"decode_ranks":
+[{"decode_control": ..., "dst_incarnation": ...}, ...]`` in rank order instead of the two single fields
+(the blocks are the same on every rank: one scheduler allocates them). Transfer ids are the proxy's
+own, never derived from vLLM's request ids. The token is a secret the proxy mints per transfer (``secrets.token_hex(16)``) and gives only
 to this transfer's D and P: D refuses layout requests and DONE/FAILED without it.
 
 A request's parameters come from a client: ``read`` validates them whole (types, ranges, ASCII ids
@@ -109,6 +110,9 @@ class SendParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     dst_incarnation: Annotated[str, Meta(max_length=MAX_ID_CHARS, pattern=r"^[\x21-\x7e]*$")] = ""
     first_block: Annotated[int, Meta(ge=0, lt=MAX_FIRST_BLOCK)] = 0
     decode_ranks: Annotated[list[DecodeRank], Meta(max_length=MAX_RANKS)] = []
+    # P's tensor-parallel size the proxy planned the request for (the P ranks it told D to wait for):
+    # P refuses to send when its own differs. 0 = not said (an older proxy): not checked.
+    prefill_tp: Annotated[int, Meta(ge=0, le=MAX_RANKS)] = 0
 
     def __post_init__(self) -> None:
         if self.decode_ranks:

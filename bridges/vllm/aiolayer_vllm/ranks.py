@@ -121,3 +121,16 @@ def whole_blocks(route: RankRoute, topo: Topology, d_tp: int) -> bool:
         return True
     d_heads = local_heads(topo.total_kv_heads, d_tp)
     return route.src_head == route.dst_head == 0 and route.num_heads == topo.local_heads() == d_heads
+
+
+def refused_d_ranks(topo: Topology, planned_p_tp: int, d_tp: int) -> list[int]:
+    """The D ranks waiting for this P rank's word under a plan made for a P of ``planned_p_tp`` ranks
+    (another size than ours): each must hear FAILED from us, so that it fails now rather than at its
+    deadline. None for a rank the plan does not have; every D rank where that plan maps nothing."""
+    if topo.tp_rank >= planned_p_tp:
+        return []
+    try:
+        routes = _routes(topo.total_kv_heads, planned_p_tp, d_tp, topo.mla)
+    except ConfigError:
+        return list(range(d_tp))
+    return sorted({r.d_rank for r in routes if r.p_rank == topo.tp_rank})

@@ -144,7 +144,8 @@ class SchedulerSide:
                                send.dst_incarnation,
                                layerwise=use_layerwise(request.num_prompt_tokens, self.config.layerwise_min_tokens),
                                token=send.token,
-                               decode_ranks=tuple((r.decode_control, r.dst_incarnation) for r in send.decode_ranks)))
+                               decode_ranks=tuple((r.decode_control, r.dst_incarnation) for r in send.decode_ranks),
+                               prefill_tp=send.prefill_tp))
         return out
 
     def _cancels_for(self, scheduler_output) -> list[tuple[str, str]]:

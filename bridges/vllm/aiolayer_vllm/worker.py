@@ -21,9 +21,11 @@ import msgspec
 from aiolayer import ReceiveSpec, Registration, Runtime, Step, TransferSpec
 
 from .config import BridgeConfig
+from .identity import identity
 from .layout import describe
 from .metadata import AiolayerMetadata, RecvReq, SendReq
-from .ranks import Topology, rank_transfer_id, routes_for_p, whole_blocks, writers_into, writers_of_d
+from .ranks import (Topology, rank_transfer_id, refused_d_ranks, routes_for_p, whole_blocks, writers_into,
+                    writers_of_d)
 from .stats import AiolayerStats, delta, totals
 from .threads import unpinned
 from .wake import Waker
@@ -42,9 +44,10 @@ def stage(transfer_id: str, name: str, at: float | None = None) -> None:
 class WorkerSide:
     def __init__(self, config: BridgeConfig, is_producer: bool, is_consumer: bool, num_blocks: int,
                  topology: Topology | None = None, block_size: int = 16, head_size: int = 64,
-                 engine_core_pid: int | None = None) -> None:
+                 engine_core_pid: int | None = None, model_facts: dict | None = None) -> None:
         self.config = config
         self.topology = topology or Topology()
+        self.model_facts = dict(model_facts or {})   # identity.model_facts: the model's part of the fingerprint
         self.num_blocks = num_blocks
         self.block_size, self.head_size = block_size, head_size
         self.is_producer = is_producer
@@ -73,15 +76,21 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         """Start this rank's runtime (its own endpoint, ``ranks``) and publish its caches with their
-        head geometry (``layout``), so that engines of another TP size can write head slices."""
+        head geometry (``layout``), so that engines of another TP size can write head slices. The
+        runtime answers topology queries with this rank's identity (``identity``) from its start."""
         topo, node = self.topology, self.config.node
         layout = describe(kv_caches, self.num_blocks, self.block_size, self.head_size, topo.local_heads(), topo.mla)
         self._views = layout.views
         self.layer_index = {name: i for i, name in enumerate(layout.names)}
         node = msgspec.structs.replace(node, engine_id=topo.engine_id(node.engine_id),
                                        control_port=topo.control_port(node.control_port))
+        facts = {**self.model_facts, "layers": len(layout.names), "block_size": self.block_size,
+                 "head_size": self.head_size, "total_kv_heads": topo.total_kv_heads, "mla": topo.mla,
+                 "cache_tensor_dtype": str(next(iter(layout.views.values()))[0].dtype)}
         with unpinned():   # the loop and Mooncake's threads must not share the forward's pinned core
-            self.runtime = Runtime(node, self.config.timeouts).start()
+            runtime = Runtime(node, self.config.timeouts)
+            runtime.set_identity(identity(topo, self.is_producer, self.is_consumer, facts))
+            self.runtime = runtime.start()
         self.runtime.on_stop(self._close_on_loop)
         if self._waker is not None:
             self.runtime.on_outcome(self._waker.wake)
@@ -149,6 +158,9 @@ class WorkerSide:
         specs = []
         for send in sends:
             self._sending.add(send.req_id)
+            if send.prefill_tp and send.prefill_tp != self.topology.tp_size:
+                self._refuse_send(send)
+                continue
             try:
                 mine = self._rank_specs(send)
             except Exception as exc:  # noqa: BLE001 - one request's bad spec must not stop the step
@@ -169,6 +181,38 @@ class WorkerSide:
         except Exception as exc:  # noqa: BLE001 - refused before anything was queued: no write started
             log.error("aiolayer: %d transfers not sent: %s", len(specs), exc)
             for spec in specs:
+                self._send_quiet(spec.transfer_id)
+
+    def _refuse_send(self, send: SendReq) -> None:
+        """P: the request was planned for a P of another tensor-parallel size (the proxy's view of us is
+        stale): writing would leave D with heads nobody wrote, or waiting for ranks that do not exist.
+        Nothing is written; each D rank waiting for this rank's word gets FAILED naming both sizes."""
+        d_ranks = send.d_ranks
+        reason = (f"P has tensor-parallel size {self.topology.tp_size} but the request was planned for "
+                  f"tensor-parallel size {send.prefill_tp} (prefill_tp): not sent")
+        log.error("request %s: transfer %s: %s", send.req_id, send.transfer_id, reason)
+        specs = []
+        try:
+            for d_rank in refused_d_ranks(self.topology, send.prefill_tp, len(d_ranks)):
+                tid = rank_transfer_id(send.transfer_id, d_rank, len(d_ranks))
+                control, incarnation = d_ranks[d_rank]
+                if tid not in self._req_of:   # else another request's live send: its outcome is its own
+                    specs.append(TransferSpec(transfer_id=tid, peer=control, src_blocks=send.src_blocks,
+                                              dst_blocks=send.dst_blocks, dst_incarnation=incarnation,
+                                              token=send.token))
+        except Exception as exc:  # noqa: BLE001 - D cannot be addressed: its own deadline ends the transfer
+            log.error("request %s: D not told: %s", send.req_id, exc)
+            specs = []
+        if not specs:
+            self._released.add(send.req_id)
+            return
+        self._open_sends[send.req_id] = {spec.transfer_id for spec in specs}
+        self._req_of.update((spec.transfer_id, send.req_id) for spec in specs)
+        for spec in specs:
+            try:
+                self.runtime.refuse_send(spec, reason)
+            except Exception as exc:  # noqa: BLE001 - the runtime is gone: D's own deadline ends it
+                log.error("transfer %s: refusal not handed over: %s", spec.transfer_id, exc)
                 self._send_quiet(spec.transfer_id)
 
     def _rank_specs(self, send: SendReq) -> list[TransferSpec]:

@@ -55,7 +55,7 @@ class ProxyState:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)  # no pool caps concurrency
         self.client = httpx.AsyncClient(limits=limits)
         self.peers = ControlPeers(Timeouts(control_call=self.timeouts.abort_s), self.spawn)
-        self.spawn(self.pool.watch_health(self.client), "health")
+        self.spawn(self.pool.watch_health(self.client, self.peers), "health")
 
     async def stop(self) -> None:
         for exchange in list(self.pending.values()):   # normally none: each request's frame closed its own
@@ -272,7 +272,8 @@ def create_app(pool: Pool, public_url: str, timeouts: ProxyTimeouts | None = Non
     async def health() -> JSONResponse:
         ok = any(b.healthy for b in state.pool.prefill) and any(b.healthy for b in state.pool.decode)
         return JSONResponse({"healthy": ok, "backends": [
-            {"role": b.role, "url": b.url, "healthy": b.healthy, "outstanding": b.outstanding}
+            {"role": b.role, "url": b.url, "control": b.control, "healthy": b.healthy, "problem": b.problem,
+             "outstanding": b.outstanding, "topology": b.topology.summary() if b.topology else None}
             for b in state.pool.all]}, status_code=200 if ok else 503)
 
     @app.get("/metrics")

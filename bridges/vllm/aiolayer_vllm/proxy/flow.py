@@ -97,6 +97,7 @@ class Exchange:
         self.state, self.path, self.body = state, path, body
         self.headers = dict(headers or {})
         self.prefill, self.decode = prefill, decode
+        self.p_controls = prefill.controls   # P's TP ranks as learned now: D's and P's plans must agree
         self.p_lease, self.d_lease = Lease(prefill), Lease(decode)
         self.transfer_id = uuid.uuid4().hex
         self.token = secrets.token_hex(16)   # only this transfer's D and P learn it
@@ -115,7 +116,7 @@ class Exchange:
 
     def d_body(self) -> dict:
         params = {"transfer_id": self.transfer_id, "token": self.token, "notify_url": self.state.notify_url}
-        controls = self.prefill.controls
+        controls = self.p_controls
         if len(controls) == 1:
             params["prefill_control"] = controls[0]
         else:
@@ -149,7 +150,8 @@ class Exchange:
         body = {k: v for k, v in self.body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
         body["max_tokens"] = 1
         params = {"transfer_id": self.transfer_id, "token": self.token, "dst_blocks": regs[0]["block_ids"],
-                  "first_block": regs[0].get("first_block", 0)}
+                  "first_block": regs[0].get("first_block", 0),
+                  "prefill_tp": len(self.p_controls)}   # the P ranks D was told of: P checks its own TP size
         if len(regs) == 1:
             params.update(decode_control=regs[0]["decode_control"], dst_incarnation=regs[0]["incarnation"])
         else:

@@ -1,6 +1,8 @@
 """Backends (vLLM servers with their aiolayer control endpoints), least-outstanding choice, health.
 
-A backend that fails its health check is taken out of rotation and put back when it answers
+A backend's parallel layout is what its engine's ranks said (``topology``), not what it was declared
+with. A backend that fails its health check (its HTTP ``/health``, or the topology of its control
+sockets) is taken out of rotation, with the reason in ``problem``, and put back when it passes
 again. ``outstanding`` counts the requests a backend is working on: a ``Lease`` holds it from the
 pick until that engine's part ends (P: its prefill answered; D: its answer relayed or closed), and
 is released exactly once, from ``finally`` blocks, so no way a request ends can leak a count.
@@ -14,6 +16,10 @@ from dataclasses import dataclass
 
 import httpx
 
+from aiolayer import ControlPeers
+
+from .topology import Learned, rank_endpoint, recheck
+
 log = logging.getLogger(__name__)
 
 
@@ -21,17 +27,30 @@ log = logging.getLogger(__name__)
 class Backend:
     role: str                 # "prefill" | "decode"
     url: str                  # http://host:port of the vLLM OpenAI server
-    control: str              # tcp://host:port of its aiolayer connector
-    tp: int = 1               # tensor-parallel ranks: rank r listens on CONTROL's port + r
+    control: str              # tcp://host:port of its aiolayer connector's first rank
+    declared_tp: int = 0      # ,tp=N as given: only checked against what the engine says (0: not given)
     healthy: bool = True
     outstanding: int = 0
     served: int = 0
+    topology: Learned | None = None   # what its ranks said (``topology.learn``)
+    problem: str = ""         # why it is out of rotation ("" while it passes)
+
+    @property
+    def tp(self) -> int:
+        """Its tensor-parallel size: as learned (before that, as declared)."""
+        return self.topology.tp if self.topology is not None else self.declared_tp or 1
 
     @property
     def controls(self) -> list[str]:
-        """Every rank's control endpoint, by the connector's per-rank rule (aiolayer_vllm.ranks)."""
-        host, _, port = self.control.rpartition(":")
-        return [f"{host}:{int(port) + r}" for r in range(self.tp)]
+        """Its first data-parallel rank's TP ranks' endpoints, by the connector's rule (aiolayer_vllm.ranks)."""
+        return [rank_endpoint(self.control, r) for r in range(self.tp)]
+
+    @property
+    def name(self) -> str:
+        return f"--{self.role} {self.url} (control {self.control})"
+
+    def adopt(self, learned: Learned) -> None:
+        self.topology = learned
 
     @classmethod
     def parse(cls, role: str, spec: str) -> "Backend":
@@ -44,7 +63,7 @@ class Backend:
                 or not port.isdigit() or (extra and not (extra.startswith("tp=") and tp.isdigit() and 1 <= int(tp) <= 1024)) \
                 or int(port) + int(tp or 1) - 1 > 65535:
             raise ValueError(f"--{role} expects URL,CONTROL[,tp=N] (http://host:port,tcp://host:port,tp=2), got {spec!r}")
-        return cls(role, url.rstrip("/"), control, tp=int(tp or 1))
+        return cls(role, url.rstrip("/"), control, declared_tp=int(tp or 0))
 
 
 class NoBackend(Exception):
@@ -77,7 +96,11 @@ class Pool:
     prefill: list[Backend]
     decode: list[Backend]
     health_interval_s: float = 2.0
-    health_timeout_s: float = 1.0
+    health_timeout_s: float = 1.0   # each probe of HTTP /health
+    # each rank's topology query: an engine's aiolayer loop shares its cores with the engine (a parked D's
+    # engine core spins), and has answered control calls only after seconds there (tests/test_issue14_vllm_parallel.py)
+    control_timeout_s: float = 5.0
+    model: str = ""                 # the model fingerprint every backend's ranks said at start
 
     def pick(self, role: str) -> Backend:
         candidates = [b for b in (self.prefill if role == "prefill" else self.decode) if b.healthy]
@@ -89,17 +112,26 @@ class Pool:
     def all(self) -> list[Backend]:
         return [*self.prefill, *self.decode]
 
-    async def watch_health(self, client: httpx.AsyncClient) -> None:
-        """Forever (until cancelled): probe every backend's /health, flip ``healthy`` on change."""
+    async def watch_health(self, client: httpx.AsyncClient, peers: ControlPeers | None = None) -> None:
+        """Forever (until cancelled): probe every backend's /health and, with ``peers``, its ranks'
+        topology; flip ``healthy`` (and ``problem``, why) on change."""
         while True:
-            await asyncio.gather(*(self._probe(client, b) for b in self.all))
+            await asyncio.gather(*(self._probe(client, peers, b) for b in self.all))
             await asyncio.sleep(self.health_interval_s)
 
-    async def _probe(self, client: httpx.AsyncClient, backend: Backend) -> None:
-        try:
-            ok = (await client.get(f"{backend.url}/health", timeout=self.health_timeout_s)).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        if ok != backend.healthy:
-            log.warning("%s backend %s is now %s", backend.role, backend.url, "healthy" if ok else "DOWN")
-        backend.healthy = ok
+    async def _probe(self, client: httpx.AsyncClient, peers: ControlPeers | None, backend: Backend) -> None:
+        async def http() -> str:
+            try:
+                reply = await client.get(f"{backend.url}/health", timeout=self.health_timeout_s)
+            except httpx.HTTPError as exc:
+                return f"HTTP /health failed: {type(exc).__name__}: {exc}"
+            return "" if reply.status_code == 200 else f"HTTP /health answered {reply.status_code}"
+
+        checks = [http()] if peers is None else [http(), recheck(backend, peers, self.control_timeout_s, self.model)]
+        problem = "; ".join(p for p in await asyncio.gather(*checks) if p)
+        if problem != backend.problem:
+            if problem:
+                log.warning("%s is out of rotation: %s", backend.name, problem)
+            else:
+                log.warning("%s is back in rotation", backend.name)
+        backend.problem, backend.healthy = problem, not problem

@@ -1,16 +1,19 @@
-"""``aiolayer proxy``: parse the backends, build the app, serve it with uvicorn."""
+"""``aiolayer proxy``: parse the backends, learn their engines' topology, build the app, serve it with uvicorn."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 
+from aiolayer import ControlPeers, Timeouts
 from aiolayer.cli import Command
 from aiolayer.transport import url_host
 
 from .flow import ProxyTimeouts
 from .pool import Backend, Pool
+from .topology import learn_pool
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -20,9 +23,15 @@ WILDCARDS = ("0.0.0.0", "::", "")
 def add_proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", nargs="+", required=True, metavar="URL,CONTROL[,tp=N]",
                    help="P servers: http://host:port of vLLM, tcp://host:port of its aiolayer control socket "
-                        "(its control_port); tp=N for a P with N tensor-parallel ranks (rank r: that port + r)")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL,CONTROL",
-                   help="D servers, same form; D's tensor-parallel and data-parallel ranks register themselves")
+                        "(its control_port: the first rank's). The proxy asks every rank for its topology; "
+                        "tp=N is only checked against what P says (a mismatch is refused at start)")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL,CONTROL[,tp=N]",
+                   help="D servers, same form (D's control_port must be fixed: the proxy asks it too)")
+    p.add_argument("--control-wait-s", type=float, default=60.0,
+                   help="seconds at start for every backend's control sockets to answer the topology query; "
+                        "the proxy exits if one does not, or answers wrongly")
+    p.add_argument("--control-timeout", type=float, default=Pool.control_timeout_s,
+                   help="seconds for one rank to answer a topology query (at start and at each health check)")
     p.add_argument("--host", default="127.0.0.1", help="address the proxy listens on")
     p.add_argument("--port", type=int, default=8000, help="port the proxy listens on")
     p.add_argument("--public-url", default="",
@@ -34,7 +43,8 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
                    help="seconds for P's prefill call (one token)")
     p.add_argument("--request-timeout", type=float, default=ProxyTimeouts.request_s,
                    help="seconds for D's whole generation")
-    p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks of each server")
+    p.add_argument("--health-interval", type=float, default=2.0,
+                   help="seconds between health checks of each server (HTTP /health and its ranks' topology)")
     p.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="the proxy's and uvicorn's log level")
 
 
@@ -61,16 +71,35 @@ def run_proxy(args: argparse.Namespace) -> int:
         logger.addHandler(handler)
     try:
         pool = Pool([Backend.parse("prefill", s) for s in args.prefill],
-                    [Backend.parse("decode", s) for s in args.decode], health_interval_s=args.health_interval)
+                    [Backend.parse("decode", s) for s in args.decode], health_interval_s=args.health_interval,
+                    control_timeout_s=args.control_timeout)
         url = public_url(args.host, args.port, args.public_url)
+        if not (args.control_wait_s > 0 and args.control_timeout > 0):
+            raise ValueError("--control-wait-s and --control-timeout must be > 0")
     except ValueError as exc:
         print(f"aiolayer proxy: {exc}", file=sys.stderr)
         return 2
+    problems = asyncio.run(_learn(pool, args.control_wait_s))
+    if problems:
+        print("aiolayer proxy: refused to start:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 1
+    for b in pool.all:
+        logger.info("%s: engine %s, tp %d, dp %d, role %s, model %s", b.name, b.topology.engine_id,
+                    b.topology.tp, b.topology.dp, b.topology.role, b.topology.model)
     timeouts = ProxyTimeouts(registration_s=args.registration_timeout, prefill_s=args.prefill_timeout,
                              request_s=args.request_timeout)
     app = create_app(pool, url, timeouts)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
+
+
+async def _learn(pool: Pool, wait_s: float) -> list[str]:
+    """Every backend's topology, within ``wait_s`` (its own loop and sockets, closed before serving)."""
+    peers = ControlPeers(Timeouts(), asyncio.get_running_loop().create_task)
+    try:
+        return await learn_pool(pool, peers, wait_s, pool.control_timeout_s)
+    finally:
+        await peers.close()
 
 
 COMMAND = Command("the D-first proxy in front of vLLM P and D servers", add_proxy_args, run_proxy)
