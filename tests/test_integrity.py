@@ -94,12 +94,17 @@ def test_bytes_flipped_after_they_landed_are_detected_every_time(pair):
 def test_a_check_naming_bytes_outside_the_transfer_fails_it(pair):
     p, d, corrupter = pair
     local = d.sender.local
-    check = m.LayerCheck(offsets=[0], lengths=[SHAPE.block_bytes], crc_k=[0] * SHAPE.num_layers,
+    every = list(range(SHAPE.num_layers))
+    check = m.LayerCheck(layers=every, offsets=[0], lengths=[SHAPE.block_bytes], crc_k=[0] * SHAPE.num_layers,
                          crc_v=[0] * SHAPE.num_layers)
     assert "outside the transfer's blocks" in verify_check(local, [3], check)
-    assert "malformed" in verify_check(local, [0], m.LayerCheck(offsets=[0], lengths=[1], crc_k=[0]))
-    huge = m.LayerCheck(offsets=[0], lengths=[1 << 60], crc_k=[0] * SHAPE.num_layers, crc_v=[0] * SHAPE.num_layers)
+    assert "malformed" in verify_check(local, [0], m.LayerCheck(layers=[0], offsets=[0], lengths=[1], crc_k=[0]))
+    huge = m.LayerCheck(layers=every, offsets=[0], lengths=[1 << 60], crc_k=[0] * SHAPE.num_layers,
+                        crc_v=[0] * SHAPE.num_layers)
     assert "malformed" in verify_check(local, [0], huge)
+    for layers in ([1, 0], [0, 0], [SHAPE.num_layers], [-1]):
+        bad = m.LayerCheck(layers=layers, offsets=[0], lengths=[1], crc_k=[0] * len(layers), crc_v=[0] * len(layers))
+        assert "not ascending layers" in verify_check(local, [0], bad), layers
 
 
 def test_no_check_where_kv_is_not_host_memory_or_the_rate_is_zero(pair):
@@ -110,4 +115,14 @@ def test_no_check_where_kv_is_not_host_memory_or_the_rate_is_zero(pair):
     assert sample_check(local, None, tuple(np.asarray(a) for a in runs), 0.0) is None
     device = type(local)(local.k_base, local.v_base, local.block_bytes, local.num_blocks, host=False)
     assert sample_check(device, None, tuple(np.asarray(a) for a in runs), 1.0) is None
-    assert verify_check(device, [0], m.LayerCheck(offsets=[0], lengths=[1], crc_k=[1])) == ""
+    assert verify_check(device, [0], m.LayerCheck(layers=[0], offsets=[0], lengths=[1], crc_k=[1])) == ""
+
+
+def test_layers_are_sampled_one_by_one_at_the_given_share(pair):
+    p, _, _ = pair
+    runs = tuple(np.asarray(a) for a in ([0], [0], [SHAPE.block_bytes]))
+    random.seed(7)
+    sampled = [sample_check(p.sender.local, None, runs, 0.25) for _ in range(400)]
+    layers = sum(len(c.layers) for c in sampled if c is not None)
+    assert 0.18 < layers / (400 * SHAPE.num_layers) < 0.32   # per layer, not per transfer
+    assert any(c is not None and len(c.layers) == 1 for c in sampled)

@@ -82,10 +82,12 @@ MAX_CHECK_RUNS = 4096   # runs per layer a sampled integrity check may name (lar
 
 
 class LayerCheck(msgspec.Struct, frozen=True, kw_only=True):
-    """A sampled transfer's end-to-end check: per layer, the CRC32 of the bytes P wrote, taken in run
-    order over P's source; ``offsets``/``lengths`` are the runs at D, relative to each layer's base (the
-    same for every layer, and for K and V). ``crc_v`` is empty where K and V share one plane."""
+    """A transfer's sampled end-to-end check: for each sampled layer (``layers``, ascending), the CRC32
+    of the bytes P wrote, taken in run order over P's source; ``offsets``/``lengths`` are the runs at D,
+    relative to a layer's base (the same for every layer, and for K and V). ``crc_v`` is empty where K
+    and V share one plane."""
 
+    layers: list[int]
     offsets: list[int]
     lengths: list[int]
     crc_k: list[int]

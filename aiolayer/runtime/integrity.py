@@ -1,15 +1,16 @@
 """Sampled end-to-end KV integrity: CRCs of what P wrote, checked against what landed at D.
 
-P samples a transfer with probability ``NodeConfig.integrity_sample``. Once every write of it completed
-(its source blocks are held and unchanged until then), P computes per layer the CRC32 of its source
-runs in write order, off the loop (a worker thread), and sends them with DONE (``Done.check``) with the
-runs' offsets at D relative to each layer's base. Before D accepts that DONE it computes the same CRCs
-over its own memory at those offsets, also off the loop; a mismatch turns the DONE into a failure
+P samples each layer of a transfer with probability ``NodeConfig.integrity_sample`` (per layer, so that
+a sampled request pays for a layer or two, not for its whole KV). Once every write of the transfer
+completed (its source blocks are held and unchanged until then), P computes for each sampled layer the
+CRC32 of its source runs in write order, off the loop (a worker thread), and sends them with DONE
+(``Done.check``) with the runs' offsets at D relative to a layer's base. Before D accepts that DONE it
+computes the same CRCs over its own memory at those offsets, also off the loop; a mismatch turns the DONE into a failure
 ("integrity: ..."), so the engine recomputes or fails the request (vLLM's ``kv_load_failure_policy``)
 instead of decoding from corrupt KV.
 
-Verified: for a sampled transfer, every byte of every layer (K and V planes) that P wrote equals what D
-holds when it accepts the DONE. Not verified: transfers not sampled; a side whose KV is not in host
+Verified: for a sampled layer, every byte (K and V planes) that P wrote equals what D holds when it
+accepts the DONE. Not verified: layers not sampled; a side whose KV is not in host
 memory (``register_kv_memory(host_memory=False)``, e.g. GPU memory: it neither samples nor checks);
 transfers with more than ``MAX_CHECK_RUNS`` runs per layer; what happens to the bytes after D checked.
 """
@@ -49,16 +50,18 @@ def _split_planes(local: LocalLayout) -> bool | None:
 def sample_check(local: LocalLayout | None, runs, spans, rate: float) -> m.LayerCheck | None:
     """P: a check for this transfer, when it is sampled and can be checked; None else. Runs in a
     worker thread (it reads every byte of the transfer's source)."""
-    if local is None or not local.host or rate <= 0.0 or random.random() >= rate:
+    if local is None or not local.host or rate <= 0.0:
         return None
+    layers = [layer for layer in range(local.num_layers) if random.random() < rate]
     split = _split_planes(local)
     rel = spans if spans is not None else run_addresses(runs, 0, 0, local.block_bytes)
     src, dst, lengths = (np.asarray(a, dtype=np.int64) for a in rel)
-    if split is None or not 0 < len(lengths) <= m.MAX_CHECK_RUNS:
+    if not layers or split is None or not 0 < len(lengths) <= m.MAX_CHECK_RUNS:
         return None
-    return m.LayerCheck(offsets=dst.tolist(), lengths=lengths.tolist(),
-                        crc_k=crc_of_runs(local.k_base, src.tolist(), lengths.tolist()),
-                        crc_v=crc_of_runs(local.v_base, src.tolist(), lengths.tolist()) if split else [])
+    src, lengths_ = src.tolist(), lengths.tolist()
+    return m.LayerCheck(layers=layers, offsets=dst.tolist(), lengths=lengths_,
+                        crc_k=crc_of_runs(local.k_base[layers], src, lengths_),
+                        crc_v=crc_of_runs(local.v_base[layers], src, lengths_) if split else [])
 
 
 def verify_check(local: LocalLayout | None, block_ids: list[int], check: m.LayerCheck) -> str:
@@ -69,10 +72,10 @@ def verify_check(local: LocalLayout | None, block_ids: list[int], check: m.Layer
     problem = _check_shape(local, block_ids, check)
     if problem:
         return f"integrity: malformed check: {problem}"
-    got_k = crc_of_runs(local.k_base, check.offsets, check.lengths)
-    got_v = crc_of_runs(local.v_base, check.offsets, check.lengths) if check.crc_v else []
+    got_k = crc_of_runs(local.k_base[check.layers], check.offsets, check.lengths)
+    got_v = crc_of_runs(local.v_base[check.layers], check.offsets, check.lengths) if check.crc_v else []
     for plane, want, got in (("K", check.crc_k, got_k), ("V", check.crc_v, got_v)):
-        for layer, (a, b) in enumerate(zip(want, got)):
+        for layer, a, b in zip(check.layers, want, got):
             if a != b:
                 return (f"integrity: layer {layer} {plane}: the bytes that landed differ from what P wrote "
                         f"(CRC32 {b:08x}, P's {a:08x})")
@@ -80,10 +83,11 @@ def verify_check(local: LocalLayout | None, block_ids: list[int], check: m.Layer
 
 
 def _check_shape(local: LocalLayout, block_ids: list[int], check: m.LayerCheck) -> str:
-    layers = local.num_layers
-    split = _split_planes(local)
-    if len(check.crc_k) != layers or len(check.crc_v) != (layers if split else 0):
-        return f"{len(check.crc_k)}/{len(check.crc_v)} CRCs for {layers} layers"
+    layers, n = check.layers, len(check.layers)
+    if not layers or not all(0 <= a < b for a, b in zip(layers, layers[1:] + [local.num_layers])):
+        return f"layers {layers[:8]} are not ascending layers of {local.num_layers}"
+    if len(check.crc_k) != n or len(check.crc_v) != (n if _split_planes(local) else 0):
+        return f"{len(check.crc_k)}/{len(check.crc_v)} CRCs for {n} layers"
     if len(check.offsets) != len(check.lengths) or not 0 < len(check.offsets) <= m.MAX_CHECK_RUNS:
         return f"{len(check.offsets)} offsets and {len(check.lengths)} lengths"
     mine, bb = set(block_ids), local.block_bytes

@@ -226,6 +226,12 @@ class Runtime:
             block_bytes=block_bytes, num_blocks=num_blocks,
             layers=[m.LayerRegion(int(k), int(v)) for k, v in zip(k_base, v_base)], **geo)
 
+    def set_integrity_sample(self, share: float) -> None:
+        """P: from now on check this share of transfers end to end (``NodeConfig.integrity_sample``)."""
+        if not 0.0 <= share <= 1.0:
+            raise ConfigError(f"integrity_sample must be a share in 0..1, got {share}")
+        self._running_sender().integrity_sample = share   # one float, read by the loop per transfer
+
     # --- P: send (the forward thread; never blocks) ---------------------------------------------
 
     def begin_step(self, specs: list[TransferSpec]) -> Step:

@@ -27,9 +27,9 @@ from .forward import RequestKV, SimulatedForward, expected_crcs, seeded_kv
 from .raw import (MOONCAKE_VARIANTS, ComputeLoad, TcpSinkProcess, busy_seconds, chunk_crcs, memcpy,
                   mooncake_paced, timed)
 
-AIO_MODES = ("layerwise", "bulk", "auto")
+AIO_MODES = ("layerwise", "bulk", "auto", "checked")
 LIMIT_MODES = ("raw_mooncake", "raw_tcp", "memcpy")
-MODES = ("layerwise", "bulk", "auto", "threaded", *LIMIT_MODES)
+MODES = ("layerwise", "bulk", "auto", "checked", "threaded", *LIMIT_MODES)
 NEEDS_MOONCAKE = ("threaded", "raw_mooncake")
 TCP_STREAMS = (1, 4)
 _RAW_SALT = 1 << 32    # raw variants' bytes never repeat an earlier request's bytes in D's reused blocks
@@ -140,6 +140,9 @@ class Harness:
         kv = self._kv(self.step)
         layerwise = mode != "auto" or use_layerwise(self.args.prompt_tokens, self.args.auto_min_tokens)
         spec = TransferSpec.from_registration(alloc, src_blocks=src, peer=self.d_control, layerwise=layerwise)
+        # "checked": layer-wise with the end-to-end integrity check on every transfer; the other modes
+        # without it, so that their rows are the transfer alone and the difference is its cost
+        self.runtime.set_integrity_sample(1.0 if mode == "checked" else 0.0)
         if mode == "threaded":
             connector, cpu_clock = self.threaded, self.threaded.sender_cpu_s
         else:

@@ -113,9 +113,24 @@ def print_table(report: dict) -> None:
                      for v, d in r["variants"].items()]
             print(f"{name} variants: " + ", ".join(parts))
     lw = report["modes"].get("layerwise", {})
+    _print_integrity_cost(lw, report["modes"].get("checked"))
     if lw.get("efficiency_vs_raw_per_layer") is not None:
         print(f"layerwise GB/s vs raw Mooncake paced one layer at a time like the forward: "
               f"{lw['efficiency_vs_raw_per_layer']:.2f}; vs Mooncake's batch write: {lw['efficiency_vs_batch_sync']:.2f}")
+
+
+def _print_integrity_cost(lw: dict, checked: dict | None) -> None:
+    """What the end-to-end check costs: every transfer checked vs none, and at the default share."""
+    from aiolayer.config import DEFAULT_INTEGRITY_SAMPLE
+
+    if not checked or not lw.get("ttft_ms") or checked.get("ttft_ms") is None:
+        return
+    extra_ms = checked["ttft_ms"] - lw["ttft_ms"]
+    extra_cpu = (checked.get("cpu_s_per_gb") or 0.0) - (lw.get("cpu_s_per_gb") or 0.0)
+    share = DEFAULT_INTEGRITY_SAMPLE
+    print(f"integrity check on every transfer (checked vs layerwise): TTFT {extra_ms:+.1f} ms "
+          f"({100 * extra_ms / lw['ttft_ms']:+.1f} %), loop CPU {extra_cpu:+.3f} s/GB; at the default share "
+          f"{share:g}: {100 * share * extra_ms / lw['ttft_ms']:+.2f} % of TTFT on average")
 
 
 class Progress:

@@ -4,6 +4,8 @@ Modes (one run, same shape, same bytes, same D process; see bench/README.md):
   layerwise     aiolayer as designed: each layer handed over as soon as it is written.
   bulk          aiolayer moving all layers after the last one is computed (whole-request connectors).
   auto          aiolayer with the bulk fallback below --auto-min-tokens (protocol.plan.use_layerwise).
+  checked       layerwise with the end-to-end integrity check on every transfer (the other aiolayer
+                modes run without it): its cost, scaled to the default sampling rate, is reported.
   threaded      the thread-and-blocking-socket design aiolayer replaces (perf/threaded.py).
   raw_mooncake  the same bytes with Mooncake called directly, no runtime, no compute: the ceiling.
   raw_tcp       plain sockets on 127.0.0.1; memcpy: one copy in memory. Physical limits.
