@@ -374,16 +374,18 @@ class Sender:
     @guarded
     async def _release_when_quiet(self, req: Request, pending: list[asyncio.Future]) -> None:
         """Hold the source blocks (and the transfer live: abort answers ``settling``) until the
-        backend saw every write that may still land end."""
-        limit = self.timeouts.quarantine
-        _, still = await asyncio.wait(pending, timeout=limit)
-        if still:
-            # Never hand back memory a write may still read: these blocks stay held, loudly, until the
-            # backend sees those writes end (Mooncake drains refused writes to one peer at ~5 per second).
-            self.fence_timeouts += 1
-            log.error("transfer %s: %d writes still unresolved after %gs; its source blocks stay held",
-                      req.spec.transfer_id, len(still), limit)
-            await asyncio.wait(still)
+        backend saw every write that may still land end. ``pending`` is the transfer's own list, read
+        again after each wait: a write that ends late may name runs that may still land."""
+        limit, late = self.timeouts.quarantine, False
+        while still := [f for f in pending if not f.done()]:
+            _, left = await asyncio.wait(still, timeout=None if late else limit)
+            if left and not late:
+                # Never hand back memory a write may still read: these blocks stay held, loudly, until the
+                # backend sees those writes end (Mooncake drains refused writes to one peer at ~5 per second).
+                late = True
+                self.fence_timeouts += 1
+                log.error("transfer %s: %d writes still unresolved after %gs; its source blocks stay held",
+                          req.spec.transfer_id, len(left), limit)
         if any(f.cancelled() for f in pending):   # the backend closed: nobody knows, keep them held
             log.error("transfer %s: backend closed with writes unresolved; source kept held", req.spec.transfer_id)
             return

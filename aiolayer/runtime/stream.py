@@ -105,7 +105,7 @@ class LayerStreamer:
         own deadline passed: until then the write is in ``req.pending``, which the sender's fence
         waits for before the source may be reused or D told FAILED."""
         sink = _Sink(req, LayerPlan(local, req.runs, req.spans, layout), layout)
-        cancelled = False
+        cancelled, unresolved = False, ""
         try:
             reason = await self._layers(req, local.num_layers, sink)
         except asyncio.CancelledError:
@@ -113,7 +113,7 @@ class LayerStreamer:
             raise
         finally:
             if not cancelled:
-                await self._settle(sink)
+                unresolved = await self._settle(sink)
         settled = time.perf_counter()
         if req.aborted or reason:
             raise TransferStopped(req.aborted or reason, settled)
@@ -121,6 +121,8 @@ class LayerStreamer:
             first = min(sink.failed, key=lambda f: f[0])[1]
             first.settled_s = settled
             raise first
+        if unresolved:
+            raise TransferStopped(unresolved, settled)
         return settled
 
     async def _layers(self, req: Request, left: int, sink: "_Sink") -> str:
@@ -183,20 +185,24 @@ class LayerStreamer:
                 self._submit(group, sink, held)
         return reason
 
-    async def _settle(self, sink: "_Sink") -> None:
-        """Wait for the writes started with no task, at most ``layer_write`` (each settles by its own
-        deadline, given at its start); those still in flight after it stay in ``req.pending``.
-        Those that landed leave it: a done future holds nothing back."""
+    async def _settle(self, sink: "_Sink") -> str:
+        """Wait for the writes started with no task, each of which the backend settles by its own
+        deadline (``layer_write`` from its start): at most ``layer_write`` + ``cleanup`` from now.
+        Those still in flight after that stay in ``req.pending`` and fail the transfer (the reason,
+        "" when none): a write that did not settle is no write that landed."""
+        req, t = sink.req, self.timeouts
         if sink.count:
             try:
-                async with compat.timeout(self.timeouts.layer_write):
+                async with compat.timeout(t.layer_write + t.cleanup):
                     await sink.wait()
             except TimeoutError:
+                self.deadlines["layer_write"] += 1
                 log.error("transfer %s: %d writes unresolved past their deadline; the fence holds its source",
-                          sink.req.spec.transfer_id, sink.count)
-        req = sink.req
-        if sink.started and not sink.count:
+                          req.spec.transfer_id, sink.count)
+                return f"layer_write: {sink.count} writes unresolved {t.layer_write + t.cleanup:g}s after the last"
+        if sink.started:   # those that landed leave the fence's list: a done future holds nothing back
             req.pending[:] = [f for f in req.pending if not f.done() or f.cancelled()]
+        return ""
 
     def _submit(self, group, sink: "_Sink", held: list[tuple[int, float]]) -> None:
         """The held layers into writes (one, with ``start_write``; else one task per layer); clears ``held``."""
