@@ -99,11 +99,11 @@ class LayerStreamer:
         """Submit each layer as it arrives; returns when every write settled (perf_counter).
 
         Raises ``TransferStopped`` (``settled_s`` set) when the transfer stopped (abort, cancel), a
-        layer came late, or a write failed: the first of those, in that order (of writes: the
-        first submitted). Whatever ends it (a bug, a device event's ``query`` raising too), it
-        returns or raises only once every write started with no task settled, or that write's
-        own deadline passed: until then the write is in ``req.pending``, which the sender's fence
-        waits for before the source may be reused or D told FAILED."""
+        layer came late, a write failed, or one is still unresolved past its deadline: the first of
+        those, in that order (of writes: the first submitted). Whatever ends it (a bug, a device
+        event's ``query`` raising too), it returns or raises only once every write started with no
+        task settled or outlived its deadline (``_settle``); such a write is in ``req.pending``, which
+        the sender's fence waits for before the source may be reused or D told FAILED."""
         sink = _Sink(req, LayerPlan(local, req.runs, req.spans, layout), layout)
         cancelled, unresolved = False, ""
         try:
