@@ -1,7 +1,10 @@
 """Shared by the batching tests (DONEs, layout requests): a memory-backend P with a seeded KV cache,
-and one step of many one-block transfers to one D with every layer ready at once."""
+and one step of many one-block transfers to one D with every layer ready at once; and a device
+event that completes at a set time (what a GPU's does; on CPU every event is ready at once)."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -40,3 +43,13 @@ def one_step(p, d_control: str, count: int, drop: frozenset[str] = frozenset()) 
 
 def d_state(p, d_control: str, tid: str) -> str:
     return p.request(d_control, m.StatusRequest(transfer_id=tid), timeout=5).state
+
+
+class TimedEvent:
+    """A device event that completes ``delay`` seconds after it was recorded; never, when None."""
+
+    def __init__(self, delay: float | None) -> None:
+        self.ready_at = None if delay is None else time.monotonic() + delay
+
+    def query(self) -> bool:
+        return self.ready_at is not None and time.monotonic() >= self.ready_at

@@ -73,8 +73,9 @@ def fence_tasks(rt: Runtime, tid: str) -> int:
 # --- 3: a late DONE for a settled transfer ----------------------------------------------------------
 
 def test_issue11_3_late_done_for_settled_transfer_is_not_applied_to_reregistration(runtimes):
-    """A retried DONE after the transfer settled (and was forgotten, as under vLLM) is 'already settled':
-    never kept as an early DONE that a re-registration of the id would take as its own success."""
+    """A retried DONE after the transfer settled (and was forgotten, as under vLLM) is answered how it
+    ended ('already finished'): never kept as an early DONE that a re-registration of the id would
+    take as its own success."""
     d = runtimes("d3", Timeouts(receive=30))
     p = runtimes("p3")
     register(d, "t3")
@@ -93,7 +94,7 @@ def test_issue11_3_late_done_for_settled_transfer_is_not_applied_to_reregistrati
             codes[what] = exc.code
     after = on_loop(d, d.receiver.pop_results)
     assert not any(r.ok for r in after), f"D reported success for blocks never written: {after}"
-    assert isinstance(late, m.Ack) and late.detail == "already settled", late
+    assert isinstance(late, m.Ack) and late.detail == "already finished", late
     assert codes == {"stranger": "auth", "register": "settled"}
 
 

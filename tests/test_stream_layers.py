@@ -15,20 +15,10 @@ from aiolayer.protocol import messages as m
 from aiolayer.runtime import sender as sender_module
 
 from helpers_node import SMALL_SHAPE
-from helpers_step import d_state, memory_p
+from helpers_step import TimedEvent, d_state, memory_p
 
 pytestmark = pytest.mark.timeout(60)
 LAYERS = SMALL_SHAPE.num_layers
-
-
-class TimedEvent:
-    """A device event that completes ``delay`` seconds after it was recorded; never, when None."""
-
-    def __init__(self, delay: float | None) -> None:
-        self.ready_at = None if delay is None else time.monotonic() + delay
-
-    def query(self) -> bool:
-        return self.ready_at is not None and time.monotonic() >= self.ready_at
 
 
 def _one_transfer(p, d, tid: str, delays: list[float | None], monkeypatch, handed: int = LAYERS):

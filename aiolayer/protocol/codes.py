@@ -9,6 +9,7 @@ still decodes; compare it with these members, never with a literal.
 from __future__ import annotations
 
 import enum
+import re
 
 
 class WireEnum(str, enum.Enum):
@@ -50,11 +51,30 @@ class NackCode(WireEnum):
 
 class AckDetail(WireEnum):
     """``Ack.detail`` values with a fixed meaning. ``STOPPED`` is a machine signal: P's reply to an
-    ``Abort`` meaning none of its writes for the transfer can still land. Other details (a receiver
-    state such as ``finished``, "1 of 2 senders reported") are informative only."""
+    ``Abort`` meaning none of its writes for the transfer can still land. D's reply to a DONE is
+    P's verdict (``messages.done_verdict``): only ``FINISHED``, ``ALREADY_FINISHED`` and a tally
+    (``tally_detail``) say that D took the transfer, or this sender's part of it, as written;
+    anything else (``failed``, ``aborting``, ``KEPT``, ``ALREADY_FAILED``, an older D's
+    ``ALREADY_SETTLED``) fails the transfer at P too."""
 
     STOPPED = "stopped"
+    FINISHED = "finished"                  # D: the DONE finished the transfer (D's state after it)
+    FAILED = "failed"                      # D: the transfer failed (D had given it up, or a sender's FAILED)
     KEPT = "kept until registration"       # D: an early DONE/FAILED, applied when the registration comes
-    ALREADY_SETTLED = "already settled"    # D: a late or retried DONE/FAILED for a settled transfer
+    ALREADY_FINISHED = "already finished"  # D: a repeated or late word for a transfer that finished
+    ALREADY_FAILED = "already failed"      # D: a repeated or late word for a transfer that failed
+    ALREADY_SETTLED = "already settled"    # an older D: a late word for a settled transfer, finished or not
     RELEASED = "released"                  # decode node: the blocks are free again
 
+
+_TALLY = re.compile(r"(\d+) of (\d+) senders reported")
+
+
+def tally_detail(heard: int, senders: int) -> str:
+    """D's reply to the word of one of several senders while it waits for the others: that word
+    is counted (and the transfer still takes writes)."""
+    return f"{heard} of {senders} senders reported"
+
+
+def is_tally(detail: str) -> bool:
+    return _TALLY.fullmatch(detail) is not None

@@ -21,7 +21,7 @@ from typing import Union
 
 import msgspec
 
-from .codes import AckDetail, NackCode
+from .codes import AckDetail, NackCode, is_tally
 
 PROTOCOL_VERSION = 1
 REQUEST_ID = struct.Struct("!Q")
@@ -302,6 +302,18 @@ def check_version(msg: Message) -> None:
 def confirms_stop(reply: Message) -> bool:
     """Whether a reply to an ``Abort`` says P is quiet (no write of the transfer can still land)."""
     return isinstance(reply, Ack) and reply.detail == AckDetail.STOPPED
+
+
+def done_verdict(reply: Message) -> str:
+    """"" when D's reply to a DONE says it took the transfer as written (with several senders: this
+    sender's word counted, the transfer still taking writes); else P's failure reason, naming D's
+    answer. P's outcome must agree with D's: only these replies make it ok."""
+    if isinstance(reply, Ack):
+        detail = reply.detail
+        if detail in (AckDetail.FINISHED, AckDetail.ALREADY_FINISHED) or is_tally(detail):
+            return ""
+        return f"D did not take the DONE: it answered {detail!r}"[:500]
+    return f"D answered the DONE with {type(reply).__name__}"
 
 
 def same_token(presented: str, expected: str) -> bool:

@@ -14,7 +14,7 @@ import msgspec
 
 from ..errors import AiolayerError, ControlRejected
 from . import messages as m
-from .codes import NackCode, WireEnum
+from .codes import NackCode, WireEnum, tally_detail
 
 
 class IllegalTransition(AiolayerError):
@@ -131,7 +131,7 @@ class ReceiverTransfer(Transfer):
         return msgspec.structs.replace(msg, bytes=sum(word.bytes for word in self.heard.values())), False
 
     def tally(self) -> str:
-        return f"{len(self.heard)} of {self.senders} senders reported"
+        return tally_detail(len(self.heard), self.senders)
 
 
 class SenderTransfer(Transfer):

@@ -6,7 +6,9 @@ D applies each item as if it came alone and answers ``Replies`` in order, so wha
 not change: a transfer's outcome is published only once D acked ITS item.
 An item D left unanswered (a fault-injection hook dropped it), and every item when D does not know
 the batch (an older node answers ``Nack`` ``decode``: from then on that D gets them one by one) or
-finds it too big (``size``), is sent again alone, within the same deadline.
+finds it too big (``size``), is sent again alone, within the same deadline. A batch whose reply was
+lost is sent again whole (``call_with_retries``): D answers what it applied the first time
+"already finished", which P takes as its DONE taken (``messages.done_verdict``).
 The first DONE of a pass to a D waits one pass for others to join; alone, it goes as a plain
 ``Done`` from its own transfer's coroutine (no task, as before); with others, one task sends the
 batch, so that no answer depends on one transfer's coroutine (cancelled, it hands the rest on).

@@ -15,10 +15,12 @@ learn where to write any more). P answers ``Nack(settling)`` while a write may s
 again until ``fence_grace``, longer than a write can stay in flight. The fence always ends
 (whatever asking P does), and only then is the failure published and may the blocks be released.
 
-Settled transfers: the id and token of each settled transfer are kept for ``Timeouts.receive``
+Settled transfers: the id, token and ending of each settled transfer are kept for ``Timeouts.receive``
 seconds (at most ``MAX_SETTLED`` of them), even once the entry is forgotten. A late or retried
-DONE/FAILED for one is answered "already settled" (never kept as an early word that a later
-registration would take for its own), and the id cannot be registered again meanwhile.
+DONE/FAILED for one is answered "already finished" or "already failed" (never kept as an early word
+that a later registration would take for its own): what D answers a DONE is P's verdict on it
+(``messages.done_verdict``), also for a retry whose first reply was lost. The id cannot be
+registered again meanwhile.
 
 Authentication: each registration holds the transfer's token; DONE, FAILED, an abort request, a
 lookup or a layout request must present it (``authorize``). Refusals raise ``ControlRejected``
@@ -86,8 +88,8 @@ class Receiver:
         # (transfer id, token, sender) -> (DONE/FAILED, expiry): keyed by token too, so a stranger's
         # early DONE cannot take the place of the real one, and by sender, so k senders are all kept
         self._early: dict[tuple[str, str, str], tuple[m.Message, float]] = {}
-        # transfer id -> (token, expiry) of settled transfers, oldest first (same lifetime for each)
-        self._settled: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
+        # transfer id -> (token, expiry, finished) of settled transfers, oldest first (same lifetime for each)
+        self._settled: collections.OrderedDict[str, tuple[str, float, bool]] = collections.OrderedDict()
         self._on_outcome: Callable[[], None] | None = None
         self._results: collections.deque[Received] = collections.deque()
         self._spawn = None
@@ -121,7 +123,7 @@ class Receiver:
         check_senders(transfer_id, senders)
         if transfer_id in self._entries:
             raise ControlRejected(NackCode.DUPLICATE, f"transfer {transfer_id} is already registered")
-        if self._settled_token(transfer_id) is not None:
+        if self._settled_word(transfer_id) is not None:
             raise ControlRejected(NackCode.SETTLED,
                                   f"transfer {transfer_id} already settled; a new transfer needs a new id")
         entry = _Entry(transfer_id, token, block_ids, on_release, first_block, senders)
@@ -172,23 +174,24 @@ class Receiver:
         """Apply a Done or Failed from P; always returns the reply to send."""
         tid = msg.transfer_id
         if tid not in self._entries:
-            settled = self._settled_token(tid)
+            settled = self._settled_word(tid)
             if settled is None:
                 self._keep_early(msg)
                 return m.Ack(detail=AckDetail.KEPT)
-            if not m.same_token(msg.token, settled):
+            if not m.same_token(msg.token, settled[0]):
                 log.info("transfer %s: late %s refused: wrong token", tid, type(msg).__name__)
                 raise ControlRejected(NackCode.AUTH, f"{type(msg).__name__}: no transfer {tid} with this token")
             self.duplicates += 1   # a retry whose first delivery settled it, or a word after the deadline
-            return m.Ack(detail=AckDetail.ALREADY_SETTLED)
+            return _already(settled[1])
         entry = self.authorize(tid, msg.token, type(msg).__name__)
         entry.writers.admit(tid, msg.sender)   # a writer beyond the registered ones: refused
         entry.writers.mark_quiet(msg.sender)   # P says DONE/FAILED only once its writes are quiet
         if entry.state.senders > 1:
             msg, repeated = entry.state.gather(tid, msg)
             self.duplicates += repeated
-            if msg is None:
-                return m.Ack(detail=entry.state.tally())
+            if msg is None:   # counted; while D gives the transfer up, that is no acceptance
+                aborting = entry.state.state is State.ABORTING
+                return m.Ack(detail=State.ABORTING.value if aborting else entry.state.tally())
         event = Event.DONE if isinstance(msg, m.Done) else Event.FAILED
         reason = "" if event is Event.DONE else f"P reported: {msg.reason}"
         if entry.state.state is State.ABORTING:
@@ -199,7 +202,7 @@ class Receiver:
             raise ControlRejected(NackCode.STATE, str(exc)) from None
         if not changed:
             self.duplicates += 1
-            return m.Ack(detail=f"already {entry.state.state.value}")
+            return _already(entry.state.state is State.FINISHED)
         if event is Event.DONE:
             self.bytes_received += msg.bytes
         self._settle(entry)
@@ -336,14 +339,16 @@ class Receiver:
     def _remember_settled(self, entry: _Entry) -> None:
         self._prune_settled(now := time.monotonic())
         self._settled.pop(entry.transfer_id, None)
-        self._settled[entry.transfer_id] = (entry.token, now + self.timeouts.receive)
+        finished = entry.state.state is State.FINISHED
+        self._settled[entry.transfer_id] = (entry.token, now + self.timeouts.receive, finished)
         while len(self._settled) > MAX_SETTLED:
             self._settled.popitem(last=False)
 
-    def _settled_token(self, transfer_id: str) -> str | None:
-        """The token of a transfer settled within ``Timeouts.receive`` (and no longer registered)."""
+    def _settled_word(self, transfer_id: str) -> tuple[str, bool] | None:
+        """(token, finished) of a transfer settled within ``Timeouts.receive`` (and no longer registered)."""
         self._prune_settled(time.monotonic())
-        return self._settled.get(transfer_id, (None,))[0]
+        settled = self._settled.get(transfer_id)
+        return None if settled is None else (settled[0], settled[2])
 
     def _prune_settled(self, now: float) -> None:
         while self._settled and next(iter(self._settled.values()))[1] < now:
@@ -400,3 +405,8 @@ class Receiver:
         if entry.state.state is State.ABORTING:
             entry.state.apply(Event.FENCED)
             self._settle(entry)
+
+
+def _already(finished: bool) -> m.Ack:
+    """The reply to a repeated or late word: how the transfer ended (P's verdict on a retried DONE)."""
+    return m.Ack(detail=AckDetail.ALREADY_FINISHED if finished else AckDetail.ALREADY_FAILED)

@@ -3,6 +3,10 @@
 The loop appends; any thread pops. Deque appends and pops are atomic under the GIL, and each
 item is a finished value (an ``Outcome`` or an id), so a reader never sees one half-made.
 
+A ``wait`` and a ``pop_outcomes`` on two threads: the loop answers an outcome's waiter BEFORE the
+outcome can be popped, and popping forgets only a slot that is answered, so a pop in between never
+takes the slot from under its waiter (the waiter would sleep to its timeout, the outcome published).
+
 What the loop publishes is staged and made visible together once per pass of the loop (a
 ``call_soon``): ``on_change`` (the runtime's metrics snapshot) runs once for all of them, not once
 per outcome and once per release.
@@ -70,8 +74,8 @@ class Results:
             self.on_change()
         for kind, item in staged:
             if kind == "publish":
+                self._answer(item)            # first: once appended, another thread may pop it
                 self.outcomes.append(item)
-                self._answer(item)
             elif kind == "resolve":
                 self._answer(item)
             else:
@@ -95,7 +99,9 @@ class Results:
     def pop_outcomes(self) -> list[Outcome]:
         outcomes = _drain(self.outcomes)
         for outcome in outcomes:
-            self.waiters.pop(outcome.transfer_id, None)
+            fut = self.waiters.get(outcome.transfer_id)
+            if fut is not None and fut.done():   # never a slot whose waiter is not answered yet
+                self.waiters.pop(outcome.transfer_id, None)
         return outcomes
 
     def pop_released(self) -> list[str]:

@@ -4,7 +4,8 @@ The forward thread calls ``begin_step``, ``layer_ready`` and ``end_step``; each 
 bridge. On the loop, every request of a step gets one coroutine that awaits D's layout, then for
 each layer awaits its device event and submits that layer's K and V runs. After the last layer it
 waits for every write to settle and tells D: DONE (those of one loop pass to one D in one frame,
-``done_batch``), or FAILED with the reason.
+``done_batch``), or FAILED with the reason. A DONE's outcome is D's verdict on it: ok only when D
+answered that it took the transfer as written (``messages.done_verdict``), so P and D agree.
 
 Fencing: a transfer id appears in ``pop_released`` only once no write reading its source blocks
 can still be in flight. Usually that is when its outcome is published; after a write timed out
@@ -300,7 +301,8 @@ class Sender:
 
     @guarded
     async def _finish(self, req: Request, reason: str, settled: float | None) -> None:
-        """Success: DONE acknowledged by D, then the outcome. Failure: the outcome at once, then
+        """Success: DONE answered by D, then the outcome: ok only when D took the transfer as written
+        (``done_verdict``), else failed with what D said. Failure: the outcome at once, then
         FAILED to D once our writes are quiet, so D may reuse its blocks when it reads it; never
         while one may still land (D's own deadline and fence take over then)."""
         spec = req.spec
@@ -331,21 +333,21 @@ class Sender:
         msg = m.Done(transfer_id=spec.transfer_id, sender=self.engine_id, incarnation=spec.dst_incarnation,
                      layers=len(req.timings), bytes=req.bytes, token=spec.token, check=check)
         try:
-            await self._tell_d(spec, msg)
+            reply = await self._tell_d(spec, msg)
         except DeliveryFailed as exc:
             self._publish(req, f"DONE not delivered: {exc}", settled)
             return
-        self._publish(req, "", settled)
+        self._publish(req, m.done_verdict(reply), settled)
 
-    async def _tell_d(self, spec: TransferSpec, msg: m.Message) -> None:
-        """Deliver DONE/FAILED with bounded retries; ``DeliveryFailed`` (logged) when D did not take it."""
+    async def _tell_d(self, spec: TransferSpec, msg: m.Message) -> m.Message:
+        """Deliver DONE/FAILED with bounded retries: D's reply; ``DeliveryFailed`` (logged) when D did
+        not take it."""
         try:
             with map_errors(DeliveryFailed):   # a bad endpoint too: D's own deadline takes over
                 if isinstance(msg, m.Done):
-                    await self.dones.deliver(spec.peer, msg)
-                    return
+                    return await self.dones.deliver(spec.peer, msg)
                 client = await self.peers.get(spec.peer)
-                await client.call_with_retries(msg, self.timeouts.done_delivery)
+                return await client.call_with_retries(msg, self.timeouts.done_delivery)
         except DeliveryFailed as exc:
             log.warning("transfer %s: could not tell D %s: %s", spec.transfer_id, type(msg).__name__, exc.cause)
             raise
@@ -396,16 +398,18 @@ class Sender:
     @guarded
     async def _release_when_quiet(self, req: Request, pending: list[asyncio.Future]) -> None:
         """Hold the source blocks (and the transfer live: abort answers ``settling``) until the
-        backend saw every write that may still land end."""
-        limit = self.timeouts.quarantine
-        _, still = await asyncio.wait(pending, timeout=limit)
-        if still:
-            # Never hand back memory a write may still read: these blocks stay held, loudly, until the
-            # backend sees those writes end (Mooncake drains refused writes to one peer at ~5 per second).
-            self.fence_timeouts += 1
-            log.error("transfer %s: %d writes still unresolved after %gs; its source blocks stay held",
-                      req.spec.transfer_id, len(still), limit)
-            await asyncio.wait(still)
+        backend saw every write that may still land end. ``pending`` is the transfer's own list, read
+        again after each wait: a write that ends late may name runs that may still land."""
+        limit, late = self.timeouts.quarantine, False
+        while still := [f for f in pending if not f.done()]:
+            _, left = await asyncio.wait(still, timeout=None if late else limit)
+            if left and not late:
+                # Never hand back memory a write may still read: these blocks stay held, loudly, until the
+                # backend sees those writes end (Mooncake drains refused writes to one peer at ~5 per second).
+                late = True
+                self.fence_timeouts += 1
+                log.error("transfer %s: %d writes still unresolved after %gs; its source blocks stay held",
+                          req.spec.transfer_id, len(left), limit)
         if any(f.cancelled() for f in pending):   # the backend closed: nobody knows, keep them held
             log.error("transfer %s: backend closed with writes unresolved; source kept held", req.spec.transfer_id)
             return

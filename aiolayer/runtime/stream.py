@@ -14,8 +14,10 @@ addresses are computed in one numpy pass per transfer (``LayerPlan``), a layer a
 taken without setting up a timeout, and a failure is seen through a list, not by walking the writes.
 With a backend that has ``start_write`` (Mooncake), the layers that are ready together (queued
 before the loop came to them, or held for bulk) go as ONE write started with no task; a failure
-of it is reported as its first layer's. Each task, coroutine and future alive per write was also
-what the garbage collector walked: with every layer its own task, it took half the loop's CPU.
+of it is reported as its first layer's. It is in ``req.pending`` (the sender's fence) from its
+start, so that however the stream ends, its source is not reused while it may still land.
+Each task, coroutine and future alive per write was also what the garbage collector walked: with
+every layer its own task, it took half the loop's CPU.
 """
 
 from __future__ import annotations
@@ -97,54 +99,21 @@ class LayerStreamer:
         """Submit each layer as it arrives; returns when every write settled (perf_counter).
 
         Raises ``TransferStopped`` (``settled_s`` set) when the transfer stopped (abort, cancel), a
-        layer came late, or a write failed: the first of those, in that order (of writes: the
-        first submitted)."""
-        plan = LayerPlan(local, req.runs, req.spans, layout)
-        sink = _Sink(req, plan, layout)
-        held: list[tuple[int, float]] = []   # layers ready but not yet submitted
-        reason = ""
-        layerwise = req.spec.layerwise
-        each = layerwise and self._start is None   # no start_write: every layer its own write (task)
-        left = local.num_layers
-        async with compat.TaskGroup() as group:
-            while left:
-                try:
-                    # every layer handed over already, taken at once: a step's every transfer reads
-                    # every layer, and a coroutine or a full loop turn per layer showed in the profile
-                    items = req.take_layers(left)
-                    if not items:
-                        item = await self._next_layer(req)
-                        if item is None:
-                            reason = req.aborted
-                            break
-                        if sink.failed:
-                            break   # a write failed while we waited: submit no more layers
-                        items = [item]
-                    for layer, event, handed in items:
-                        if not event.query():
-                            if held and layerwise:   # what is ready goes before we wait
-                                self._submit(group, sink, held)
-                            await wait_event(event, self.timeouts.layer_event)
-                            if req.aborted or sink.failed:
-                                break
-                        held.append((layer, handed))
-                        left -= 1
-                        if each:
-                            self._submit(group, sink, held)
-                except DeadlineExceeded as exc:   # first: it is a TimeoutError too (wait_event's layer_event)
-                    self.deadlines[exc.phase] += 1
-                    reason = str(exc)
-                    break
-                except TimeoutError:
-                    self.deadlines["layer_gap"] += 1
-                    reason = f"layer_gap: no next layer within {self.timeouts.layer_gap:g}s"
-                    break
-                if req.aborted or sink.failed:
-                    break  # stopped, or a write failed already: submit no more layers
-                # with start_write, the layers ready together go as one write once no more is ready
-                if held and (not left or (layerwise and not req.layer_ready)):
-                    self._submit(group, sink, held)
-            await sink.wait()
+        layer came late, a write failed, or one is still unresolved past its deadline: the first of
+        those, in that order (of writes: the first submitted). Whatever ends it (a bug, a device
+        event's ``query`` raising too), it returns or raises only once every write started with no
+        task settled or outlived its deadline (``_settle``); such a write is in ``req.pending``, which
+        the sender's fence waits for before the source may be reused or D told FAILED."""
+        sink = _Sink(req, LayerPlan(local, req.runs, req.spans, layout), layout)
+        cancelled, unresolved = False, ""
+        try:
+            reason = await self._layers(req, local.num_layers, sink)
+        except asyncio.CancelledError:
+            cancelled = True   # the runtime stops: no wait here, the fence holds what is in flight
+            raise
+        finally:
+            if not cancelled:
+                unresolved = await self._settle(sink)
         settled = time.perf_counter()
         if req.aborted or reason:
             raise TransferStopped(req.aborted or reason, settled)
@@ -152,7 +121,88 @@ class LayerStreamer:
             first = min(sink.failed, key=lambda f: f[0])[1]
             first.settled_s = settled
             raise first
+        if unresolved:
+            raise TransferStopped(unresolved, settled)
         return settled
+
+    async def _layers(self, req: Request, left: int, sink: "_Sink") -> str:
+        """Every layer into writes as it arrives; the reason the transfer stopped early, "" if not.
+
+        An error that is no stop (a bug, a device event's ``query`` raising) is raised only once
+        the TaskGroup ended: the writes already submitted run to their end, not cancelled (that
+        would not stop the bytes, only our knowledge of them)."""
+        error: Exception | None = None
+        async with compat.TaskGroup() as group:
+            try:
+                reason = await self._feed(req, left, sink, group)
+            except Exception as exc:  # noqa: BLE001 - raised below, once the writes ended
+                error = exc
+        if error is not None:
+            raise error
+        return reason
+
+    async def _feed(self, req: Request, left: int, sink: "_Sink", group) -> str:
+        held: list[tuple[int, float]] = []   # layers ready but not yet submitted
+        reason = ""
+        layerwise = req.spec.layerwise
+        each = layerwise and self._start is None   # no start_write: every layer its own write (task)
+        while left:
+            try:
+                # every layer handed over already, taken at once: a step's every transfer reads
+                # every layer, and a coroutine or a full loop turn per layer showed in the profile
+                items = req.take_layers(left)
+                if not items:
+                    item = await self._next_layer(req)
+                    if item is None:
+                        reason = req.aborted
+                        break
+                    if sink.failed:
+                        break   # a write failed while we waited: submit no more layers
+                    items = [item]
+                for layer, event, handed in items:
+                    if not event.query():
+                        if held and layerwise:   # what is ready goes before we wait
+                            self._submit(group, sink, held)
+                        await wait_event(event, self.timeouts.layer_event)
+                        if req.aborted or sink.failed:
+                            break
+                    held.append((layer, handed))
+                    left -= 1
+                    if each:
+                        self._submit(group, sink, held)
+            except DeadlineExceeded as exc:   # first: it is a TimeoutError too (wait_event's layer_event)
+                self.deadlines[exc.phase] += 1
+                reason = str(exc)
+                break
+            except TimeoutError:
+                self.deadlines["layer_gap"] += 1
+                reason = f"layer_gap: no next layer within {self.timeouts.layer_gap:g}s"
+                break
+            if req.aborted or sink.failed:
+                break  # stopped, or a write failed already: submit no more layers
+            # with start_write, the layers ready together go as one write once no more is ready
+            if held and (not left or (layerwise and not req.layer_ready)):
+                self._submit(group, sink, held)
+        return reason
+
+    async def _settle(self, sink: "_Sink") -> str:
+        """Wait for the writes started with no task, each of which the backend settles by its own
+        deadline (``layer_write`` from its start): at most ``layer_write`` + ``cleanup`` from now.
+        Those still in flight after that stay in ``req.pending`` and fail the transfer (the reason,
+        "" when none): a write that did not settle is no write that landed."""
+        req, t = sink.req, self.timeouts
+        if sink.count:
+            try:
+                async with compat.timeout(t.layer_write + t.cleanup):
+                    await sink.wait()
+            except TimeoutError:
+                self.deadlines["layer_write"] += 1
+                log.error("transfer %s: %d writes unresolved past their deadline; the fence holds its source",
+                          req.spec.transfer_id, sink.count)
+                return f"layer_write: {sink.count} writes unresolved {t.layer_write + t.cleanup:g}s after the last"
+        if sink.started:   # those that landed leave the fence's list: a done future holds nothing back
+            req.pending[:] = [f for f in req.pending if not f.done() or f.cancelled()]
+        return ""
 
     def _submit(self, group, sink: "_Sink", held: list[tuple[int, float]]) -> None:
         """The held layers into writes (one, with ``start_write``; else one task per layer); clears ``held``."""
@@ -224,15 +274,18 @@ class LayerStreamer:
 
 class _Sink:
     """One transfer's writes: their failures, in (submission order, failure) pairs as they end, and
-    the futures of those started with no task (``wait`` returns once every one settled)."""
+    the futures of those started with no task (``wait`` returns once every one settled). Each such
+    future is in ``req.pending`` from its start: the sender's fence never releases the source, nor
+    tells D FAILED, while one may still land, however the stream ended."""
 
-    __slots__ = ("req", "plan", "layout", "failed", "order", "count", "waiter")
+    __slots__ = ("req", "plan", "layout", "failed", "order", "count", "started", "waiter")
 
     def __init__(self, req: Request, plan: LayerPlan, layout) -> None:
         self.req, self.plan, self.layout = req, plan, layout
         self.failed: list[tuple[int, LayerWriteFailed]] = []
         self.order = 0   # writes submitted so far
         self.count = 0   # task-less writes not settled yet
+        self.started = 0   # task-less writes started
         self.waiter: asyncio.Future | None = None
 
     def landed(self, layers: list[tuple[int, float]], submitted: float, nbytes: int) -> None:
@@ -242,6 +295,8 @@ class _Sink:
 
     def add(self, settled: asyncio.Future, landed: "_Landed") -> None:
         self.count += 1
+        self.started += 1
+        self.req.pending.append(settled)
         settled.add_done_callback(landed)
 
     def one_done(self) -> None:
