@@ -20,7 +20,7 @@ import asyncio
 import logging
 
 from ..config import Timeouts
-from ..errors import ControlError, ControlRejected, ControlTimeout, ProtocolError
+from ..errors import ControlError, ControlRejected, ControlTimeout, DeliveryFailed, ProtocolError, map_errors
 from ..protocol import messages as m
 from ..protocol.codes import NackCode
 from .control import ControlPeers
@@ -39,6 +39,19 @@ class DoneBatcher:
         self._singles: set[str] = set()                 # Ds that answered a batch Nack(decode): one by one
         self.batches = 0                                # frames that carried more than one DONE
         self.batched = 0                                # DONEs those frames carried
+
+    async def tell(self, spec, msg: m.Done | m.Failed) -> m.Message:
+        """Deliver a transfer's DONE (batched) or FAILED to its D with bounded retries: D's reply;
+        ``DeliveryFailed`` (logged) when D did not take it (D's own deadline and fence take over)."""
+        try:
+            with map_errors(DeliveryFailed):   # a bad endpoint too
+                if isinstance(msg, m.Done):
+                    return await self.deliver(spec.peer, msg)
+                client = await self.peers.get(spec.peer)
+                return await client.call_with_retries(msg, self.timeouts.done_delivery)
+        except DeliveryFailed as exc:
+            log.warning("transfer %s: could not tell D %s: %s", spec.transfer_id, type(msg).__name__, exc.cause)
+            raise
 
     async def deliver(self, endpoint: str, done: m.Done) -> m.Message:
         """D's reply to this DONE; raises as ``ControlClient.call_with_retries`` would (a Nack:

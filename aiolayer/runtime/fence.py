@@ -139,6 +139,21 @@ class EarlyAborts:
         return expiry is not None and expiry > now
 
 
+async def until_writes_end(pending: list[asyncio.Future], limit: float, late) -> bool:
+    """Until every write in ``pending`` ended (P's source fence); ``late(count)`` once, if some outlive
+    ``limit``: the wait goes on regardless, since memory a write may still read is never handed back
+    (Mooncake drains refused writes to one peer at ~5 per second). ``pending`` is the transfer's own
+    list, read again after each wait: a write that ends late may name runs that may still land.
+    False when a write was cancelled (the backend closed: nobody knows whether it landed)."""
+    warned = False
+    while still := [f for f in pending if not f.done()]:
+        _, left = await asyncio.wait(still, timeout=None if warned else limit)
+        if left and not warned:
+            warned = True
+            late(len(left))
+    return not any(f.cancelled() for f in pending)
+
+
 def guarded(method):
     """For a per-transfer coroutine ``method(self, req, ...)``: any error ends that transfer as a
     failure (``self._fail_after_bug``) instead of reaching the runtime's TaskGroup, where it would

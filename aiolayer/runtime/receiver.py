@@ -16,7 +16,7 @@ again until ``fence_grace``, longer than a write can stay in flight. The fence a
 (whatever asking P does), and only then is the failure published and may the blocks be released.
 
 Settled transfers: the id, token and ending of each settled transfer are kept for ``Timeouts.receive``
-seconds (at most ``MAX_SETTLED`` of them), even once the entry is forgotten. A late or retried
+seconds (at most ``settled.MAX_SETTLED`` of them), even once the entry is forgotten. A late or retried
 DONE/FAILED for one is answered "already finished" or "already failed" (never kept as an early word
 that a later registration would take for its own): what D answers a DONE is P's verdict on it
 (``messages.done_verdict``), also for a retry whose first reply was lost. The id cannot be
@@ -44,12 +44,12 @@ from ..protocol import messages as m
 from ..protocol.checks import check_senders, check_token
 from ..protocol.codes import AckDetail, NackCode
 from ..protocol.state import Event, IllegalTransition, State, receiver_transfer
+from .settled import SettledTable
 from .writers import StopSender, Writers, ask_until_quiet
 
 log = logging.getLogger(__name__)
 
 MAX_EARLY = 4096          # DONE/FAILED kept for unregistered transfers: a stranger cannot grow it further
-MAX_SETTLED = 16384       # settled ids remembered: the oldest go first beyond this
 
 
 class Received(msgspec.Struct, kw_only=True):
@@ -88,8 +88,7 @@ class Receiver:
         # (transfer id, token, sender) -> (DONE/FAILED, expiry): keyed by token too, so a stranger's
         # early DONE cannot take the place of the real one, and by sender, so k senders are all kept
         self._early: dict[tuple[str, str, str], tuple[m.Message, float]] = {}
-        # transfer id -> (token, expiry, finished) of settled transfers, oldest first (same lifetime for each)
-        self._settled: collections.OrderedDict[str, tuple[str, float, bool]] = collections.OrderedDict()
+        self._settled = SettledTable(timeouts.receive)   # their late words and their ids are refused
         self._on_outcome: Callable[[], None] | None = None
         self._results: collections.deque[Received] = collections.deque()
         self._spawn = None
@@ -123,7 +122,7 @@ class Receiver:
         check_senders(transfer_id, senders)
         if transfer_id in self._entries:
             raise ControlRejected(NackCode.DUPLICATE, f"transfer {transfer_id} is already registered")
-        if self._settled_word(transfer_id) is not None:
+        if self._settled.word(transfer_id) is not None:
             raise ControlRejected(NackCode.SETTLED,
                                   f"transfer {transfer_id} already settled; a new transfer needs a new id")
         entry = _Entry(transfer_id, token, block_ids, on_release, first_block, senders)
@@ -174,7 +173,7 @@ class Receiver:
         """Apply a Done or Failed from P; always returns the reply to send."""
         tid = msg.transfer_id
         if tid not in self._entries:
-            settled = self._settled_word(tid)
+            settled = self._settled.word(tid)
             if settled is None:
                 self._keep_early(msg)
                 return m.Ack(detail=AckDetail.KEPT)
@@ -254,7 +253,7 @@ class Receiver:
         if not entry.state.terminal:
             raise ControlRejected(NackCode.BUSY, f"transfer {transfer_id} is still {entry.state.state.value}")
         del self._entries[transfer_id]
-        self._remember_settled(entry)   # from now on: its late words, and its id, are refused
+        self._remember_settled(entry)
         if entry.on_release is not None:
             entry.on_release(entry.block_ids)
         return True
@@ -337,22 +336,8 @@ class Receiver:
             self._entries.pop(entry.transfer_id, None)
 
     def _remember_settled(self, entry: _Entry) -> None:
-        self._prune_settled(now := time.monotonic())
-        self._settled.pop(entry.transfer_id, None)
-        finished = entry.state.state is State.FINISHED
-        self._settled[entry.transfer_id] = (entry.token, now + self.timeouts.receive, finished)
-        while len(self._settled) > MAX_SETTLED:
-            self._settled.popitem(last=False)
-
-    def _settled_word(self, transfer_id: str) -> tuple[str, bool] | None:
-        """(token, finished) of a transfer settled within ``Timeouts.receive`` (and no longer registered)."""
-        self._prune_settled(time.monotonic())
-        settled = self._settled.get(transfer_id)
-        return None if settled is None else (settled[0], settled[2])
-
-    def _prune_settled(self, now: float) -> None:
-        while self._settled and next(iter(self._settled.values()))[1] < now:
-            self._settled.popitem(last=False)
+        """From now on its late words are answered from the table, and its id cannot come back."""
+        self._settled.remember(entry.transfer_id, entry.token, entry.state.state is State.FINISHED)
 
     def _expire(self, transfer_id: str) -> None:
         entry = self._entries.get(transfer_id)

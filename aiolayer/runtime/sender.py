@@ -35,7 +35,7 @@ from typing import Callable
 import numpy as np
 
 from ..config import Timeouts
-from ..errors import AiolayerError, ControlRejected, DeliveryFailed, RuntimeStateError, TransferStopped, map_errors
+from ..errors import AiolayerError, ControlRejected, DeliveryFailed, RuntimeStateError, TransferStopped
 from ..protocol import messages as m
 from ..protocol.codes import AckDetail, NackCode
 from ..protocol.plan import HeadGeometry, check_block_bounds, check_geometry, merge_runs
@@ -45,7 +45,7 @@ from .bridge import LayerBridge
 from .control import ControlPeers
 from .done_batch import DoneBatcher
 from .events import record_event
-from .fence import MAX_EARLY_ABORTS, EarlyAborts, Request, StepLayers, guarded
+from .fence import MAX_EARLY_ABORTS, EarlyAborts, Request, StepLayers, guarded, until_writes_end
 from .integrity import sample_check
 from .metadata import LayoutCache
 from .results import Results
@@ -321,7 +321,7 @@ class Sender:
                 return   # D asked us to stop: it learns we are quiet from its Abort's reply
             msg = m.Failed(transfer_id=spec.transfer_id, sender=self.engine_id, reason=reason[:500], token=spec.token)
             try:
-                await self._tell_d(spec, msg)
+                await self.dones.tell(spec, msg)
             except DeliveryFailed:
                 pass   # logged; D's own deadline and fence end the transfer there
             return
@@ -333,24 +333,11 @@ class Sender:
         msg = m.Done(transfer_id=spec.transfer_id, sender=self.engine_id, incarnation=spec.dst_incarnation,
                      layers=len(req.timings), bytes=req.bytes, token=spec.token, check=check)
         try:
-            reply = await self._tell_d(spec, msg)
+            reply = await self.dones.tell(spec, msg)
         except DeliveryFailed as exc:
             self._publish(req, f"DONE not delivered: {exc}", settled)
             return
         self._publish(req, m.done_verdict(reply), settled)
-
-    async def _tell_d(self, spec: TransferSpec, msg: m.Message) -> m.Message:
-        """Deliver DONE/FAILED with bounded retries: D's reply; ``DeliveryFailed`` (logged) when D did
-        not take it."""
-        try:
-            with map_errors(DeliveryFailed):   # a bad endpoint too: D's own deadline takes over
-                if isinstance(msg, m.Done):
-                    return await self.dones.deliver(spec.peer, msg)
-                client = await self.peers.get(spec.peer)
-                return await client.call_with_retries(msg, self.timeouts.done_delivery)
-        except DeliveryFailed as exc:
-            log.warning("transfer %s: could not tell D %s: %s", spec.transfer_id, type(msg).__name__, exc.cause)
-            raise
 
     def _publish(self, req: Request, reason: str, settled: float | None) -> None:
         if req.state.terminal:
@@ -398,22 +385,16 @@ class Sender:
     @guarded
     async def _release_when_quiet(self, req: Request, pending: list[asyncio.Future]) -> None:
         """Hold the source blocks (and the transfer live: abort answers ``settling``) until the
-        backend saw every write that may still land end. ``pending`` is the transfer's own list, read
-        again after each wait: a write that ends late may name runs that may still land."""
-        limit, late = self.timeouts.quarantine, False
-        while still := [f for f in pending if not f.done()]:
-            _, left = await asyncio.wait(still, timeout=None if late else limit)
-            if left and not late:
-                # Never hand back memory a write may still read: these blocks stay held, loudly, until the
-                # backend sees those writes end (Mooncake drains refused writes to one peer at ~5 per second).
-                late = True
-                self.fence_timeouts += 1
-                log.error("transfer %s: %d writes still unresolved after %gs; its source blocks stay held",
-                          req.spec.transfer_id, len(left), limit)
-        if any(f.cancelled() for f in pending):   # the backend closed: nobody knows, keep them held
+        backend saw every write that may still land end (``fence.until_writes_end``)."""
+        def late(count: int) -> None:
+            self.fence_timeouts += 1
+            log.error("transfer %s: %d writes still unresolved after %gs; its source blocks stay held",
+                      req.spec.transfer_id, count, self.timeouts.quarantine)
+
+        if await until_writes_end(pending, self.timeouts.quarantine, late):
+            self._release(req)
+        else:   # the backend closed: nobody knows, keep them held
             log.error("transfer %s: backend closed with writes unresolved; source kept held", req.spec.transfer_id)
-            return
-        self._release(req)
 
     def _fail_unstarted(self, reason: str) -> None:
         """The sender stops: every outcome not yet published fails. Live transfers stay live (not
