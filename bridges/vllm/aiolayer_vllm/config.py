@@ -12,8 +12,8 @@ sleep: 2 by default, vLLM's own is 1000; null leaves vLLM's; ``spin.py`` says wh
 (P: the share of transfers whose bytes D verifies end to end before it reports them, 0.01 by default, 0 =
 off; CPU engines only, where the KV is in host memory: ``aiolayer/runtime/integrity.py``).
 
-Test-only switches are not configuration: ``AIOLAYER_DEBUG_ZERO_RECEIVED=1`` in a D engine's
-environment zeroes the KV that arrived before D uses it (the end-to-end tests' negative control).
+Test-only switches are not configuration: ``AIOLAYER_DEBUG_ZERO_RECEIVED=1`` and
+``AIOLAYER_DEBUG_CORRUPT_RECEIVED=1`` in a D engine's environment (``debug.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from aiolayer.errors import ConfigError
 from aiolayer.transport import Transport
 
 DEBUG_ZERO_RECEIVED_ENV = "AIOLAYER_DEBUG_ZERO_RECEIVED"
+DEBUG_CORRUPT_RECEIVED_ENV = "AIOLAYER_DEBUG_CORRUPT_RECEIVED"
 DEFAULT_QUEUE_SPIN_MS = 2.0   # docs/vllm.md: a parked D's readers spin 1 s after each message otherwise
 
 
@@ -50,6 +51,7 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True):
     layerwise_min_tokens: int = 0
     queue_spin_s: float | None = DEFAULT_QUEUE_SPIN_MS / 1e3    # None: vLLM's own spin
     debug_zero_received: bool = False
+    debug_corrupt_received: bool = False
 
 
 def check_extra_config(extra: dict[str, Any] | None) -> None:
@@ -73,9 +75,14 @@ def from_extra_config(extra: dict[str, Any] | None, default_engine_id: str) -> B
         raise ConfigError(f"invalid aiolayer kv_connector_extra_config: {exc}") from None
     except ConfigError as exc:
         raise ConfigError(f"invalid aiolayer kv_connector_extra_config: {exc}") from None
-    zero = os.environ.get(DEBUG_ZERO_RECEIVED_ENV, "")
-    if zero not in ("", "0", "1"):
-        raise ConfigError(f"{DEBUG_ZERO_RECEIVED_ENV} must be 0 or 1, got {zero!r}")
     spin = None if user.queue_spin_ms is None else user.queue_spin_ms / 1e3
     return BridgeConfig(node=node, timeouts=user.timeouts, layerwise_min_tokens=user.layerwise_min_tokens,
-                        queue_spin_s=spin, debug_zero_received=zero == "1")
+                        queue_spin_s=spin, debug_zero_received=_switch(DEBUG_ZERO_RECEIVED_ENV),
+                        debug_corrupt_received=_switch(DEBUG_CORRUPT_RECEIVED_ENV))
+
+
+def _switch(name: str) -> bool:
+    value = os.environ.get(name, "")
+    if value not in ("", "0", "1"):
+        raise ConfigError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"

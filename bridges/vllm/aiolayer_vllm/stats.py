@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 # counted since the last report: summed across workers and intervals
 COUNTERS = ("bytes_sent", "bytes_received", "sends_finished", "sends_failed", "receives_finished",
-            "receives_failed", "control_rejected", "deadline_expiries")
+            "receives_failed", "control_rejected", "deadline_expiries", "integrity_verified", "integrity_mismatch")
 # levels: the worst across workers
 GAUGES = ("bridge_depth", "sending", "receiving", "writes_in_flight", "handoff_p99_s")
 
@@ -30,6 +30,8 @@ def totals(snap: dict) -> dict[str, float]:
         "receives_finished": transfers.get(("receive", "finished"), 0),
         "receives_failed": transfers.get(("receive", "failed"), 0),
         "control_rejected": sum(snap["rejected"].values()), "deadline_expiries": sum(snap["deadlines"].values()),
+        "integrity_verified": snap["integrity"].get("verified", 0),
+        "integrity_mismatch": snap["integrity"].get("mismatch", 0),
         "bridge_depth": snap["queues"]["bridge"], "sending": snap["queues"]["sending"],
         "receiving": snap["queues"]["receiving"], "writes_in_flight": snap["queues"]["writes_in_flight"],
         "handoff_p99_s": p99 if p99 != float("inf") else 1.0,   # beyond the last bucket: at least 1 s

@@ -19,8 +19,10 @@ import time
 import msgspec
 
 from aiolayer import ReceiveSpec, Registration, Runtime, Step, TransferSpec
+from aiolayer.runtime.hooks import install_hooks
 
 from .config import BridgeConfig
+from .debug import corrupter, zero_blocks
 from .identity import identity
 from .layout import describe
 from .metadata import AiolayerMetadata, RecvReq, SendReq
@@ -89,6 +91,8 @@ class WorkerSide:
                  "cache_tensor_dtype": str(next(iter(layout.views.values()))[0].dtype)}
         with unpinned():   # the loop and Mooncake's threads must not share the forward's pinned core
             runtime = Runtime(node, self.config.timeouts)
+            if self.config.debug_corrupt_received:
+                install_hooks(runtime, inbound_filter=corrupter(self._views, layout.names, self._blocks_of))
             runtime.set_identity(identity(topo, self.is_producer, self.is_consumer, facts))
             self.runtime = runtime.start()
         self.runtime.on_stop(self._close_on_loop)
@@ -118,6 +122,10 @@ class WorkerSide:
                 log.exception("transfer %s: abort not handed over", tid)
         if meta.sends:
             self._begin_sends(meta.sends)
+
+    def _blocks_of(self, transfer_id: str) -> list[int] | None:
+        owner = self._recv_of.get(transfer_id)
+        return None if owner is None else owner[1]
 
     def _rank_tid(self, transfer_id: str) -> str:
         return rank_transfer_id(transfer_id, self.topology.tp_rank, self.topology.tp_size)
@@ -352,15 +360,7 @@ class WorkerSide:
             self._load_errors.update(blocks)
             log.warning("aiolayer receive %s (request %s) failed: %s", tid, req_id, reason)
         elif self.config.debug_zero_received:
-            self._zero(blocks)
-
-    def _zero(self, blocks: list[int]) -> None:
-        import torch
-
-        idx = torch.as_tensor(blocks, dtype=torch.int64)
-        for planes in self._views.values():
-            for plane in planes:
-                plane.index_fill_(0, idx, 0)
+            zero_blocks(self._views, blocks)
 
     def stats(self) -> AiolayerStats | None:
         """What changed since the last report (None: nothing), read without waiting for the loop.
