@@ -19,7 +19,7 @@ import time
 import msgspec
 
 from aiolayer import ReceiveSpec, Registration, Runtime, Step, TransferSpec
-from aiolayer.runtime.hooks import install_hooks
+from aiolayer.faults import install_hooks
 
 from .config import BridgeConfig
 from .debug import corrupter, zero_blocks
