@@ -127,8 +127,12 @@ class Pool:
                 return f"HTTP /health failed: {type(exc).__name__}: {exc}"
             return "" if reply.status_code == 200 else f"HTTP /health answered {reply.status_code}"
 
-        checks = [http()] if peers is None else [http(), recheck(backend, peers, self.control_timeout_s, self.model)]
-        problem = "; ".join(p for p in await asyncio.gather(*checks) if p)
+        # HTTP first: a dead engine refuses its connection at once and leaves rotation within the probe's
+        # timeout, while its control socket (ZMQ retries quietly) would hold the verdict for the whole
+        # control timeout
+        problem = await http()
+        if not problem and peers is not None:
+            problem = await recheck(backend, peers, self.control_timeout_s, self.model)
         if problem != backend.problem:
             if problem:
                 log.warning("%s is out of rotation: %s", backend.name, problem)
