@@ -193,6 +193,7 @@ class Exchange:
                     await asyncio.wait({self.d_task, self.p_task} if not self.p_task.done() else {self.d_task},
                                        return_when=asyncio.FIRST_COMPLETED)
                     self.raise_if_prefill_failed()
+                await self.prefill_failure_first()
                 self.d_response = self.d_task.result()
         except TimeoutError:
             raise ExchangeError(504, "decode_timeout", f"D did not answer within {t.request_s:g}s") from None
@@ -200,6 +201,13 @@ class Exchange:
             raise ExchangeError(502, "decode_error", f"D failed: {type(exc).__name__}: {exc}") from None
         self.stamp("d_answered")
         return self.d_response
+
+    async def prefill_failure_first(self) -> None:
+        """Once P failed and we told D to abort, what D answers next (a failed request: D frees a
+        transfer no P rank reached at once) is that abort's echo: the client gets P's error, the cause."""
+        if self.aborted_d and self.p_task is not None:
+            await asyncio.wait({self.p_task}, timeout=self.state.timeouts.abort_s)
+            self.raise_if_prefill_failed()
 
     def raise_if_prefill_failed(self) -> None:
         """P's failure (an ``ExchangeError``; D was told to abort already), once P's call ended with one."""
@@ -221,6 +229,7 @@ class Exchange:
                 nxt.cancel()
                 await asyncio.gather(nxt, return_exceptions=True)
                 raise
+            await self.prefill_failure_first()
             try:
                 chunk = nxt.result()
             except StopAsyncIteration:
