@@ -24,6 +24,7 @@ from aiolayer.runtime.events import READY
 
 from helpers_node import SMALL_SHAPE
 from helpers_step import d_state
+from test_regressions_sender import released_within
 
 pytestmark = pytest.mark.timeout(60)
 LAND_S = 1.0
@@ -50,15 +51,6 @@ class BrokenEvent:
         if self.asked > 1:
             raise RuntimeError("device event query failed")
         return False
-
-
-def _released_at(p: Runtime, tid: str, limit: float) -> float | None:
-    end = time.monotonic() + limit
-    while time.monotonic() < end:
-        if tid in p.sender.pop_released():
-            return time.perf_counter()
-        time.sleep(0.01)
-    return None
 
 
 def _state_within(p: Runtime, d_control: str, tid: str, want: str, limit: float) -> str:
@@ -97,12 +89,12 @@ def test_an_event_that_raises_keeps_the_source_until_the_started_write_landed(me
         monkeypatch.setattr(sender_module, "record_event", lambda: next(events))
         d.runtime.backend.faults.delay_s = LAND_S
         t0 = _step(p, d.control_endpoint, "sf")
-        early = _released_at(p, "sf", LAND_S / 2)
+        early = released_within(p, "sf", LAND_S / 2)
         assert early is None, f"source released {early - t0:.2f}s in, the write lands at {LAND_S}s"
         assert d_state(p, d.control_endpoint, "sf") == "registered", "D told FAILED before the write landed"
         outcome = p.sender.wait("sf", 5)
         assert not outcome.ok and "device event query failed" in outcome.reason, outcome.reason
-        released = _released_at(p, "sf", 5)
+        released = released_within(p, "sf", 5)
         assert released is not None and released - t0 >= LAND_S * 0.9, "source released before the write landed"
         assert _state_within(p, d.control_endpoint, "sf", "failed", 5) == "failed"   # told once quiet
         verify = p.request(d.control_endpoint, m.VerifyRequest(transfer_id="sf"), timeout=5)
@@ -126,7 +118,7 @@ def test_a_started_write_past_its_deadline_fails_the_transfer_and_holds_the_sour
         assert not outcome.ok and "unresolved" in outcome.reason, outcome.reason
         assert not outcome.source_released and p.sender.deadlines["layer_write"] >= 1
         assert d_state(p, d.control_endpoint, "ov") == "registered"   # no DONE, and no FAILED yet
-        released = _released_at(p, "ov", 5)
+        released = released_within(p, "ov", 5)
         assert released is not None and released - t0 >= LAND_S * 0.9, "source released before the writes ended"
         assert _state_within(p, d.control_endpoint, "ov", "failed", 5) == "failed"
     finally:
