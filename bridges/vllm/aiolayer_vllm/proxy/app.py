@@ -126,6 +126,9 @@ class ProxyState:
                     await exchange.abort_decode(outcome)
                 return None
             content = await d_resp.aread()
+            if d_resp.status_code >= 500:   # D failed (e.g. its KV never arrived): a backend's failure
+                raise ExchangeError(502, "decode_error", f"D failed the request: HTTP {d_resp.status_code}: "
+                                    f"{content[:300].decode(errors='replace')}")
             if d_resp.status_code == 200:
                 exchange.outcome = "ok"
             self.outcomes["ok" if d_resp.status_code == 200 else "decode_http_error"] += 1
