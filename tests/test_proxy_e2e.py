@@ -160,10 +160,14 @@ def test_killed_prefill_fails_in_flight_requests_visibly_and_d_frees_its_kv():
             while ((kv_cache_usage(d) or 0) > 0 or _running(d) > 0) and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert (kv_cache_usage(d) or 0) == 0 and _running(d) == 0, "D kept KV of requests whose P died"
-            # the health check takes the dead P out: the proxy now refuses at once
-            time.sleep(1.5)
-            r = httpx.post(proxy.url + "/v1/completions", timeout=10,
-                           json={"model": p.served_model, "prompt": "x", "max_tokens": 2})
-            assert r.status_code == 503 and r.json()["error"]["type"] == "no_backend"
+            # the health check (every 2 s, 1 s probe) takes the dead P out: the proxy then refuses at once
+            deadline = time.monotonic() + 10
+            while True:
+                r = httpx.post(proxy.url + "/v1/completions", timeout=10,
+                               json={"model": p.served_model, "prompt": "x", "max_tokens": 2})
+                if r.status_code == 503 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            assert r.status_code == 503 and r.json()["error"]["type"] == "no_backend", r.text
         finally:
             proxy.stop()
