@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 from pathlib import Path
@@ -27,8 +28,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> int:
-    """A base port with ``count`` free ports from it on (the connector's per-rank rule: base + rank)."""
+    """A base port with ``count`` free ports from it on (the connector's per-rank rule: base + rank).
+
+    Taken below the kernel's ephemeral range: a server restarted on its port (a test restarting an engine)
+    must find it free, and a port inside that range can meanwhile be any outgoing connection's local port."""
     def free(port: int) -> bool:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
@@ -37,9 +48,11 @@ def free_ports(count: int, host: str = "127.0.0.1") -> int:
                 return False
         return True
 
-    for _ in range(50):
-        base = free_port(host)
-        if base + count < 65536 and all(free(base + i) for i in range(1, count)):
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(max(1024, low - 12000), low - count)
+        if all(free(base + i) for i in range(count)):
             return base
     raise RuntimeError(f"no {count} consecutive free ports")
 
