@@ -29,7 +29,7 @@ pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
 from e2e.pd import ProxyProcess, connector  # noqa: E402
 from e2e.procs import free_ports  # noqa: E402
-from e2e.servers import VllmServer, acompletion, completion, running, scrape_metrics  # noqa: E402
+from e2e.servers import VllmServer, acompletion, completion, running, scrape_metrics, unconfirmed_releases  # noqa: E402
 from e2e.tiny_model import LLAMA_GQA, SAMPLE_PROMPTS, long_prompt, tiny_model_dir  # noqa: E402
 from helpers_node import MC_ENV  # noqa: E402
 
@@ -79,6 +79,7 @@ def _through_proxy(p: VllmServer, p_port: int, d: VllmServer, d_port: int) -> No
             assert proxied == alone, (prompt[:40], proxied, alone, proxy.log_text()[-1500:])
     sent1, got1 = _moved(p, d)
     assert sent1 > sent0 and got1 > got0, (sent0, sent1, got0, got1)
+    assert unconfirmed_releases(p) == unconfirmed_releases(d) == 0   # every release on its writers' word
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +133,4 @@ def test_p_and_d_with_two_data_parallel_ranks_each_through_the_proxy():
                 break
             time.sleep(0.2)
         assert all(len(r) == 2 for r in moved.values()), ("both DP ranks of P and of D should have moved KV", moved)
+        assert unconfirmed_releases(p) == unconfirmed_releases(d) == 0   # every release on its writers' word

@@ -39,7 +39,7 @@ pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 from e2e.pd import ProxyProcess, connector  # noqa: E402
 from e2e.procs import free_port, free_ports  # noqa: E402
 from e2e.servers import (VllmServer, acompletion, completion, kv_cache_usage, metric_value, running,  # noqa: E402
-                         scrape_metrics)
+                         scrape_metrics, unconfirmed_releases)
 from e2e.tiny_model import LLAMA_GQA, SAMPLE_PROMPTS, long_prompt, tiny_model_dir  # noqa: E402
 from helpers_node import MC_ENV  # noqa: E402
 from helpers_relay import Freezer, Relay, bytes_received, worker_ports  # noqa: E402
@@ -145,6 +145,7 @@ def test_prefill_with_two_dp_ranks_equals_the_aggregated_engine_and_both_ranks_s
           f"{_per_rank(p, 'vllm:prompt_tokens_total')}")
     assert both_sent(), ("both P ranks should have written KV into D", sent0, sent)
     assert _per_rank(p, "vllm:aiolayer_sends_failed_total") == {r: 0.0 for r in RANKS}
+    assert unconfirmed_releases(p) == unconfirmed_releases(d1) == 0
 
 
 # ------------------------------------------------------------------ a transfer stalled on one P rank
@@ -362,3 +363,6 @@ def test_a_transfer_stalled_on_one_p_rank_stalls_neither_rank_and_fails_visibly(
     again = _send_when_healthy(c, SAMPLE_PROMPTS[5])   # 503 until proxy B's health check sees D2 again
     assert again["status"] == 200 and again["tokens"] == _alone(d1, [SAMPLE_PROMPTS[5]])[0], again
     assert "aiolayer_proxy_pending_transfers 0" in c["b"].metrics()
+    # every release on the writer's word: P's rank 1 saw its timed-out writes end before it reported, D2's
+    # fence heard P's rank 1 say it stopped (not the grace alone), so nothing could land in freed blocks
+    assert {s.name: unconfirmed_releases(s) for s in (p, d1, d2)} == {s.name: 0.0 for s in (p, d1, d2)}

@@ -124,3 +124,22 @@ def test_two_writers_each_confirming_ends_the_fence_without_the_grace(memory_run
                                                       control=p.control_endpoint, incarnation=p.incarnation))
     a.request(d.control_endpoint, m.AbortRequest(transfer_id="2w", reason="client gone", token=rep.token))
     assert wait_state(a, d.control_endpoint, "2w", "failed", limit=5) < 5
+    assert d.runtime.receiver.fences_unconfirmed == 0
+
+
+def test_a_fence_that_ends_on_the_grace_alone_is_counted(memory_runtime, memory_decode_node):
+    """A writer that reached the transfer and then went away can never say it stopped: D frees the blocks
+    on ``fence_grace`` alone, and counts it (``aiolayer_fences_unconfirmed_total``: a release not on its
+    writers' word, which a test or an operator can watch)."""
+    d = memory_decode_node(SHAPE, engine_id="d-gone", timeouts=Timeouts(fence_grace=1.0))
+    gone, asker = memory_runtime("p-gone"), memory_runtime("p-asker")
+    rep = alloc(gone, d.control_endpoint, "gone", 2)
+    gone.request(d.control_endpoint, m.LayoutRequest(requester=gone.node.engine_id, transfer_id="gone",
+                                                     token=rep.token, control=gone.control_endpoint,
+                                                     incarnation=gone.incarnation))
+    gone.stop()
+    asker.request(d.control_endpoint, m.AbortRequest(transfer_id="gone", reason="client gone", token=rep.token))
+    took = wait_state(asker, d.control_endpoint, "gone", "failed", limit=10)
+    assert 0.9 < took < 5, took
+    assert d.runtime.receiver.fences_unconfirmed == 1
+    assert "aiolayer_fences_unconfirmed_total 1.0" in d.runtime.metrics_text()

@@ -56,6 +56,7 @@ def snapshot(rt) -> dict:
         "rejected": rejected,
         "frames": server.frames_received if server else 0,
         "fence_timeouts": sender.fence_timeouts if sender else 0,
+        "fences_unconfirmed": receiver.fences_unconfirmed,
         "task_errors": rt.loop_thread.task_errors,
         # sampled end-to-end checks: P's sent ("sampled"), D's "verified" / "mismatch"
         "integrity": {"sampled": sender.integrity_checks if sender else 0, **receiver.integrity},
@@ -100,6 +101,9 @@ class _SnapshotCollector:
         yield _counter("aiolayer_control_frames", "control frames received", s["frames"])
         yield _counter("aiolayer_fence_timeouts", "timed-out writes still unresolved after the quarantine",
                        s["fence_timeouts"])
+        yield _counter("aiolayer_fences_unconfirmed", "D's fences that ended on fence_grace alone, a writer never "
+                       "confirmed it stopped (its blocks were freed on time, not on its word)",
+                       s.get("fences_unconfirmed", 0))
         yield _counter("aiolayer_integrity_checks", "sampled end-to-end KV checks: sent by P, verified or "
                        "mismatched at D", None, ["result"], [([k], v) for k, v in sorted(s["integrity"].items())])
         yield _counter("aiolayer_task_errors", "loop tasks that ended with an error (logged, the runtime went on)",

@@ -95,6 +95,7 @@ class Receiver:
         self._stop_sender: StopSender | None = None
         self.duplicates = 0
         self.deadlines_expired = 0
+        self.fences_unconfirmed = 0   # fences that ended on the grace alone: a writer never said it stopped
         self.aborts = 0
         self.rejected: collections.Counter[str] = collections.Counter()   # dropped without a Nack, by reason
         self.outcome_counts: collections.Counter[str] = collections.Counter()
@@ -371,6 +372,7 @@ class Receiver:
                 quiet = False
             if not quiet:
                 await asyncio.sleep(max(0.0, end - loop.time()))
+                self.fences_unconfirmed += 1
         except asyncio.CancelledError:
             cancelled = True
             raise

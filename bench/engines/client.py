@@ -226,6 +226,17 @@ def kv_cache_usage(server: VllmServer | str) -> float | None:
     return metric_value(scrape_metrics(server), KV_USAGE_GAUGE)
 
 
+UNCONFIRMED_RELEASES = ("vllm:aiolayer_fence_timeouts_total", "vllm:aiolayer_fences_unconfirmed_total")
+
+
+def unconfirmed_releases(server: VllmServer | str) -> float:
+    """How often the server's aiolayer freed KV not on its writers' word, all ranks: a P write still
+    unresolved after the quarantine, or a D fence that ended on ``fence_grace`` with a writer that never
+    confirmed it stopped. Zero: no write can have landed in blocks released by aiolayer."""
+    metrics = scrape_metrics(server)
+    return sum(metric_value(metrics, name) or 0.0 for name in UNCONFIRMED_RELEASES)
+
+
 def wait_for_metric(server: VllmServer | str, name: str, predicate, timeout_s: float = 10.0,
                     interval_s: float = 0.2, **labels: str) -> float | None:
     """Poll /metrics until ``predicate(value)`` holds for ``name`` (summed over matching labels).

@@ -15,7 +15,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 # counted since the last report: summed across workers and intervals
 COUNTERS = ("bytes_sent", "bytes_received", "sends_finished", "sends_failed", "receives_finished",
-            "receives_failed", "control_rejected", "deadline_expiries", "integrity_verified", "integrity_mismatch")
+            "receives_failed", "control_rejected", "deadline_expiries", "integrity_verified", "integrity_mismatch",
+            "fence_timeouts", "fences_unconfirmed")
 # levels: the worst across workers
 GAUGES = ("bridge_depth", "sending", "receiving", "writes_in_flight", "handoff_p99_s")
 
@@ -32,6 +33,8 @@ def totals(snap: dict) -> dict[str, float]:
         "control_rejected": sum(snap["rejected"].values()), "deadline_expiries": sum(snap["deadlines"].values()),
         "integrity_verified": snap["integrity"].get("verified", 0),
         "integrity_mismatch": snap["integrity"].get("mismatch", 0),
+        # a release not on its writer's word: P's writes unresolved past the quarantine, D's fence on the grace
+        "fence_timeouts": snap["fence_timeouts"], "fences_unconfirmed": snap.get("fences_unconfirmed", 0),
         "bridge_depth": snap["queues"]["bridge"], "sending": snap["queues"]["sending"],
         "receiving": snap["queues"]["receiving"], "writes_in_flight": snap["queues"]["writes_in_flight"],
         "handoff_p99_s": p99 if p99 != float("inf") else 1.0,   # beyond the last bucket: at least 1 s
