@@ -21,7 +21,7 @@ from aiolayer import (ConfigError, DeadlineExceeded, KVShape, NodeConfig, Receiv
 from aiolayer.kvcache import PagedKVCache, checksums
 
 pytestmark = pytest.mark.timeout(60)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHAPE = KVShape(num_layers=3, num_blocks=16, block_size=4, kv_heads=2, head_dim=8, dtype="float16")
 TOKEN = "t" * 32
 TIMEOUTS = Timeouts(receive=20, fence_grace=1.0)   # no sender named: an abort waits out the grace

@@ -9,19 +9,13 @@ stranger's layout requests, lookups, DONE/FAILED, abort requests and Aborts are 
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 import time
 
 import numpy as np
 import pytest
 import zmq
 
-try:
-    from helpers_node import SMALL_SHAPE, apply_mc_env, spawn_node
-except ImportError:  # --import-mode=importlib does not put tests/ on sys.path
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from helpers_node import SMALL_SHAPE, apply_mc_env, spawn_node
+from helpers_node import SMALL_SHAPE, apply_mc_env, spawn_node
 
 apply_mc_env()
 

@@ -8,20 +8,14 @@ exposition, not just strings that look right.
 
 from __future__ import annotations
 
-import os
 import socket
-import sys
 import time
 
 import httpx
 import numpy as np
 import pytest
 
-try:
-    from helpers_node import SMALL_SHAPE, apply_mc_env, spawn_node
-except ImportError:  # --import-mode=importlib does not put tests/ on sys.path
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from helpers_node import SMALL_SHAPE, apply_mc_env, spawn_node
+from helpers_node import SMALL_SHAPE, apply_mc_env, spawn_node
 
 apply_mc_env()
 

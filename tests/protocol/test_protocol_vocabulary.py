@@ -18,7 +18,7 @@ from aiolayer.protocol import messages as m
 from aiolayer.protocol.codes import AckDetail, NackCode
 from aiolayer.protocol.state import Event, receiver_transfer, sender_transfer
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCANNED = [ROOT / "aiolayer", ROOT / "bridges", ROOT / "bench", ROOT / "examples"]
 PROTOCOL = ROOT / "aiolayer" / "protocol"
 

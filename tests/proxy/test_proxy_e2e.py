@@ -45,7 +45,7 @@ def _servers():
     model = tiny_model_dir()
     p_ctl, d_ctl = free_port(), free_port()
     # The configuration this file was written for, pinned against the e2e harness's vLLM defaults (the
-    # matrix, tests/test_vllm_matrix.py, covers those): float32, block size 32, 512 tokens, eager
+    # matrix, tests/vllm_bridge/test_vllm_matrix.py, covers those): float32, block size 32, 512 tokens, eager
     # (no ~40 s torch.compile per engine), prefix caching off.
     common = {"env": MC_ENV, "prefix_caching": False, "omp_bind": "nobind", "dtype": "float32", "block_size": 32,
               "max_model_len": 512, "enforce_eager": True}

@@ -6,8 +6,6 @@ Mooncake backend, as an operator or the benchmark would start it.
 
 from __future__ import annotations
 
-import os
-import sys
 import re
 import signal
 import socket
@@ -19,11 +17,7 @@ from aiolayer import NodeConfig, Runtime
 from aiolayer.errors import ControlRejected
 from aiolayer.protocol import messages as m
 
-try:
-    from helpers_node import SMALL_SHAPE, apply_mc_env, run_node_cli, spawn_node
-except ImportError:  # --import-mode=importlib does not put tests/ on sys.path
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from helpers_node import SMALL_SHAPE, apply_mc_env, run_node_cli, spawn_node
+from helpers_node import SMALL_SHAPE, apply_mc_env, run_node_cli, spawn_node
 
 apply_mc_env()
 

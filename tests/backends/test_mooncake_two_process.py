@@ -9,8 +9,6 @@ returns D's per-layer CRC32s) against the source blocks at P.
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 import zlib
@@ -20,11 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-try:
-    from helpers_node import SMALL_SHAPE, apply_mc_env, spawn_node
-except ImportError:  # --import-mode=importlib does not put tests/ on sys.path
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from helpers_node import SMALL_SHAPE, apply_mc_env, spawn_node
+from helpers_node import SMALL_SHAPE, apply_mc_env, spawn_node
 
 apply_mc_env()  # before any engine exists in this process
 

@@ -4,7 +4,7 @@ only once every P rank writing into it reported, P's request is free only once a
 
 Every rank is a real ``WorkerSide`` with its own runtime (the in-process memory backend: all ranks
 live in this process), fed the metadata the scheduler side builds; the engines' own processes are
-covered by tests/test_issue14_vllm_parallel.py."""
+covered by tests/vllm_bridge/test_vllm_parallel.py."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ def test_selecting_by_module_path_works_too():
 
 
 def test_bad_extra_config_is_refused_at_construction():
-    """Refused while vLLM builds its config (tests/test_connector_config.py); where nothing did that
+    """Refused while vLLM builds its config (tests/vllm_bridge/test_connector_config.py); where nothing did that
     (an explicit --disable-hybrid-kv-cache-manager on CPU), the constructor still refuses it."""
     from aiolayer.errors import ConfigError
     from aiolayer_vllm.connector import AiolayerConnector
