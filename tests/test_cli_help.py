@@ -15,12 +15,12 @@ def _subcommands() -> dict[str, argparse.ArgumentParser]:
     return dict(sub.choices)
 
 
-def test_issue13_every_command_is_there():
+def test_every_command_is_there():
     assert {"node", "bench", "proxy"} <= set(_subcommands())
 
 
 @pytest.mark.parametrize("name", ["node", "bench", "proxy"])
-def test_issue13_every_flag_has_help_and_help_shows_defaults(name):
+def test_every_flag_has_help_and_help_shows_defaults(name):
     command = _subcommands()[name]
     assert command.formatter_class is argparse.ArgumentDefaultsHelpFormatter
     silent = [a.option_strings for a in command._actions  # noqa: SLF001

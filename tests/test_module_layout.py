@@ -85,7 +85,7 @@ def import_cycles(root: Path, top: str) -> list[list[str]]:
     return cycles
 
 
-def test_issue12_no_import_cycle_in_bench():
+def test_no_import_cycle_in_bench():
     assert _module_names(BENCH), "no bench modules found"
     cycles = import_cycles(BENCH, "aiolayer.bench")
     assert not cycles, "import cycles among bench modules: " + "; ".join(" -> ".join(c) for c in cycles)
@@ -94,12 +94,12 @@ def test_issue12_no_import_cycle_in_bench():
 @pytest.mark.parametrize("root, top", [(BENCH.parent / "aiolayer", "aiolayer"),
                                        (BENCH.parent / "bridges" / "vllm" / "aiolayer_vllm", "aiolayer_vllm")],
                          ids=["core", "vllm-bridge"])
-def test_issue12_no_import_cycle_in_the_core_or_the_bridge(root, top):
+def test_no_import_cycle_in_the_core_or_the_bridge(root, top):
     cycles = import_cycles(root, top)
     assert not cycles, f"import cycles in {top}: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_issue12_bench_and_tests_share_one_child_process_helper():
+def test_bench_and_tests_share_one_child_process_helper():
     import helpers_node
     from aiolayer.bench import node
     from aiolayer.bench.child import ChildProcess
@@ -109,7 +109,7 @@ def test_issue12_bench_and_tests_share_one_child_process_helper():
     assert helpers_node.MC_ENV.items() >= node.MOONCAKE_ENV.items()   # one Mooncake environment
 
 
-def test_issue12_child_process_stop_thaws_a_frozen_child_in_its_own_group():
+def test_child_process_stop_thaws_a_frozen_child_in_its_own_group():
     """The union of the two drifted copies: the bench's SIGCONT before SIGTERM (a frozen child must be able
     to act on it), the tests' own process group, stop timing, stderr kept in a file."""
     from aiolayer.bench.child import ChildProcess
@@ -126,7 +126,7 @@ def test_issue12_child_process_stop_thaws_a_frozen_child_in_its_own_group():
         child.close()
 
 
-def test_issue12_child_process_first_line_has_a_deadline_and_carries_stderr():
+def test_child_process_first_line_has_a_deadline_and_carries_stderr():
     from aiolayer.bench.child import ChildProcess, ChildStartError
 
     silent = "import sys, time; print('no line from me', file=sys.stderr, flush=True); time.sleep(60)"

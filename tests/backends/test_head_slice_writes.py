@@ -47,7 +47,7 @@ class _DLayout:
 
 @pytest.mark.parametrize("planes", ["KV", "K", "mixed"])
 @pytest.mark.parametrize("sliced", [False, True])
-def test_issue14_speed_layer_plan_equals_layer_runs(planes, sliced):
+def test_layer_plan_gives_exactly_what_layer_runs_gives(planes, sliced):
     rng = np.random.default_rng(len(planes) + sliced)
     layers, block_bytes = 5, 4 * 16 * 256
     k = rng.integers(1 << 20, 1 << 40, layers)
@@ -96,7 +96,7 @@ def layer0_k_crc(cache) -> int:
     return zlib.crc32(b"".join(cache.blocks[0][0][i].tobytes() for i in range(32)))
 
 
-def test_issue14_speed_start_write_settles_as_write_does(p_side, d_node):
+def test_start_write_submits_nothing_unopened_and_settles_as_write_does(p_side, d_node):
     rt, cache = p_side
     backend = rt.backend
     src, dst, lengths, layout = half_block_runs(rt, cache, d_node.control, "sw")
@@ -132,7 +132,7 @@ def p_capped():
         yield side
 
 
-def test_issue14_speed_a_target_never_has_more_runs_in_flight_than_the_cap(p_capped, d_node):
+def test_a_target_never_has_more_runs_in_flight_than_the_cap(p_capped, d_node):
     rt, cache = p_capped
     backend = rt.backend
     first = half_block_runs(rt, cache, d_node.control, "cap-a")
@@ -164,7 +164,7 @@ def test_issue14_speed_a_target_never_has_more_runs_in_flight_than_the_cap(p_cap
 
 
 @pytest.mark.timeout(240)   # three processes start; slow only on a loaded host
-def test_issue14_speed_layers_ready_together_go_as_one_write_and_raw_has_both_methods():
+def test_layers_ready_together_go_as_one_write_and_the_report_has_both_raw_methods():
     cfg = ScaleConfig(p_tp=1, d_tp=2, requests=12, blocks_per_request=1, num_layers=6, kv_heads=4, head_dim=64,
                       wait_s=60.0)
     report = run_scenario(cfg)

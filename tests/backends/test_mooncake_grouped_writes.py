@@ -77,7 +77,7 @@ def _d_crc_k(rt, node, tid: str) -> int:
     return rt.request(node.control, m.VerifyRequest(transfer_id=tid), timeout=5).crc_k[0]
 
 
-def test_issue14_group_with_failed_runs_settles_every_run_before_write_returns(p_side, d_node):
+def test_group_with_failed_runs_settles_every_run_before_write_returns(p_side, d_node):
     rt, cache = p_side
     rep, layout = _target(rt, d_node, "g-fail", 32)
     src, dst, lengths = _half_block_runs(cache, rep, layout)
@@ -93,7 +93,7 @@ def test_issue14_group_with_failed_runs_settles_every_run_before_write_returns(p
     assert _d_crc_k(rt, d_node, "g-fail") == expected
 
 
-def test_issue14_group_past_its_deadline_quarantines_what_is_pending(p_side, d_node):
+def test_group_past_its_deadline_quarantines_what_is_pending(p_side, d_node):
     rt, cache = p_side
     rep, layout = _target(rt, d_node, "g-late", 32)
     src, dst, lengths = _half_block_runs(cache, rep, layout)
@@ -115,7 +115,7 @@ def test_issue14_group_past_its_deadline_quarantines_what_is_pending(p_side, d_n
     assert _d_crc_k(rt, d_node, "g-late") == expected   # the timed-out runs landed after all
 
 
-def test_issue14_many_concurrent_groups_all_land(p_side, d_node):
+def test_many_concurrent_groups_all_land(p_side, d_node):
     """Every layer of a transfer as its own group, all in flight together, on one target."""
     rt, cache = p_side
     rep, layout = _target(rt, d_node, "g-many", 32)
@@ -131,7 +131,7 @@ def test_issue14_many_concurrent_groups_all_land(p_side, d_node):
         assert reply.crc_k[layer] == zlib.crc32(b"".join(cache.blocks[layer][0][i].tobytes() for i in range(32)))
 
 
-def test_issue14_slices_contiguous_on_both_sides_merge():
+def test_slices_contiguous_on_both_sides_merge():
     """P TP == D TP: each route is whole blocks, so contiguous blocks give one span per run."""
     runs = merge_runs(range(10, 18), range(40, 48))
     for layout in ("HND", "NHD"):
@@ -146,7 +146,7 @@ def test_issue14_slices_contiguous_on_both_sides_merge():
 
 
 @pytest.mark.timeout(240)   # three processes start; slow only on a loaded host
-def test_issue14_scale_reports_raw_mooncake_for_the_same_slices():
+def test_scale_reports_raw_mooncake_for_the_same_slices():
     """One P rank's heads split over two D ranks (head slices, NHD: one span per token)."""
     cfg = ScaleConfig(p_tp=1, d_tp=2, requests=20, blocks_per_request=2, num_layers=2, kv_heads=4, head_dim=64,
                       layout="NHD", wait_s=60.0)

@@ -21,12 +21,12 @@ pytestmark = pytest.mark.timeout(60)
     (dict(advertise_host="0.0.0.0"), "not an address a peer can dial"),
     (dict(metadata_server="redis://meta:6379"), "metadata server must be"),
 ])
-def test_issue13_a_bad_transport_is_refused_with_the_field_named(fields, needle):
+def test_a_bad_transport_is_refused_with_the_field_named(fields, needle):
     with pytest.raises(ConfigError, match=needle):
         Transport(**fields)
 
 
-def test_issue13_the_advertised_host_is_never_a_wildcard():
+def test_the_advertised_host_is_never_a_wildcard():
     assert Transport().advertised() == "127.0.0.1"                                  # the safe default
     assert Transport(bind_host="10.1.2.3").advertised() == "10.1.2.3"
     assert Transport(bind_host="0.0.0.0", advertise_host="10.9.9.9").advertised() == "10.9.9.9"
@@ -35,7 +35,7 @@ def test_issue13_the_advertised_host_is_never_a_wildcard():
     ipaddress.ip_address(routed)
 
 
-def test_issue13_rdma_without_a_device_is_refused_naming_what_is_missing(tmp_path):
+def test_rdma_without_a_device_is_refused_naming_what_is_missing(tmp_path):
     with pytest.raises(BackendError, match="needs an RDMA device, and this host has none"):
         check_rdma_devices("", root=str(tmp_path / "absent"))
     (tmp_path / "mlx5_0").mkdir()
@@ -44,14 +44,14 @@ def test_issue13_rdma_without_a_device_is_refused_naming_what_is_missing(tmp_pat
     assert check_rdma_devices("mlx5_0", root=str(tmp_path)) == ["mlx5_0"]
 
 
-def test_issue13_rdma_requested_here_fails_at_start_not_later():
+def test_rdma_requested_here_fails_at_start_not_later():
     rt = Runtime(NodeConfig(engine_id="rdma", transport=Transport(protocol="rdma")))
     with pytest.raises(BackendError, match="rdma"):
         rt.start()
     assert not rt.loop_thread.alive
 
 
-def test_issue13_a_wildcard_bind_advertises_a_dialable_address():
+def test_a_wildcard_bind_advertises_a_dialable_address():
     server = Runtime(NodeConfig(engine_id="wild", backend="memory", transport=Transport(bind_host="0.0.0.0")))
     client = Runtime(NodeConfig(engine_id="client", backend="memory"))
     with server, client:
@@ -62,7 +62,7 @@ def test_issue13_a_wildcard_bind_advertises_a_dialable_address():
         assert refused.value.code == "not_registered"
 
 
-def test_issue13_connector_config_is_decoded_strictly():
+def test_connector_config_is_decoded_strictly():
     pytest.importorskip("vllm", reason="the connector's package imports vLLM")
     from aiolayer_vllm.config import from_extra_config
 
@@ -79,7 +79,7 @@ def test_issue13_connector_config_is_decoded_strictly():
             from_extra_config(bad, "eng")
 
 
-def test_issue13_a_wildcard_proxy_host_needs_a_public_url():
+def test_a_wildcard_proxy_host_needs_a_public_url():
     pytest.importorskip("vllm", reason="the proxy's package imports the connector's")
     from aiolayer_vllm.proxy.server import public_url
 

@@ -66,7 +66,7 @@ def finish_p(proc: subprocess.Popen, timeout: float) -> dict:
     return summary(json.loads(out.strip().splitlines()[-1]))
 
 
-def test_issue13_node_pair_across_two_hosts_verifies():
+def test_node_pair_across_two_hosts_verifies():
     with netns.two_hosts() as hosts:
         d = start_node(hosts, hosts.b)
         assert d["control"] == f"tcp://{hosts.b.address}:{d['control'].rsplit(':', 1)[1]}"
@@ -76,7 +76,7 @@ def test_issue13_node_pair_across_two_hosts_verifies():
         assert result["failed"] == [] and result["ok"] == 6 and result["verified"] == 6, result
 
 
-def test_issue13_node_pair_under_a_rate_limit_verifies():
+def test_node_pair_under_a_rate_limit_verifies():
     with netns.two_hosts() as hosts:
         hosts.shape(gbit=1)
         d = start_node(hosts, hosts.b)
@@ -84,7 +84,7 @@ def test_issue13_node_pair_under_a_rate_limit_verifies():
         assert result["failed"] == [] and result["verified"] == 3, result
 
 
-def test_issue13_a_leaked_loopback_address_cannot_work_here():
+def test_a_leaked_loopback_address_cannot_work_here():
     """The negative control: D advertising 127.0.0.1 (the old default) is unreachable from P's host."""
     with netns.two_hosts() as hosts:
         proc = hosts.popen(hosts.b, [sys.executable, "-m", "aiolayer", "node", "--num-layers", "4",
@@ -98,7 +98,7 @@ def test_issue13_a_leaked_loopback_address_cannot_work_here():
         assert result["ok"] == 0 and result["failed"], result
 
 
-def test_issue13_a_partition_mid_transfer_ends_every_transfer_visibly(tmp_path):
+def test_a_partition_mid_transfer_ends_every_transfer_visibly(tmp_path):
     """The link goes down while a transfer streams and comes back: each transfer ends (ok, or failed with
     its deadline), D ends every one it registered (fenced, then failed), none is lost, later ones verify."""
     resume = tmp_path / "resume"
@@ -122,7 +122,7 @@ def test_issue13_a_partition_mid_transfer_ends_every_transfer_visibly(tmp_path):
         assert late and max(late) < 5000, result                            # the link serves again
 
 
-def test_issue13_a_link_slowed_to_a_crawl_ends_in_deadlines_not_hangs():
+def test_a_link_slowed_to_a_crawl_ends_in_deadlines_not_hangs():
     with netns.two_hosts() as hosts:
         d = start_node(hosts, hosts.b, receive_s=15)
         hosts.shape(gbit=0.0005)                     # 500 kbit/s: a 384 KiB layer needs ~6 s, over layer_write (5 s)
@@ -134,7 +134,7 @@ def test_issue13_a_link_slowed_to_a_crawl_ends_in_deadlines_not_hangs():
         assert result["d_states"].get("unsettled", 0) == 0, result
 
 
-def test_issue13_d_at_a_new_address_after_a_restart_is_reached_and_the_old_one_fails_fast():
+def test_d_at_a_new_address_after_a_restart_is_reached_and_the_old_one_fails_fast():
     with netns.two_hosts() as hosts:
         old = start_node(hosts, hosts.b)
         assert run_p(hosts, old["control"], 1, 8)["verified"] == 1

@@ -39,7 +39,7 @@ def _engine(hosts: netns.Hosts, host: netns.Host, role: str, model, core: str) -
                       env=MC_ENV | {"VLLM_HOST_IP": host.address})
 
 
-def test_issue13_vllm_pair_and_proxy_across_two_hosts_equal_the_aggregated_engine():
+def test_vllm_pair_and_proxy_across_two_hosts_equal_the_aggregated_engine():
     model = tiny_model_dir()
     with netns.two_hosts(management=True) as hosts:
         a, b = hosts.a, hosts.b

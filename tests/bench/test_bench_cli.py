@@ -89,7 +89,7 @@ def test_scale_and_soak_refuse_bad_arguments_with_a_message(args, words):
     assert "Traceback" not in proc.stderr
 
 
-def test_issue13_two_hosts_writes_json_and_png_and_every_rate_verifies(tmp_path):
+def test_bench_two_hosts_writes_json_and_png_and_every_rate_verifies(tmp_path):
     from aiolayer.bench import netns
 
     why = netns.available()
@@ -113,6 +113,6 @@ def test_issue13_two_hosts_writes_json_and_png_and_every_rate_verifies(tmp_path)
     assert _is_png(tmp_path / "two_hosts.png")
 
 
-def test_issue13_two_hosts_refuses_bad_rates(tmp_path):
+def test_bench_two_hosts_refuses_bad_rates(tmp_path):
     proc = _bench("--two-hosts", "--link-gbit", "-1", "--out", str(tmp_path), timeout=60)
     assert proc.returncode == 2 and "--link-gbit" in proc.stderr, proc.stderr[-2000:]

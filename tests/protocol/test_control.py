@@ -170,7 +170,8 @@ CASES = [
 ]
 
 
-async def test_f06_every_frame_gets_exactly_one_reply(server, closer):
+async def test_every_frame_gets_exactly_one_reply(server, closer):
+    """Seed fragility 6: the listener answers unexpected and undecodable frames too."""
     sock = raw_dealer(server.endpoint, closer)
     for name, frames, want_rid, code in CASES:
         await sock.send_multipart(frames)
@@ -240,7 +241,7 @@ async def test_default_timeout_comes_from_timeouts(spawn, closer):
     assert time.monotonic() - t0 < 0.2 + 0.5
 
 
-async def test_f03_late_reply_is_dropped_and_never_answers_the_next_call(server, spawn, closer):
+async def test_late_reply_is_dropped_and_never_answers_the_next_call(server, spawn, closer):
     """Fragility 3: a reply that arrives after its call gave up must not satisfy a later call."""
     client = await make_client(server.endpoint, spawn, closer)
     t0 = time.monotonic()

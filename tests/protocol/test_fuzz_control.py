@@ -1,4 +1,4 @@
-"""F06: a running ``aiolayer node`` answers every frame, random or truncated, and keeps serving.
+"""Seed fragility 6: a running ``aiolayer node`` answers every frame, random or truncated, and keeps serving.
 
 Hypothesis sends batches of multipart frames (random bytes, truncated and bit-flipped valid
 messages, wrong frame counts, bad request ids) to the node's control socket; at least 10,000 frames
@@ -76,7 +76,7 @@ def _frames(data) -> list[bytes]:
 
 @settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(data=st.data())
-def test_f06_every_fuzzed_frame_gets_exactly_one_reply(dealer, data):
+def test_every_fuzzed_frame_gets_exactly_one_reply(dealer, data):
     batch = [_frames(data) for _ in range(data.draw(st.integers(25, 30)))]   # 500 x >= 25: over 10,000 frames
     for frames in batch:
         dealer.send_multipart(frames)
@@ -95,7 +95,7 @@ def test_f06_every_fuzzed_frame_gets_exactly_one_reply(dealer, data):
     SENT["frames"] += len(batch)
 
 
-def test_f06_node_still_serves_a_verified_transfer_after_the_fuzz(node):
+def test_node_still_serves_a_verified_transfer_after_the_fuzz(node):
     assert SENT["frames"] >= 10_000, SENT
     p_shape = KVShape(num_layers=SHAPE.num_layers, num_blocks=4, block_size=16, kv_heads=2, head_dim=64)
     cache = PagedKVCache(p_shape)

@@ -52,7 +52,7 @@ def _literal_vocabulary(tree: ast.AST):
                     yield node.lineno, f".{node.left.attr} compared with a str literal"
 
 
-def test_issue12_no_string_nack_code_or_event_outside_protocol():
+def test_no_string_nack_code_or_event_outside_protocol():
     found = []
     for top in SCANNED:
         for path in sorted(top.rglob("*.py")):
@@ -63,7 +63,7 @@ def test_issue12_no_string_nack_code_or_event_outside_protocol():
     assert not found, "use protocol.codes.NackCode / AckDetail / protocol.state.Event:\n" + "\n".join(found)
 
 
-def test_issue12_the_scan_sees_each_pattern():
+def test_the_scan_sees_each_pattern():
     """The scan above is only worth something if it flags what it looks for."""
     src = ('raise ControlRejected("auth", "x")\nm.Nack(code="busy", reason="r")\nt.apply("abort")\n'
            'exc.code == "settling"\nreply.detail in ("stopped",)\nControlRejected(NackCode.AUTH, "x")\n')
@@ -71,14 +71,14 @@ def test_issue12_the_scan_sees_each_pattern():
 
 
 @pytest.mark.parametrize("code", list(NackCode))
-def test_issue12_nack_codes_encode_as_their_old_strings(code):
+def test_typed_nack_codes_encode_as_their_plain_strings(code):
     typed = m.encode(m.Nack(code=code, reason="why"))
     assert typed == m.encode(m.Nack(code=code.value, reason="why"))
     back = m.decode(typed)
     assert back.code == code and f"{back.code}" == code.value and str(code) == code.value
 
 
-def test_issue12_ack_details_and_events_are_their_strings():
+def test_ack_details_and_events_are_their_strings():
     assert m.encode(m.Ack(detail=AckDetail.STOPPED)) == m.encode(m.Ack(detail="stopped"))
     assert m.confirms_stop(m.decode(m.encode(m.Ack(detail="stopped"))))   # an old peer's reply
     assert not m.confirms_stop(m.Ack(detail="aborting")) and not m.confirms_stop(m.Nack(code="settling", reason=""))
@@ -89,7 +89,7 @@ def test_issue12_ack_details_and_events_are_their_strings():
     assert t.reason == "fail" and type(t.reason) is str   # the default reason is the event's plain string
 
 
-def test_issue12_a_code_this_side_does_not_know_still_decodes():
+def test_a_code_this_side_does_not_know_still_decodes():
     """Versioning: Nack.code stays a str on the wire: a newer peer's code is a refusal, not a decode error."""
     payload = msgspec.msgpack.encode({"type": "nack", "v": m.PROTOCOL_VERSION, "code": "from_the_future",
                                       "reason": "r"})
@@ -97,7 +97,7 @@ def test_issue12_a_code_this_side_does_not_know_still_decodes():
     assert isinstance(reply, m.Nack) and reply.code == "from_the_future"
 
 
-def test_issue12_several_senders_are_counted_by_the_receiver_machine():
+def test_several_senders_are_counted_by_the_receiver_machine():
     r = receiver_transfer(senders=2)
     word, repeated = r.gather("t", m.Done(transfer_id="t", sender="p0", bytes=3))
     assert word is None and not repeated and r.tally() == "1 of 2 senders reported"
@@ -106,7 +106,7 @@ def test_issue12_several_senders_are_counted_by_the_receiver_machine():
     assert isinstance(word, m.Done) and word.bytes == 7 and not repeated
 
 
-def test_issue12_composed_deadlines_are_the_sums_they_name():
+def test_composed_deadlines_are_the_sums_they_name():
     t = Timeouts(layer_write=1.5, control_call=0.25, cleanup=0.5, quarantine=7.0)
     for name, parts in COMPOSED.items():
         assert getattr(t, name) == sum(getattr(t, part) for part in parts), name

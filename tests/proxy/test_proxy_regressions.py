@@ -76,7 +76,7 @@ def _last_transfer(engine: FakeEngine) -> str:
     return engine.requests[-1]["kv_transfer_params"]["aiolayer"]["transfer_id"]
 
 
-def test_issue11_13_least_outstanding_picks_the_idle_d_while_another_streams(stack):
+def test_least_outstanding_picks_the_idle_d_while_another_streams(stack):
     """The lease on D lasts the whole stream: short requests go to the idle D, not the streaming one."""
     proxy, p, d1, d2, hub = stack["proxy"], stack["p"], stack["d1"], stack["d2"], stack["hub"]
     _wait_for(proxy.idle, 10, "the proxy is idle")
@@ -114,7 +114,7 @@ def _decode_of(stack, transfer_id: str) -> FakeEngine:
     return next(d for d in (stack["d1"], stack["d2"]) if d.saw(transfer_id))
 
 
-def test_issue11_13_client_gone_before_the_first_chunk_releases_table_leases_and_ds_stream(stack):
+def test_client_gone_before_the_first_chunk_releases_table_leases_and_ds_stream(stack):
     proxy, p = stack["proxy"], stack["p"]
     body = {"prompt": "slow first token", "stream": True, "fake": {"hold_s": 60, "chunks": 2}}
     # (a) the client has D's status line, D holds its first token: D stays leased until the client leaves
@@ -153,7 +153,7 @@ def test_issue11_13_client_gone_before_the_first_chunk_releases_table_leases_and
               f"released after the client left (pending {proxy.pending()}, {proxy.outstanding()}, {d.streams})")
 
 
-def test_issue11_13_d_failing_mid_stream_ends_in_an_error_event_and_an_abort(stack):
+def test_d_failing_mid_stream_ends_in_an_error_event_and_an_abort(stack):
     proxy = stack["proxy"]
     _wait_for(proxy.idle, 10, "the proxy is idle")
     body = {"prompt": "doomed", "stream": True, "fake": {"chunks": 5, "fail_at": 2}}
@@ -168,7 +168,7 @@ def test_issue11_13_d_failing_mid_stream_ends_in_an_error_event_and_an_abort(sta
     assert tid in _decode_of(stack, tid).aborts
 
 
-def test_issue11_13_ds_stream_is_closed_when_the_exchange_fails_after_its_status_line(stack):
+def test_ds_stream_is_closed_when_the_exchange_fails_after_its_status_line(stack):
     """D answered its status line but never registered: the 504 closes D's call (vLLM then aborts it)."""
     proxy = stack["proxy"]
     _wait_for(proxy.idle, 10, "the proxy is idle")
@@ -190,7 +190,7 @@ BAD_REQUESTS = [
 ]
 
 
-def test_issue11_7_parallel_samples_are_refused_with_a_400_before_any_engine_sees_them(stack):
+def test_parallel_samples_are_refused_with_a_400_before_any_engine_sees_them(stack):
     proxy, engines = stack["proxy"], [stack["p"], stack["d1"], stack["d2"]]
     _wait_for(proxy.idle, 10, "the proxy is idle")
     seen = [len(e.requests) for e in engines]
@@ -206,7 +206,7 @@ def test_issue11_7_parallel_samples_are_refused_with_a_400_before_any_engine_see
         assert ok.status_code == 200, ok.text
 
 
-def test_issue11_7_bad_bodies_are_a_400_and_affect_nothing_else(stack):
+def test_bad_bodies_are_a_400_and_affect_nothing_else(stack):
     proxy, hub = stack["proxy"], stack["hub"]
     _wait_for(proxy.idle, 10, "the proxy is idle")
     bad = [(json.dumps({"prompt": "x", "kv_transfer_params": {"aiolayer": {"transfer_id": "mine"}}}),
@@ -232,7 +232,7 @@ def test_issue11_7_bad_bodies_are_a_400_and_affect_nothing_else(stack):
     _wait_for(proxy.idle, 10, "every lease released")
 
 
-def test_issue13_authorization_and_request_id_reach_both_engines(stack):
+def test_authorization_and_request_id_reach_both_engines(stack):
     """vLLM servers started with --api-key answer 401 to a request without the client's key."""
     proxy, p = stack["proxy"], stack["p"]
     _wait_for(proxy.idle, 10, "the proxy is idle")
@@ -248,7 +248,7 @@ def test_issue13_authorization_and_request_id_reach_both_engines(stack):
     assert "cookie" not in p.headers[tid]        # only the two named headers go on
 
 
-def test_issue15_ds_first_token_is_relayed_before_ps_reply_arrives(stack):
+def test_ds_first_token_is_relayed_before_ps_reply_arrives(stack):
     """D decodes as soon as the KV is there; the client must not wait for P's own HTTP answer too."""
     proxy, p = stack["proxy"], stack["p"]
     _wait_for(proxy.idle, 10, "the proxy is idle")
@@ -263,7 +263,7 @@ def test_issue15_ds_first_token_is_relayed_before_ps_reply_arrives(stack):
     _wait_for(proxy.idle, 10, "every lease released")
 
 
-def test_issue15_p_failing_while_d_streams_ends_the_stream_with_ps_error_and_aborts_d(stack):
+def test_p_failing_while_d_streams_ends_the_stream_with_ps_error_and_aborts_d(stack):
     proxy, p = stack["proxy"], stack["p"]
     _wait_for(proxy.idle, 10, "the proxy is idle")
     body = {"prompt": "p fails late", "stream": True,

@@ -410,7 +410,7 @@ def test_lifecycle_errors():
 
 # --- through the real Runtime (fragility 17) ----------------------------------------------------------
 
-def test_f17_layer_ready_after_runtime_stop_raises(memory_runtime):
+def test_layer_ready_after_runtime_stop_raises(memory_runtime):
     rt = memory_runtime("p17a")
     rt.sender.layer_ready(0, 0)                         # fine while the sender is alive
     rt.stop()
@@ -431,7 +431,7 @@ def _cancel_task_named(rt, name: str) -> bool:
     return rt.loop_thread.call(cancel(), timeout=5)
 
 
-def test_f17_layer_ready_after_sender_task_died_raises(memory_runtime):
+def test_layer_ready_after_sender_task_died_raises(memory_runtime):
     rt = memory_runtime("p17b")
     assert _cancel_task_named(rt, "sender")
     assert rt.loop_thread.alive                         # only the consumer died, not the runtime
@@ -441,7 +441,7 @@ def test_f17_layer_ready_after_sender_task_died_raises(memory_runtime):
         rt.sender.end_step(0)
 
 
-def test_f17_sender_crash_closes_bridge_and_stop_leaves_nothing(memory_runtime):
+def test_sender_crash_closes_bridge_and_stop_leaves_nothing(memory_runtime):
     from aiolayer.runtime.control import open_sockets
 
     rt = memory_runtime("p17c")

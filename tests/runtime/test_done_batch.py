@@ -44,7 +44,7 @@ def _stream(p, d_control: str, drop: frozenset[str] = frozenset()) -> dict:
 _state = d_state
 
 
-def test_issue14_dones_of_one_pass_go_as_batches_and_a_dropped_one_fails_alone(memory_runtime, memory_decode_node):
+def test_dones_of_one_pass_go_as_batches_and_a_dropped_one_fails_alone(memory_runtime, memory_decode_node):
     d = memory_decode_node(SHAPE, "d-batch", FAST)
     p = _p(memory_runtime, "p-batch")
     outcomes = _stream(p, d.control_endpoint, drop={"t7"})
@@ -55,7 +55,7 @@ def test_issue14_dones_of_one_pass_go_as_batches_and_a_dropped_one_fails_alone(m
         assert _state(p, d.control_endpoint, tid) == ("registered" if tid == "t7" else "finished")
 
 
-def test_issue14_a_d_without_batches_gets_the_dones_one_by_one(memory_runtime):
+def test_a_d_without_batches_gets_the_dones_one_by_one(memory_runtime):
     def old_node(msg: m.Message) -> None:   # what an older node answers to a type it does not know
         if isinstance(msg, m.DoneBatch):
             raise ControlRejected(NackCode.DECODE, "Invalid value 'done_batch' - at `$.type`")
@@ -73,7 +73,7 @@ def test_issue14_a_d_without_batches_gets_the_dones_one_by_one(memory_runtime):
         d.stop()
 
 
-def test_issue14_d_answers_each_batched_done_alone(memory_runtime, memory_decode_node):
+def test_d_answers_each_batched_done_alone(memory_runtime, memory_decode_node):
     d = memory_decode_node(SHAPE, "d-items", FAST)
     p = _p(memory_runtime, "p-items")
     good = p.request(d.control_endpoint, m.AllocRequest(transfer_id="good", num_blocks=1), timeout=5)
@@ -97,7 +97,7 @@ def test_issue14_d_answers_each_batched_done_alone(memory_runtime, memory_decode
     assert refused.value.code == NackCode.SIZE
 
 
-def test_issue14_a_cancelled_first_done_does_not_strand_the_others(memory_runtime, memory_decode_node):
+def test_a_cancelled_first_done_does_not_strand_the_others(memory_runtime, memory_decode_node):
     """The first DONE of a pass sends the pass's batch; cancelled while it waits for the others to
     join (the runtime stopping under it), those others are still sent and answered."""
     d = memory_decode_node(SHAPE, "d-cancel", FAST)

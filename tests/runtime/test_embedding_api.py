@@ -62,7 +62,7 @@ def received(rt: Runtime, transfer_id: str, timeout: float = 10.0):
     return rt.wait_received(transfer_id, timeout)
 
 
-def test_issue12_receive_and_step_from_plain_threads_move_the_kv(pair):
+def test_receive_and_step_from_plain_threads_move_the_kv(pair):
     (p, p_cache), (d, d_cache) = pair
     reg = in_thread(d.receive, ReceiveSpec(transfer_id="r1", block_ids=[9, 3, 4], token=TOKEN,
                                            sender_control=p.control_endpoint))
@@ -84,7 +84,7 @@ def test_issue12_receive_and_step_from_plain_threads_move_the_kv(pair):
     assert checksums(d_cache.blocks, [9, 3, 4]) == checksums(p_cache.blocks, [1, 2, 3])
 
 
-def test_issue12_a_refused_registration_is_a_failed_result_not_a_lost_error(pair):
+def test_a_refused_registration_is_a_failed_result_not_a_lost_error(pair):
     _, (d, _) = pair
     d.receive(ReceiveSpec(transfer_id="dup", block_ids=[1], token=TOKEN))
     d.receive(ReceiveSpec(transfer_id="dup", block_ids=[2], token=TOKEN))   # the id is live: refused
@@ -95,7 +95,7 @@ def test_issue12_a_refused_registration_is_a_failed_result_not_a_lost_error(pair
     assert not first.ok and not first.refused
 
 
-def test_issue12_a_bad_receive_spec_raises_at_once_and_changes_nothing(pair):
+def test_a_bad_receive_spec_raises_at_once_and_changes_nothing(pair):
     _, (d, _) = pair
     for bad in (dict(token="short"), dict(block_ids=[-1]), dict(senders=0), dict(transfer_id=""),
                 dict(first_block=-1)):
@@ -107,7 +107,7 @@ def test_issue12_a_bad_receive_spec_raises_at_once_and_changes_nothing(pair):
     assert received(d, "bad", timeout=TIMEOUTS.fence_grace + 5).refused is False
 
 
-def test_issue12_an_announce_that_fails_gives_the_transfer_up(pair):
+def test_an_announce_that_fails_gives_the_transfer_up(pair):
     _, (d, _) = pair
 
     async def proxy_down(reg: Registration) -> None:
@@ -118,7 +118,7 @@ def test_issue12_an_announce_that_fails_gives_the_transfer_up(pair):
     assert not result.ok and "registration not announced" in result.reason and "nobody took ann" in result.reason
 
 
-def test_issue12_calls_before_start_and_after_stop_are_refused():
+def test_calls_before_start_and_after_stop_are_refused():
     rt = Runtime(NodeConfig(engine_id="idle", backend="memory"))
     with pytest.raises(RuntimeStateError):
         rt.begin_step([])
@@ -131,12 +131,12 @@ def test_issue12_calls_before_start_and_after_stop_are_refused():
         rt.receive(ReceiveSpec(transfer_id="x", block_ids=[0], token=TOKEN))
 
 
-def test_issue12_every_public_name_resolves():
+def test_every_public_name_resolves():
     for name in aiolayer.__all__:
         assert getattr(aiolayer, name) is not None, name
 
 
-def test_issue12_the_core_runs_without_torch():
+def test_the_core_runs_without_torch():
     """torch is an optional extra: a whole transfer runs with torch unimportable."""
     script = textwrap.dedent(f"""
         import sys
@@ -170,7 +170,7 @@ def _bridge_files():
     return sorted((ROOT / "bridges" / "vllm" / "aiolayer_vllm").rglob("*.py"))
 
 
-def test_issue12_the_vllm_bridge_uses_only_the_public_api():
+def test_the_vllm_bridge_uses_only_the_public_api():
     offences = []
     for path in _bridge_files():
         tree = ast.parse(path.read_text(), str(path))
@@ -185,7 +185,7 @@ def test_issue12_the_vllm_bridge_uses_only_the_public_api():
     assert _bridge_files() and not offences, "\n".join(offences)
 
 
-def test_issue12_on_stop_closes_what_announce_opened_on_the_loop():
+def test_on_stop_closes_what_announce_opened_on_the_loop():
     rt = Runtime(NodeConfig(engine_id="closer", backend="memory"), TIMEOUTS).start()
     opened, closed = [], []
 
@@ -210,7 +210,7 @@ def test_issue12_on_stop_closes_what_announce_opened_on_the_loop():
     assert opened and closed == opened            # both on the runtime's loop thread
 
 
-def test_issue12_d_waits_for_one_result_and_keeps_the_others_and_mints_a_token(pair):
+def test_d_waits_for_one_result_and_keeps_the_others_and_mints_a_token(pair):
     (p, _), (d, _) = pair
     regs = [d.receive(ReceiveSpec(transfer_id=f"w{i}", block_ids=[i], sender_control=p.control_endpoint))
             for i in range(3)]

@@ -2,7 +2,7 @@
 
 Each test runs one scenario of ``aiolayer bench --scenario faults`` (bench/scenarios/faults.py) on a shared
 harness: P in this process, a healthy decode node kept for the module, a faulty node per test.
-Names say which item of docs/seed-fragilities.md the test shows impossible (fNN).
+Each test's docstring names the items of docs/seed-fragilities.md it shows impossible.
 """
 
 from __future__ import annotations
@@ -32,14 +32,16 @@ def _healthy_peer_unhurt(r: dict) -> None:
     assert r["handoff_ns"]["max"] < HANDOFF_MAX_NS, r
 
 
-def test_f20_f04_killed_d_fails_within_its_deadline_and_others_complete(harness):
+def test_killed_d_fails_within_its_deadline_and_others_complete(harness):
+    """Seed fragilities 4 and 20."""
     r = faults.scenario_kill(harness)
     _healthy_peer_unhurt(r)
     assert not r["bad_ok"] and r["bad_reason"]
     assert r["terminal_s"] <= P_DEADLINE_S + 1.0, r
 
 
-def test_f04_f09_frozen_d_fails_at_p_then_at_d_and_source_is_fenced(harness):
+def test_frozen_d_fails_at_p_then_at_d_and_source_is_fenced(harness):
+    """Seed fragilities 4 and 9."""
     r = faults.scenario_freeze(harness)
     _healthy_peer_unhurt(r)
     assert not r["bad_ok"] and "TransferTimeout" in r["bad_reason"], r
@@ -51,7 +53,8 @@ def test_f04_f09_frozen_d_fails_at_p_then_at_d_and_source_is_fenced(harness):
     assert r["d_terminal_after_sigcont_s"] <= FAULT_TIMEOUTS.receive + FAULT_TIMEOUTS.fence_grace + 1.0, r
 
 
-def test_f05_refused_write_fails_and_d_is_told(harness):
+def test_refused_write_fails_and_d_is_told(harness):
+    """Seed fragility 5."""
     r = faults.scenario_refuse(harness)
     _healthy_peer_unhurt(r)
     assert not r["bad_ok"] and "BackendError" in r["bad_reason"], r
@@ -64,7 +67,8 @@ def test_slow_peer_is_delayed_not_failed(harness):
     assert r["bad_ok"] and r["bad_verified"], r
 
 
-def test_f11_client_abort_stops_p_and_fences_d(harness):
+def test_client_abort_stops_p_and_fences_d(harness):
+    """Seed fragility 11."""
     r = faults.scenario_abort(harness)
     _healthy_peer_unhurt(r)
     assert r["aborted_tid_seen"] and not r["bad_ok"], r
@@ -73,7 +77,8 @@ def test_f11_client_abort_stops_p_and_fences_d(harness):
     assert r["d_fenced_s"] < FAULT_TIMEOUTS.fence_grace, r   # P's ack ended the fence, not the grace timer
 
 
-def test_f01_f02_unreachable_d_fails_once_off_the_forward(harness):
+def test_unreachable_d_fails_once_off_the_forward(harness):
+    """Seed fragilities 1 and 2."""
     r = faults.scenario_unreachable(harness)
     _healthy_peer_unhurt(r)
     assert not r["bad_ok"] and "layout_fetch" in r["bad_reason"], r
@@ -81,20 +86,23 @@ def test_f01_f02_unreachable_d_fails_once_off_the_forward(harness):
     assert r["terminal_s"] <= r["deadline_s"] + 1.0, r
 
 
-def test_f13_done_before_registration_completes_and_duplicate_is_a_no_op(harness):
+def test_done_before_registration_completes_and_duplicate_is_a_no_op(harness):
+    """Seed fragility 13."""
     r = faults.scenario_done_first(harness)
     assert r["early_reply"] == "kept until registration"
     assert r["state"] == "finished" and r["duplicate_reply"] == "already finished", r
 
 
-def test_f06_garbage_frames_are_all_answered_and_d_keeps_serving(harness):
+def test_garbage_frames_are_all_answered_and_d_keeps_serving(harness):
+    """Seed fragility 6."""
     r = faults.scenario_garbage(harness, frames=1000)
     assert r["answered"] == r["frames"] == 1000, r
     _healthy_peer_unhurt(r)
     assert r["bad_ok"] and r["bad_verified"], r
 
 
-def test_f16_restarted_d_on_the_same_port_is_never_written_at_stale_addresses(harness):
+def test_restarted_d_on_the_same_port_is_never_written_at_stale_addresses(harness):
+    """Seed fragility 16."""
     from aiolayer.protocol import messages as m
 
     h = harness
@@ -149,7 +157,7 @@ def _ended_visibly_none_lost(r: dict) -> None:
 
 @needs_netns
 @pytest.mark.timeout(240)
-def test_issue13_partition_row_fails_cut_transfers_in_deadline_and_recovers():
+def test_partition_row_fails_cut_transfers_in_deadline_and_recovers():
     r = net_faults.scenario_partition()
     _ended_visibly_none_lost(r)
     assert r["ok"] > 0 and r["transfers_after_link_up"] > 0 and r["good_verified"], r
@@ -157,7 +165,7 @@ def test_issue13_partition_row_fails_cut_transfers_in_deadline_and_recovers():
 
 @needs_netns
 @pytest.mark.timeout(240)
-def test_issue13_slow_link_row_fails_at_the_write_deadline_not_a_hang():
+def test_slow_link_row_fails_at_the_write_deadline_not_a_hang():
     r = net_faults.scenario_slow_link()
     _ended_visibly_none_lost(r)
     assert r["failed"] == r["transfers"] == 2 and "layer_write" in r["bad_reason"], r
@@ -166,14 +174,14 @@ def test_issue13_slow_link_row_fails_at_the_write_deadline_not_a_hang():
 
 @needs_netns
 @pytest.mark.timeout(240)
-def test_issue13_readdress_row_fails_the_old_address_fast_and_the_new_one_verifies():
+def test_readdress_row_fails_the_old_address_fast_and_the_new_one_verifies():
     r = net_faults.scenario_readdress()
     _ended_visibly_none_lost(r)
     assert r["old_control"] != r["new_control"] and r["bad_reason"].startswith("alloc:"), r
     assert r["good_verified"] and r["good_transfers"] == 3 and not r["stale_known_at_new_d"], r
 
 
-def test_issue13_network_rows_say_why_when_namespaces_are_unavailable(monkeypatch):
+def test_network_rows_say_why_when_namespaces_are_unavailable(monkeypatch):
     monkeypatch.setattr(net_faults, "available", lambda: "network namespaces need root")
     rows = net_faults.run_rows()
     assert [r["outcome"] for r in rows] == ["skipped: network namespaces need root"] * 3

@@ -35,7 +35,7 @@ def _node_with_filter(name: str, inbound_filter) -> DecodeNode:
     return d.start()
 
 
-def test_issue14_a_steps_layout_requests_go_as_one_frame(memory_runtime, memory_decode_node):
+def test_a_steps_layout_requests_go_as_one_frame(memory_runtime, memory_decode_node):
     d = memory_decode_node(SHAPE, "d-layouts", FAST)
     p = memory_p(memory_runtime, "p-layouts", FAST, 7)
     outcomes = one_step(p, d.control_endpoint, COUNT)
@@ -45,7 +45,7 @@ def test_issue14_a_steps_layout_requests_go_as_one_frame(memory_runtime, memory_
     assert all(d_state(p, d.control_endpoint, tid) == "finished" for tid in outcomes)
 
 
-def test_issue14_a_dropped_layout_item_is_asked_alone_and_fails_alone(memory_runtime):
+def test_a_dropped_layout_item_is_asked_alone_and_fails_alone(memory_runtime):
     def drop_t5(msg: m.Message) -> None:   # every LayoutRequest of t5 is lost, batched or alone
         if isinstance(msg, m.LayoutRequest) and msg.transfer_id == "t5":
             raise FrameDropped("test: t5's layout request lost")
@@ -62,7 +62,7 @@ def test_issue14_a_dropped_layout_item_is_asked_alone_and_fails_alone(memory_run
         d.stop()
 
 
-def test_issue14_a_d_without_layout_batches_gets_them_one_by_one(memory_runtime):
+def test_a_d_without_layout_batches_gets_them_one_by_one(memory_runtime):
     def old_node(msg: m.Message) -> None:   # what an older node answers to a type it does not know
         if isinstance(msg, m.LayoutBatch):
             raise ControlRejected(NackCode.DECODE, "Invalid value 'layout_batch' - at `$.type`")
@@ -78,7 +78,7 @@ def test_issue14_a_d_without_layout_batches_gets_them_one_by_one(memory_runtime)
         d.stop()
 
 
-def test_issue14_d_authorizes_each_batched_layout_request(memory_runtime, memory_decode_node):
+def test_d_authorizes_each_batched_layout_request(memory_runtime, memory_decode_node):
     d = memory_decode_node(SHAPE, "d-layout-items", FAST)
     p = memory_p(memory_runtime, "p-layout-items", FAST, 7)
     good = p.request(d.control_endpoint, m.AllocRequest(transfer_id="good", num_blocks=1), timeout=5)

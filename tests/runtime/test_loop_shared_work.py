@@ -28,7 +28,7 @@ def _spec(tid: str) -> TransferSpec:
                         dst_incarnation="i", token="t")
 
 
-def test_issue14_a_layer_is_one_append_per_step_and_wakes_only_waiting_transfers():
+def test_a_layer_is_one_append_per_step_and_wakes_only_waiting_transfers():
     async def main() -> None:
         feed = StepLayers()
         idle = [Request(_spec(f"idle-{i}"), merge_runs([0], [0]), feed) for i in range(1000)]
@@ -50,7 +50,7 @@ def test_issue14_a_layer_is_one_append_per_step_and_wakes_only_waiting_transfers
     asyncio.run(main())
 
 
-def test_issue14_a_loop_pass_publishes_together_after_one_metrics_snapshot():
+def test_a_loop_pass_publishes_together_after_one_metrics_snapshot():
     async def main() -> None:
         snapshots = []
         results = Results(on_change=lambda: snapshots.append(len(results.outcomes)))
@@ -72,7 +72,7 @@ def test_issue14_a_loop_pass_publishes_together_after_one_metrics_snapshot():
     asyncio.run(main())
 
 
-def test_issue14_the_first_answer_to_a_wait_stays_the_published_one():
+def test_the_first_answer_to_a_wait_stays_the_published_one():
     async def main() -> None:
         results = Results()
         results.expect([_spec("x")])
@@ -85,7 +85,7 @@ def test_issue14_the_first_answer_to_a_wait_stays_the_published_one():
     asyncio.run(main())
 
 
-def test_issue14_results_off_the_loop_are_visible_at_once():
+def test_results_off_the_loop_are_visible_at_once():
     results = Results()
     results.publish(Outcome(transfer_id="y", ok=True, finished_s=1.0))
     assert [o.transfer_id for o in results.pop_outcomes()] == ["y"]

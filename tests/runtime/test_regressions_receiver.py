@@ -72,7 +72,7 @@ def fence_tasks(rt: Runtime, tid: str) -> int:
 
 # --- 3: a late DONE for a settled transfer ----------------------------------------------------------
 
-def test_issue11_3_late_done_for_settled_transfer_is_not_applied_to_reregistration(runtimes):
+def test_late_done_for_settled_transfer_is_not_applied_to_reregistration(runtimes):
     """A retried DONE after the transfer settled (and was forgotten, as under vLLM) is answered how it
     ended ('already finished'): never kept as an early DONE that a re-registration of the id would
     take as its own success."""
@@ -98,7 +98,7 @@ def test_issue11_3_late_done_for_settled_transfer_is_not_applied_to_reregistrati
     assert codes == {"stranger": "auth", "register": "settled"}
 
 
-def test_issue11_3_settled_ids_are_kept_for_the_receive_deadline_only(runtimes):
+def test_settled_ids_are_kept_for_the_receive_deadline_only(runtimes):
     """Bounded in time: after Timeouts.receive the id is forgotten and may be registered afresh."""
     d = runtimes("d3b", Timeouts(receive=0.3, fence_grace=0.2))
     register(d, "t3b")
@@ -122,7 +122,7 @@ def _refused_without_a_leak(p: Runtime, endpoint) -> None:
 
 
 @pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:\udc80", "tcp://127.0.0.1:5\x00", 12345])
-def test_issue11_5_bad_peer_endpoint_is_refused_with_a_control_error_and_no_socket_leaks(runtimes, endpoint):
+def test_bad_peer_endpoint_is_refused_with_a_control_error_and_no_socket_leaks(runtimes, endpoint):
     _refused_without_a_leak(runtimes("p5"), endpoint)
 
 
@@ -138,7 +138,7 @@ def _fence_ends(d: Runtime, control: str) -> None:
     assert fence_tasks(d, "t5") == 0
 
 
-def test_issue11_5_fence_ends_when_the_prefill_control_cannot_be_reached(runtimes):
+def test_fence_ends_when_the_prefill_control_cannot_be_reached(runtimes):
     """A prefill_control D cannot even connect to still ends in failed (was: aborting forever)."""
     _fence_ends(runtimes("d5", Timeouts(receive=0.2, fence_grace=0.6)), "tcp://127.0.0.1:\udc80")
 
@@ -148,7 +148,7 @@ def test_fence_ends_when_the_prefill_control_is_ds_own(runtimes):
     _fence_ends(d, d.control_endpoint)
 
 
-def test_issue11_5_fence_ends_after_the_grace_when_asking_p_raises(runtimes):
+def test_fence_ends_after_the_grace_when_asking_p_raises(runtimes):
     """A bug in the stop call neither leaves the transfer aborting nor frees its blocks early."""
     d = runtimes("d5b", Timeouts(receive=30, fence_grace=1.0))
 
@@ -166,7 +166,7 @@ def test_issue11_5_fence_ends_after_the_grace_when_asking_p_raises(runtimes):
     assert time.monotonic() - start >= 0.9
 
 
-def test_issue11_5_a_task_that_raises_does_not_cancel_the_runtime(runtimes, caplog):
+def test_a_task_that_raises_does_not_cancel_the_runtime(runtimes, caplog):
     d = runtimes("d5c")
 
     async def bad_request():
@@ -185,7 +185,7 @@ def test_issue11_5_a_task_that_raises_does_not_cancel_the_runtime(runtimes, capl
 
 # --- 6: stats from the model-runner thread ---------------------------------------------------------
 
-def test_issue11_6_stats_from_another_thread_while_the_loop_churns_transfers():
+def test_stats_from_another_thread_while_the_loop_churns_transfers():
     """vLLM's get_kv_connector_stats runs on the model-runner thread: it must never walk the loop's
     dicts (RuntimeError: dictionary changed during iteration), and every count still arrives."""
     pytest.importorskip("vllm")
@@ -265,7 +265,7 @@ def test_issue11_6_stats_from_another_thread_while_the_loop_churns_transfers():
 
 # --- 10: several senders ---------------------------------------------------------------------------
 
-def test_issue11_10_one_senders_stop_does_not_end_the_fence_of_several(runtimes):
+def test_one_senders_stop_does_not_end_the_fence_of_several(runtimes):
     """Two P ranks write head slices; only rank 0 can be reached to be told to stop. Its 'stopped'
     speaks for itself: the blocks stay fenced until every rank's word (or the grace)."""
     d = runtimes("d10", Timeouts(receive=30, fence_grace=10))
@@ -308,7 +308,7 @@ def _send(p: Runtime, step: int, spec: TransferSpec, layers: int):
 
 
 @pytest.mark.parametrize("dispatch", ["stale", "wrong_token"])
-def test_issue11_11_a_transfer_d_refuses_gets_no_layout_and_writes_nothing(memory_decode_node, runtimes, small_shape,
+def test_a_transfer_d_refuses_gets_no_layout_and_writes_nothing(memory_decode_node, runtimes, small_shape,
                                                                       dispatch):
     """P already holds D's layout (an earlier transfer). A transfer D would refuse (one D gave up and
     whose blocks now belong to another transfer, or a wrong token) must not write a byte there."""
@@ -347,7 +347,7 @@ def test_issue11_11_a_transfer_d_refuses_gets_no_layout_and_writes_nothing(memor
 
 # --- 12: no fence task outlives its transfer ---------------------------------------------------------
 
-def test_issue11_12_settled_transfer_leaves_no_fence_task(runtimes):
+def test_settled_transfer_leaves_no_fence_task(runtimes):
     d = runtimes("d12", Timeouts(receive=30, fence_grace=30))
     p = runtimes("p12")
     register(d, "t12")

@@ -81,7 +81,7 @@ def released_within(p, tid: str, limit: float) -> float | None:
 
 # --- finding 1: FAILED / "stopped" only once no write can land --------------------------------------
 
-def test_issue11_1_failed_and_stopped_only_once_no_write_can_land(memory_runtime, memory_decode_node):
+def test_failed_and_stopped_only_once_no_write_can_land(memory_runtime, memory_decode_node):
     """A write timed out and still lands 3 s later; the quarantine (0.5 s) ends first. Until the
     write ended, D's abort must get ``settling`` and D must not hear FAILED (it would free the
     blocks the write then lands in)."""
@@ -107,7 +107,7 @@ def test_issue11_1_failed_and_stopped_only_once_no_write_can_land(memory_runtime
     assert d_state(p, d.control_endpoint, "f1") == "registered"   # D's own deadline and fence take over
 
 
-def test_issue11_1_sender_stop_does_not_declare_live_writes_quiet(memory_runtime, memory_decode_node):
+def test_sender_stop_does_not_declare_live_writes_quiet(memory_runtime, memory_decode_node):
     """The sender's loop ends (its bridge closed) with writes still in flight: the transfers must
     stay not-quiet (abort: ``settling``, no FAILED) until those writes ended; FAILED after that."""
     d = memory_decode_node(SHAPE, engine_id="d-f1s")
@@ -165,7 +165,7 @@ def _streaming(p, tid: str, limit: float = 5.0) -> None:
         time.sleep(0.02)
 
 
-def test_issue11_2_first_write_to_a_stopped_peer_stays_fenced_until_its_submit_ends(frozen_d, mooncake_p):
+def test_first_write_to_a_stopped_peer_stays_fenced_until_its_submit_ends(frozen_d, mooncake_p):
     """The first write to a new target opens its segment in a thread; D is stopped, so that blocks
     past the deadline and the submit happens later. P must keep the source until then."""
     p, cache = p_runtime(lambda e, t: mooncake_p(e, t), "p-f2",
@@ -207,7 +207,7 @@ class _RefuseSecondSubmit:
         return getattr(self._engine, name)
 
 
-def test_issue11_2_refused_submit_after_a_timed_out_run_hands_over_its_pending(frozen_d, mooncake_p):
+def test_refused_submit_after_a_timed_out_run_hands_over_its_pending(frozen_d, mooncake_p):
     p, cache = p_runtime(lambda e, t: mooncake_p(e, t), "p-f2r", Timeouts(layer_write=2.0, control_call=0.5))
     rep = alloc(p, frozen_d.control, "f2r", 4)
     layout = p.request(frozen_d.control, m.LayoutRequest(transfer_id="f2r", token=rep.token), timeout=5)
@@ -244,7 +244,7 @@ def test_issue11_2_refused_submit_after_a_timed_out_run_hands_over_its_pending(f
 
 # --- finding 4: the engine cancels a running send ------------------------------------------------------
 
-def test_issue11_4_cancel_stops_the_send_fails_it_and_tells_d_once_quiet(memory_runtime, memory_decode_node):
+def test_cancel_stops_the_send_fails_it_and_tells_d_once_quiet(memory_runtime, memory_decode_node):
     d = memory_decode_node(SHAPE, engine_id="d-f4")
     p, cache = p_runtime(memory_runtime, "p-f4")
     rep = alloc(p, d.control_endpoint, "f4", 3)
@@ -278,7 +278,7 @@ def test_issue11_4_cancel_stops_the_send_fails_it_and_tells_d_once_quiet(memory_
 
 # --- finding 5: one bad spec fails alone -------------------------------------------------------------
 
-def test_issue11_5_bad_specs_fail_alone_and_the_runtime_keeps_serving(memory_runtime, memory_decode_node):
+def test_bad_specs_fail_alone_and_the_runtime_keeps_serving(memory_runtime, memory_decode_node):
     d = memory_decode_node(SHAPE, engine_id="d-f5")
     p, cache = p_runtime(memory_runtime, "p-f5", Timeouts(control_call=0.5, done_delivery=1.0, layout_fetch=1.0))
     ep = d.control_endpoint
@@ -313,7 +313,7 @@ def test_issue11_5_bad_specs_fail_alone_and_the_runtime_keeps_serving(memory_run
 
 # --- finding 9: a flood of stranger aborts cannot keep out a genuine early abort ----------------------
 
-def test_issue11_9_stranger_abort_flood_cannot_refuse_a_genuine_early_abort(memory_runtime, memory_decode_node):
+def test_stranger_abort_flood_cannot_refuse_a_genuine_early_abort(memory_runtime, memory_decode_node):
     d = memory_decode_node(SHAPE, engine_id="d-f9", timeouts=Timeouts(fence_grace=6.0))
     p, _ = p_runtime(memory_runtime, "p-f9")
     stranger = memory_runtime("stranger")

@@ -150,7 +150,7 @@ def test_forward_thread_calls_return_at_once(pd, small_shape):
 
 # --- failures end in a terminal state on both sides -----------------------------------------------------
 
-def test_f05_backend_failure_is_reported_to_d(pd, small_shape, caplog):
+def test_backend_failure_is_reported_to_d(pd, small_shape, caplog):
     """Fragility 5: a failed transfer still tells D (FAILED), so D does not wait forever; both sides log it by id."""
     p, d, pc = pd
     rep = alloc(p, d, "bad", 6, False)
@@ -299,8 +299,8 @@ def status_via(d, tid: str) -> str:
     return d.runtime.loop_thread.call(get(), timeout=2)
 
 
-def test_f08_receiver_deadline_fails_the_transfer(memory_runtime, memory_decode_node, small_shape):
-    """F08: D's deadline ends the transfer, but its blocks stay fenced until its writer cannot write
+def test_receiver_deadline_fails_the_transfer(memory_runtime, memory_decode_node, small_shape):
+    """Seed fragility 8: D's deadline ends the transfer, but its blocks stay fenced until its writer cannot write
     any more (here a P rank that fetched the layout and then cannot be reached: the whole grace)."""
     d = memory_decode_node(small_shape, engine_id="d-deadline", timeouts=Timeouts(receive=0.2, fence_grace=0.4))
     p = memory_runtime("p-deadline")
@@ -387,8 +387,8 @@ def test_stop_leaves_no_region_socket_or_thread(small_shape):
 
 # --- layer identity, device events, collectives (seed fragilities 14, 15, 18) ------------------------
 
-def test_f14_layers_are_identified_by_index_not_by_arrival_order(pd, small_shape):
-    """Extra hooks (MTP) shifted a counter-based layer id in the seed; here the caller names the layer."""
+def test_layers_are_identified_by_index_not_by_arrival_order(pd, small_shape):
+    """Extra hooks (MTP) shifted a counter-based layer id in the seed (fragility 14); the caller names the layer."""
     p, d, pc = pd
     rep = alloc(p, d, "shuffled", 3, False)
     p.sender.begin_step(7, [spec(d, "shuffled", [4, 5, 6], rep)])
@@ -399,7 +399,7 @@ def test_f14_layers_are_identified_by_index_not_by_arrival_order(pd, small_shape
     verify(p, d, pc, "shuffled", [4, 5, 6])     # every layer's K/V landed in that layer's tensors
 
 
-def test_f15_events_are_polled_never_a_device_wide_synchronize():
+def test_events_are_polled_never_a_device_wide_synchronize():
     import ast
     import asyncio
     import pathlib
@@ -429,7 +429,7 @@ def test_f15_events_are_polled_never_a_device_wide_synchronize():
         asyncio.run(wait_event(PendingEvent(ready_after=10 ** 9), timeout=0.05))
 
 
-def test_f18_no_collective_on_the_connector_path():
+def test_no_collective_on_the_connector_path():
     import ast
     import pathlib
 
@@ -442,8 +442,8 @@ def test_f18_no_collective_on_the_connector_path():
             assert not any(n.startswith("torch.distributed") for n in names), f"{path.name} imports {names}"
 
 
-def test_f09_source_released_only_after_every_write_settled(memory_runtime, memory_decode_node, small_shape):
-    """The seed freed P's blocks with sends still queued; here release waits for the last write."""
+def test_source_released_only_after_every_write_settled(memory_runtime, memory_decode_node, small_shape):
+    """The seed freed P's blocks with sends still queued (fragility 9); here release waits for the last write."""
     d = memory_decode_node(small_shape, engine_id="d-slow")
     p = memory_runtime("p-fence")
     pc = PagedKVCache(small_shape)

@@ -51,7 +51,7 @@ def _refused(caches, *args, match: str, **kw) -> str:
 
 # --- accepted layouts ------------------------------------------------------------------------------
 
-def test_issue14_flash_two_planes_nhd():
+def test_flash_two_planes_nhd():
     caches = {n: torch.zeros(2, B, N, H, D, dtype=torch.float16) for n in NAMES}
     kl = describe(caches, B, N, D, H, use_mla=False)
     assert kl.names == tuple(layer_order(NAMES)) == (NAMES[1], NAMES[0], NAMES[2])
@@ -61,7 +61,7 @@ def test_issue14_flash_two_planes_nhd():
     assert kl.geometry == HeadGeometry(N, D * F16, "NHD")
 
 
-def test_issue14_flash_hnd_seen_through_a_permuted_view():
+def test_flash_hnd_seen_through_a_permuted_view():
     """Flash with HND: memory [2, B, H, N, D], handed over as the logical [2, B, N, H, D]."""
     caches = {n: torch.zeros(2, B, H, N, D, dtype=torch.float16).permute(0, 1, 3, 2, 4) for n in NAMES}
     assert caches[NAMES[0]].shape == (2, B, N, H, D) and not caches[NAMES[0]].is_contiguous()
@@ -70,7 +70,7 @@ def test_issue14_flash_hnd_seen_through_a_permuted_view():
     assert kl.v_base[0] - kl.k_base[0] == B * N * H * D * F16
 
 
-def test_issue14_old_cpu_two_planes_hnd():
+def test_earlier_vllm_cpu_two_planes_hnd():
     """vLLM 0.11-era CPU backend: [2, B, H, N, D] contiguous (the sizes tell heads from tokens)."""
     caches = {n: torch.zeros(2, B, H, N, D, dtype=torch.bfloat16) for n in NAMES}
     kl = describe(caches, B, N, D, H, use_mla=False)
@@ -79,7 +79,7 @@ def test_issue14_old_cpu_two_planes_hnd():
 
 @pytest.mark.parametrize("layout,memory", [(KVCacheLayout.LBHNC, "HND"), (KVCacheLayout.LBNHC, "NHD")])
 @pytest.mark.parametrize("heads", [H, 1])
-def test_issue14_one_plane_k_and_v_from_the_installed_vllm(layout, memory, heads):
+def test_one_plane_k_and_v_from_the_installed_vllm(layout, memory, heads):
     """vLLM >= 0.32 (and its CPU backend, LBHNC): [B, H, N, 2D] per layer, K and V in one plane."""
     caches = _vllm_views(layout, heads)
     kl = describe(caches, B, N, D, heads, use_mla=False)
@@ -90,13 +90,13 @@ def test_issue14_one_plane_k_and_v_from_the_installed_vllm(layout, memory, heads
     assert abs(kl.k_base[1] - kl.k_base[0]) == B * kl.block_bytes      # layer-compact: one region per layer
 
 
-def test_issue14_cpu_layout_as_the_peers_note_measured_it():
+def test_cpu_layout_of_the_tiny_llama_on_vllm_cpu():
     """The tiny Llama on vllm-cpu: [num_blocks, kv_heads, block_size, 2*head_dim], contiguous."""
     kl = describe({"m.layers.0.a": torch.zeros(B, H, N, 2 * D)}, B, N, D, H, use_mla=False)
     assert (kl.v_base, kl.geometry, kl.kv_heads) == ((0,), HeadGeometry(N, 2 * D * 4, "HND"), H)
 
 
-def test_issue14_mla_latent_plane_cuda_and_cpu():
+def test_mla_latent_plane_cuda_and_cpu():
     cuda = {n: torch.zeros(B, N, 576, dtype=torch.bfloat16) for n in NAMES}
     cpu = _vllm_views(KVCacheLayout.LBHNC, mla=True, dtype=torch.float32)    # [B, 1, N, 576]
     assert cpu[NAMES[0]].shape == (B, 1, N, 576)
@@ -110,7 +110,7 @@ def test_issue14_mla_latent_plane_cuda_and_cpu():
     assert tuple_form.k_base == tuple(cuda[n].data_ptr() for n in tuple_form.names)
 
 
-def test_issue14_ascend_k_v_tuples():
+def test_ascend_k_v_tuples():
     caches = {n: (torch.zeros(B, N, H, D, dtype=torch.float16), torch.zeros(B, N, H, D, dtype=torch.float16))
               for n in NAMES}
     for form in (tuple, list):
@@ -120,7 +120,7 @@ def test_issue14_ascend_k_v_tuples():
         assert kl.geometry == HeadGeometry(N, D * F16, "NHD") and kl.block_bytes == N * H * D * F16
 
 
-def test_issue14_heads_equal_to_block_size_follow_the_convention_or_the_hint():
+def test_heads_equal_to_block_size_follow_the_convention_or_the_hint():
     caches = {"m.layers.0.a": torch.zeros(2, B, 8, 8, D)}
     assert describe(caches, B, 8, D, 8, use_mla=False).geometry.layout == "NHD"        # flash's [N, H]
     assert describe(caches, B, 8, D, 8, use_mla=False, logical="HND").geometry.layout == "HND"
@@ -128,7 +128,7 @@ def test_issue14_heads_equal_to_block_size_follow_the_convention_or_the_hint():
     assert describe(one_plane, B, 8, D, 8, use_mla=False).geometry.layout == "HND"     # vLLM's [H, N]
 
 
-def test_issue14_views_zero_exactly_the_given_blocks():
+def test_views_zero_exactly_the_given_blocks():
     """``views`` are what worker._zero fills: through a permuted view too."""
     caches = {n: torch.ones(2, B, H, N, D).permute(0, 1, 3, 2, 4) for n in NAMES}
     kl = describe(caches, B, N, D, H, use_mla=False)
@@ -141,7 +141,7 @@ def test_issue14_views_zero_exactly_the_given_blocks():
 
 # --- refused layouts -------------------------------------------------------------------------------
 
-def test_issue14_layer_interleaved_vllm_layout_is_refused_with_shape_and_strides():
+def test_layer_interleaved_vllm_layout_is_refused_with_shape_and_strides():
     caches = _vllm_views(KVCacheLayout.BLHNC)
     t = caches[NAMES[1]]
     msg = _refused(caches, B, N, D, H, use_mla=False, match="not dense with the blocks outermost")
@@ -151,7 +151,7 @@ def test_issue14_layer_interleaved_vllm_layout_is_refused_with_shape_and_strides
 @pytest.mark.parametrize("case", ["ascend_mla_pair", "ascend_sparse_triple", "k_v_triple", "flashinfer_blocks_first",
                                   "wrong_head_size", "wrong_heads", "kernel_blocks", "not_a_tensor", "kv_overlap",
                                   "kv_differ", "mla_two_planes", "padded_blocks"])
-def test_issue14_other_layouts_are_refused_naming_the_shape(case):
+def test_other_layouts_are_refused_naming_the_shape(case):
     name, mla, heads = "model.layers.3.attn", False, H
     if case == "ascend_mla_pair":          # (NoPE, RoPE): blocks of other sizes
         cache, mla, heads = (torch.zeros(B, N, 1, 512), torch.zeros(B, N, 1, 64)), True, 1
@@ -187,7 +187,7 @@ def test_issue14_other_layouts_are_refused_naming_the_shape(case):
 
 
 @pytest.mark.parametrize("other", ["memory_order", "dtype", "heads_layout"])
-def test_issue14_layers_that_disagree_are_refused(other):
+def test_layers_that_disagree_are_refused(other):
     caches = {n: torch.zeros(2, B, N, H, D, dtype=torch.float16) for n in NAMES}
     if other == "memory_order":
         caches[NAMES[2]] = torch.zeros(2, B, H, N, D, dtype=torch.float16).permute(0, 1, 3, 2, 4)
@@ -199,7 +199,7 @@ def test_issue14_layers_that_disagree_are_refused(other):
     assert NAMES[2] in msg
 
 
-def test_issue14_bad_arguments_are_refused():
+def test_bad_arguments_are_refused():
     caches = {"m.layers.0.a": torch.zeros(2, B, N, H, D)}
     _refused({}, B, N, D, H, use_mla=False, match="no KV caches")
     _refused(caches, 0, N, D, H, use_mla=False, match="num_blocks")
@@ -267,7 +267,7 @@ SRC, DST = [5, 0, 1, 3], [2, 3, 4, 0]        # a broken run on purpose
 
 @pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC], ids=["cpu_hnd", "flash032_nhd"])
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)], ids=["p2_d1", "p1_d2"])
-def test_issue14_one_plane_head_slices_land_byte_exactly(p_tp, d_tp, layout):
+def test_one_plane_head_slices_land_byte_exactly(p_tp, d_tp, layout):
     """4 KV heads, K and V in one plane per layer; every D rank gets exactly its heads of P's blocks."""
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     whole = [_random((B, KV_HEADS, N, 2 * D), 14 + i).view(torch.float16) for i in range(LAYERS)]   # [B, H, N, 2D]
@@ -289,7 +289,7 @@ def test_issue14_one_plane_head_slices_land_byte_exactly(p_tp, d_tp, layout):
             assert not got[untouched].view(torch.int16).any(), (r, layer)   # nothing else written
 
 
-def test_issue14_mla_latent_moves_whole_blocks_on_map_ranks_routes():
+def test_mla_latent_moves_whole_blocks_on_map_ranks_routes():
     """MLA, P TP=2 -> D TP=2: each D rank's latent comes from one P rank (map_ranks(mla=True))."""
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     latent = [_random((B, 1, N, 576 * 2), 40 + i).view(torch.float32) for i in range(LAYERS)]

@@ -99,7 +99,7 @@ def _wait_all(ps: list[WorkerSide], ds: list[WorkerSide]) -> None:
 
 @pytest.mark.parametrize("heads", [4, 2])   # 2 KV heads: TP 4 replicates each on two ranks (GQA)
 @pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (2, 4), (1, 4), (4, 1), (4, 4)])
-def test_issue14_each_d_rank_holds_exactly_its_heads_of_every_sent_block(p_tp, d_tp, heads):
+def test_each_d_rank_holds_exactly_its_heads_of_every_sent_block(p_tp, d_tp, heads):
     src, dst = [1, 2, 3, 7], [4, 5, 9, 10]          # runs that merge on both sides and one that breaks
     ps, ds = _handoff(p_tp, d_tp, src, dst, heads)
     try:
@@ -116,7 +116,7 @@ def test_issue14_each_d_rank_holds_exactly_its_heads_of_every_sent_block(p_tp, d
             w.shutdown()
 
 
-def test_issue14_a_d_rank_waits_for_every_p_rank_that_writes_into_it():
+def test_a_d_rank_waits_for_every_p_rank_that_writes_into_it():
     """P TP=2 -> D TP=1: only one P rank sends; D must not finish on its DONE alone."""
     ps, ds = _ranks("p", 2, fill=True), _ranks("d", 1, fill=False)
     try:

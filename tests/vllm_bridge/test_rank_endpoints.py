@@ -22,7 +22,7 @@ from aiolayer_vllm.ranks import Topology, rank_transfer_id, routes_for_p, whole_
 TOKEN = "t" * 32
 
 
-def test_issue14_each_rank_binds_base_plus_its_rank_and_names_itself():
+def test_each_rank_binds_base_plus_its_rank_and_names_itself():
     ports = {(dp, tp): Topology(tp_rank=tp, tp_size=2, dp_rank=dp, dp_size=2, total_kv_heads=2).control_port(5600)
              for dp in range(2) for tp in range(2)}
     assert ports == {(0, 0): 5600, (0, 1): 5601, (1, 0): 5602, (1, 1): 5603}
@@ -34,7 +34,7 @@ def test_issue14_each_rank_binds_base_plus_its_rank_and_names_itself():
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4), (4, 2), (4, 4)])
-def test_issue14_every_d_head_is_written_once_by_a_p_rank_holding_it(p_tp, d_tp):
+def test_every_d_head_is_written_once_by_a_p_rank_holding_it(p_tp, d_tp):
     """2 KV heads: TP 4 replicates them. Every D rank gets each of its heads from exactly one P rank,
     and waits for exactly the P ranks that write into it."""
     heads = 2
@@ -54,7 +54,7 @@ def test_issue14_every_d_head_is_written_once_by_a_p_rank_holding_it(p_tp, d_tp)
         assert writers_of_d(d_me, p_tp) == sorted(writers[d])
 
 
-def test_issue14_mla_sends_each_d_rank_once_spread_over_p_ranks():
+def test_mla_sends_each_d_rank_once_spread_over_p_ranks():
     for p_tp, d_tp in [(2, 1), (1, 2), (2, 4), (4, 2)]:
         routes = [r for p in range(p_tp) for r in routes_for_p(Topology(tp_rank=p, tp_size=p_tp, mla=True), d_tp)]
         assert sorted(r.d_rank for r in routes) == list(range(d_tp))          # each D rank exactly once
@@ -62,12 +62,12 @@ def test_issue14_mla_sends_each_d_rank_once_spread_over_p_ranks():
         assert all(whole_blocks(r, Topology(tp_rank=r.p_rank, tp_size=p_tp, mla=True), d_tp) for r in routes)
 
 
-def test_issue14_transfer_ids_are_rank_qualified_only_with_several_d_ranks():
+def test_transfer_ids_are_rank_qualified_only_with_several_d_ranks():
     assert rank_transfer_id("x", 0, 1) == "x"
     assert [rank_transfer_id("x", d, 2) for d in range(2)] == ["x.d0", "x.d1"]
 
 
-def test_issue14_parameters_name_several_ranks_in_one_of_two_forms():
+def test_parameters_name_several_ranks_in_one_of_two_forms():
     send = read({"aiolayer": {"transfer_id": "x", "token": TOKEN, "dst_blocks": [3, 4], "decode_ranks": [
         {"decode_control": "tcp://10.0.0.2:5600", "dst_incarnation": "a"},
         {"decode_control": "tcp://10.0.0.2:5601", "dst_incarnation": "b"}]}})
@@ -87,7 +87,7 @@ def test_issue14_parameters_name_several_ranks_in_one_of_two_forms():
             read({"aiolayer": {"transfer_id": "x", "token": TOKEN, **bad}})
 
 
-def test_issue14_the_proxy_backend_names_every_p_rank():
+def test_the_proxy_backend_names_every_p_rank():
     b = Backend.parse("prefill", "http://h:8100,tcp://h:5600,tp=2")
     assert b.controls == ["tcp://h:5600", "tcp://h:5601"]
     assert Backend.parse("prefill", "http://h:8100,tcp://h:5600").controls == ["tcp://h:5600"]
@@ -106,7 +106,7 @@ def _reg(rank: int, ranks: int, blocks=(7, 8), port: int = 5600) -> dict:
             "ranks": ranks, "incarnation": f"inc{rank}", "decode_control": f"tcp://d:{port + rank}"}
 
 
-async def test_issue14_the_proxy_calls_p_only_once_every_d_rank_registered():
+async def test_the_proxy_calls_p_only_once_every_d_rank_registered():
     p = Backend.parse("prefill", "http://p:8100,tcp://p:5600,tp=2")
     d = Backend.parse("decode", "http://d:8200,tcp://d:5600")
     ex = Exchange(_State(), "/v1/completions", {"prompt": "x"}, p, d)
@@ -126,7 +126,7 @@ async def test_issue14_the_proxy_calls_p_only_once_every_d_rank_registered():
                                                                                          "dst_incarnation"}
 
 
-def test_issue14_pipeline_parallel_is_refused_at_start():
+def test_pipeline_parallel_is_refused_at_start():
     from types import SimpleNamespace
 
     from aiolayer_vllm.ranks import from_vllm
@@ -138,7 +138,7 @@ def test_issue14_pipeline_parallel_is_refused_at_start():
         from_vllm(cfg)
 
 
-def test_issue14_a_dense_models_dp_rank_is_read_where_vllm_keeps_it():
+def test_a_dense_models_dp_rank_is_read_where_vllm_keeps_it():
     """vLLM runs the DP ranks of a dense model as independent engines: it resets data_parallel_rank/size
     to 0/1 and keeps the rank in data_parallel_index (two DP ranks once bound the same port)."""
     from types import SimpleNamespace
@@ -154,7 +154,7 @@ def test_issue14_a_dense_models_dp_rank_is_read_where_vllm_keeps_it():
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
-def test_issue14_aiolayers_threads_leave_the_forwards_pinned_core():
+def test_aiolayers_threads_leave_the_forwards_pinned_core():
     """vLLM pins a CPU worker's main thread (OpenMP binding); a thread it starts inherits that core.
     Threads started under ``unpinned`` get the engine's CPUs (the parent's), and the caller keeps its own."""
     code = textwrap.dedent("""

@@ -50,7 +50,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def test_issue15_a_capped_reader_sleeps_past_the_cap_where_vllms_spins():
+def test_a_capped_reader_sleeps_past_the_cap_where_vllms_spins():
     r = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=90)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
@@ -62,7 +62,7 @@ def test_issue15_a_capped_reader_sleeps_past_the_cap_where_vllms_spins():
 
 @pytest.mark.parametrize("value, ok", [(2.0, True), (0, True), (None, True), (-1, False), (1001, False),
                                        ("2", False)])
-def test_issue15_queue_spin_ms_is_checked_at_the_boundary(value, ok):
+def test_queue_spin_ms_is_checked_at_the_boundary(value, ok):
     from aiolayer.errors import ConfigError
     from aiolayer_vllm.config import from_extra_config
 
@@ -74,7 +74,7 @@ def test_issue15_queue_spin_ms_is_checked_at_the_boundary(value, ok):
             from_extra_config({"queue_spin_ms": value}, "e")
 
 
-def test_issue15_the_default_caps_at_2_ms():
+def test_the_default_caps_at_2_ms():
     from aiolayer_vllm.config import from_extra_config
 
     assert from_extra_config({}, "e").queue_spin_s == 0.002

@@ -286,7 +286,7 @@ def _stats_until(engine: Engine, key: str, limit: float = 5.0):
     return total
 
 
-def test_issue11_6_the_step_that_reports_a_transfer_also_counts_it(engines):
+def test_the_step_that_reports_a_transfer_also_counts_it(engines):
     """vLLM collects the stats right after the transfer results of a step, and an idle engine takes
     no further step: a count published later than its transfer's result is lost until the next request
     (the published snapshot must count an outcome before the outcome is visible)."""

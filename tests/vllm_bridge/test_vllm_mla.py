@@ -159,13 +159,13 @@ def _assert_equal(answers: dict, baseline: dict) -> None:
             (prompt[:40], logprobs, want_logprobs)
 
 
-def test_issue14_mla_p_tp1_into_d_tp1_equals_the_aggregated_engine(mla):
+def test_mla_p_tp1_into_d_tp1_equals_the_aggregated_engine(mla):
     (p, p_port), (d, d_port) = mla["p"], mla["d"]
     assert "CPU_MLA" in d.log_text() or "CPUMLA" in d.log_text().replace("_", ""), d.log_tail(3000)
     _assert_equal(_through_proxy(p, p_port, 1, d, d_port, mla["baseline"]), mla["baseline"])
 
 
-def test_issue14_mla_zeroed_latent_at_d_changes_the_answer(mla):
+def test_mla_zeroed_latent_at_d_changes_the_answer(mla):
     """The negative control: the same flow into a D that zeroes the received latent must not match."""
     p, p_port = mla["p"]
     z_port = free_ports(1)
@@ -181,7 +181,7 @@ def test_issue14_mla_zeroed_latent_at_d_changes_the_answer(mla):
              prompt[:40], tokens, logprobs, want_logprobs)
 
 
-def test_issue14_mla_p_tp2_into_d_tp1_one_rank_sends(mla):
+def test_mla_p_tp2_into_d_tp1_one_rank_sends(mla):
     """P with TP=2: one rank writes D's latent, the other finishes the request without sending."""
     d, d_port = mla["d"]
     p_port = free_ports(2)

@@ -95,12 +95,12 @@ def pair():
         yield {"tp1": (one, one_port), "tp2": (two, two_port)}
 
 
-def test_issue14_p_tp2_into_d_tp1_equals_the_aggregated_engine(pair):
+def test_p_tp2_into_d_tp1_equals_the_aggregated_engine(pair):
     (p, p_port), (d, d_port) = pair["tp2"], pair["tp1"]
     _through_proxy(p, p_port, d, d_port)
 
 
-def test_issue14_p_tp1_into_d_tp2_equals_the_aggregated_engine(pair):
+def test_p_tp1_into_d_tp2_equals_the_aggregated_engine(pair):
     (p, p_port), (d, d_port) = pair["tp1"], pair["tp2"]
     _through_proxy(p, p_port, d, d_port)
 

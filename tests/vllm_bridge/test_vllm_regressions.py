@@ -48,7 +48,7 @@ def _pool_full(engine: Engine) -> bool:
 
 # --- finding 3: D re-parks a request whose KV already arrived ------------------------------------------
 
-def test_issue11_3_one_token_prompt_is_computed_locally_after_its_kv_arrived(engines):
+def test_one_token_prompt_is_computed_locally_after_its_kv_arrived(engines):
     """vLLM recomputes the last token of a full-prompt load: with a 1-token prompt it resets the
     count to 0 and asks the connector again. The parameters are spent: no second receive."""
     d = engines("kv_consumer", "d-f3-one")
@@ -62,7 +62,7 @@ def test_issue11_3_one_token_prompt_is_computed_locally_after_its_kv_arrived(eng
     assert d.runtime.receiver.outcome_counts == {"finished": 1}
 
 
-def test_issue11_3_request_preempted_at_d_is_prefilled_locally_not_parked_again(engines):
+def test_request_preempted_at_d_is_prefilled_locally_not_parked_again(engines):
     """A tiny KV cache at D: two received requests outgrow it while decoding, vLLM preempts one
     (freeing its blocks, so the received KV is gone) and asks the connector again; the request is
     then prefilled locally and completes, instead of waiting for a transfer that already happened."""
@@ -93,7 +93,7 @@ def test_issue11_3_request_preempted_at_d_is_prefilled_locally_not_parked_again(
 # --- finding 4: P preempted while its layer-wise send is in flight -------------------------------------
 
 @pytest.mark.parametrize("asynchronous", [True, False], ids=["async-scheduling", "sync"])
-def test_issue11_4_send_of_a_request_preempted_at_p_fails_and_never_says_done(engines, asynchronous):
+def test_send_of_a_request_preempted_at_p_fails_and_never_says_done(engines, asynchronous):
     """vLLM frees a preempted request's blocks at once (``_preempt_request``), even while the step
     that carried its layer-wise send is still writing them to D; here the next step's forward
     reuses those blocks for other requests before the (slowed) writes read them. The send must
@@ -151,7 +151,7 @@ BAD_RECV = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_RECV))
-def test_issue11_5_bad_params_at_d_prefill_locally(engines, case):
+def test_bad_params_at_d_prefill_locally(engines, case):
     d = engines("kv_consumer", "d-f5")
     params = {"transfer_id": "f5", "token": tok("f5"), "prefill_control": "tcp://127.0.0.1:5555", **BAD_RECV[case]}
     d.add("d-bad", list(range(40)), 2, {"aiolayer": params})
@@ -175,7 +175,7 @@ BAD_SEND = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_SEND))
-def test_issue11_5_bad_params_at_p_are_not_sent_and_the_engine_keeps_serving(engines, case):
+def test_bad_params_at_p_are_not_sent_and_the_engine_keeps_serving(engines, case):
     d = engines("kv_consumer", "d-f5p")
     p = engines("kv_producer", "p-f5p")
     prompt = list(range(7, 71))
@@ -197,7 +197,7 @@ def test_issue11_5_bad_params_at_p_are_not_sent_and_the_engine_keeps_serving(eng
     assert p.runtime.sender.outcome_counts == {"finished": 1}
 
 
-def test_issue11_5_worker_never_raises_for_one_bad_request(engines):
+def test_worker_never_raises_for_one_bad_request(engines):
     """Defence in depth: metadata the scheduler would never build still fails alone at the worker."""
     from aiolayer_vllm.metadata import AiolayerMetadata, SendReq
 
@@ -226,7 +226,7 @@ def test_issue11_5_worker_never_raises_for_one_bad_request(engines):
 
 # --- finding 7: n > 1 shares one kv_transfer_params ---------------------------------------------------
 
-def test_issue11_7_d_children_sharing_a_transfer_id_are_served_once_each(engines):
+def test_d_children_sharing_a_transfer_id_are_served_once_each(engines):
     """vLLM's n > 1 children share one kv_transfer_params: the first receives, the others are
     prefilled locally; none waits forever."""
     d = engines("kv_consumer", "d-f7")
@@ -244,7 +244,7 @@ def test_issue11_7_d_children_sharing_a_transfer_id_are_served_once_each(engines
     assert _pool_full(d)
 
 
-def test_issue11_7_p_children_sharing_a_transfer_id_send_once_and_free_every_block(engines):
+def test_p_children_sharing_a_transfer_id_send_once_and_free_every_block(engines):
     d = engines("kv_consumer", "d-f7p")
     p = engines("kv_producer", "p-f7p")
     prompt = list(range(13, 77))
@@ -262,7 +262,7 @@ def test_issue11_7_p_children_sharing_a_transfer_id_send_once_and_free_every_blo
 
 # --- finding 8: kv_role "kv_both" ---------------------------------------------------------------------
 
-def test_issue11_8_kv_both_engines_tell_p_parameters_from_d_parameters(engines):
+def test_kv_both_engines_tell_p_parameters_from_d_parameters(engines):
     """vLLM's NIXL recipes start both engines with kv_both: P's own request (P's parameters) must be
     prefilled and sent, not parked as a receive; D's must be parked and received."""
     d = engines("kv_both", "d-f8")
