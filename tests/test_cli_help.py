@@ -1,4 +1,4 @@
-"""Every flag of every ``aiolayer`` command says what it does, and --help shows its default (issue 13)."""
+"""Every flag of every ``aiolayer`` command says what it does, and --help shows its default."""
 
 from __future__ import annotations
 

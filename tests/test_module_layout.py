@@ -1,4 +1,4 @@
-"""Issue 12 §4: bench/ laid out like the core. Its modules import each other without a cycle (read from
+"""bench/ laid out like the core. Its modules import each other without a cycle (read from
 the source with ``ast``, imports inside functions included: a deferred import hides a cycle, it does not
 remove it), and the bench and the tests start their child processes through one helper."""
 

@@ -1,4 +1,4 @@
-"""Issue 14, head-slice speed: what made the scale scenario fast keeps the write contract.
+"""Head-slice speed: what made the scale scenario fast keeps the write contract.
 
 - ``LayerPlan`` (every layer's addresses in one numpy pass per transfer) gives exactly what
   ``layer_runs`` gives, layer by layer and for layers written together.

@@ -1,4 +1,4 @@
-"""Issue 14, head-slice speed: the Mooncake backend's grouped writes keep their contract, slices merge
+"""Head-slice speed: the Mooncake backend's grouped writes keep their contract, slices merge
 where both sides are contiguous, and ``bench --scenario scale`` reports the raw-Mooncake baseline.
 
 The backend tests use the real engine against an ``aiolayer node`` subprocess: a group of many small

@@ -1,4 +1,4 @@
-"""Transport configuration (issue 13): one struct, bind vs advertised host, RDMA refused clearly where
+"""Transport configuration: one struct, bind vs advertised host, RDMA refused clearly where
 there is no device, and the vLLM connector's extra config decoded strictly into it."""
 
 from __future__ import annotations

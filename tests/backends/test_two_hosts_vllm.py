@@ -33,7 +33,7 @@ def _engine(hosts: netns.Hosts, host: netns.Host, role: str, model, core: str) -
                   "timeouts": {"receive": 60.0, "fence_grace": 10.0}}}
     # vLLM's defaults but two: eager (torch.compile would add ~40 s per engine; the matrix covers it), and
     # each engine's threads on a core of its own, as on two machines (vLLM's default binds both to core 0,
-    # where D's engine, spinning while a request is parked, starves P's worker: issue 15)
+    # where D's engine, spinning while a request is parked, starves P's worker: docs/vllm.md, "A parked D's CPU")
     return VllmServer(model, name=f"{role}-ns", netns=host.ns, host=host.mgmt, bind_host="0.0.0.0",
                       port=HTTP_PORT, kv_transfer_config=config, enforce_eager=True, omp_bind=core,
                       env=MC_ENV | {"VLLM_HOST_IP": host.address})

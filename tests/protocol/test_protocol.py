@@ -361,7 +361,7 @@ def test_receiver_failure_keeps_first_reason():
 @pytest.mark.parametrize("start", ["deadline", "abort"])
 @pytest.mark.parametrize("end", ["fenced", "failed", "done"])
 def test_receiver_deadline_or_abort_fences_before_failing(start, end):
-    """F08/F11: a deadline or abort does not free anything at once: ABORTING until P is quiet."""
+    """Seed fragilities 8 and 11: a deadline or abort does not free anything at once: ABORTING until P is quiet."""
     r = receiver_transfer()
     assert r.apply(start, "why D gave up") is True
     assert r.state is State.ABORTING and not r.terminal

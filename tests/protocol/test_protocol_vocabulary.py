@@ -1,4 +1,4 @@
-"""Issue 12 §3: the protocol's vocabulary is typed, in ``aiolayer/protocol/`` only, and the wire is unchanged.
+"""The protocol's vocabulary is typed, in ``aiolayer/protocol/`` only, and the wire is unchanged.
 
 Nack codes, Ack details that are signals and state-machine events are str enums there; everywhere
 else in the core and the bridges a literal in their place is a bug (a typo is a silent new code).

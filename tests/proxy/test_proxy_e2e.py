@@ -1,4 +1,4 @@
-"""Issue 6: the D-first proxy in front of real vLLM CPU engines, end to end.
+"""The D-first proxy in front of real vLLM CPU engines, end to end.
 
 One P, one D (vLLM with AiolayerConnector) and ``aiolayer proxy`` as a real process. Requests
 through the proxy must give the same tokens as the aggregated engine (P answering on its own);

@@ -1,4 +1,5 @@
-"""Issue 11, the proxy's part (findings 7 and 13), against ``aiolayer proxy`` as a real process.
+"""Regressions of the proxy (request bodies, streams that end early, load balancing, headers), against
+``aiolayer proxy`` as a real process.
 
 The engines are small fake vLLM servers (``helpers_proxy.FakeEngine``: uvicorn in threads of this
 process, real sockets). Each has a real aiolayer control socket, so the proxy's ``AbortRequest`` to D

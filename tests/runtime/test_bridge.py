@@ -340,7 +340,7 @@ def test_stop_raises_when_a_task_refuses_cancellation():
 
 
 def test_a_crashing_spawned_task_is_logged_and_counted_and_the_loop_goes_on(caplog):
-    """Issue 11 (5): one task's error (one bad request) must not cancel its TaskGroup siblings."""
+    """One task's error (one bad request) must not cancel its TaskGroup siblings."""
     lt = LoopThread(name="aiolayer-test-crash")
     exits: list = []
     lt.on_exit(exits.append)
@@ -455,7 +455,7 @@ def test_sender_crash_closes_bridge_and_stop_leaves_nothing(memory_runtime):
     while rt.loop_thread.task_errors == 0:
         assert time.monotonic() < deadline, "the sender task never crashed"
         time.sleep(0.01)
-    assert rt.loop_thread.alive                         # issue 11 (5): a task's crash is not the runtime's
+    assert rt.loop_thread.alive                         # a task's crash is not the runtime's
     with pytest.raises(BridgeClosed):                   # but the forward thread learns the sender is gone
         rt.sender.layer_ready(0, 0)
     t0 = time.monotonic()

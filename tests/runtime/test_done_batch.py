@@ -1,4 +1,4 @@
-"""Issue 14, P's DONEs batched per D (``runtime.done_batch``): one frame for the DONEs of a loop pass,
+"""P's DONEs batched per D (``runtime.done_batch``): one frame for the DONEs of a loop pass,
 and each still means what it meant alone.
 
 - Transfers of one step that end together reach D as ``DoneBatch`` frames; every one is verified

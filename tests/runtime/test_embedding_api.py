@@ -1,4 +1,4 @@
-"""The embedding API (issue 12 §1): every Runtime method callable from any thread, D's side as symmetric
+"""The embedding API: every Runtime method callable from any thread, D's side as symmetric
 as P's, refusals visible, torch optional, and the vLLM bridge built on nothing else."""
 
 from __future__ import annotations

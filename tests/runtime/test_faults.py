@@ -17,7 +17,7 @@ from aiolayer.bench.scenarios import faults  # noqa: E402
 from aiolayer.bench.scenarios.faults import FAULT_TIMEOUTS, P_DEADLINE_S  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
-HANDOFF_MAX_NS = 50_000_000   # the old design stalled the forward ~3 s per layer; allow scheduler noise
+HANDOFF_MAX_NS = 50_000_000   # the design aiolayer replaces stalled the forward ~3 s per layer; allow scheduler noise
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Issue 14, P's layout requests batched per D (``runtime.metadata``): the fetches one pass of P's loop
+"""P's layout requests batched per D (``runtime.metadata``): the fetches one pass of P's loop
 starts for one D (a step's transfers) go as ONE ``LayoutBatch`` frame, and D still authorizes each.
 
 - A step's transfers to one D cost one layout frame; every transfer finishes and is counted as asked.

@@ -1,4 +1,4 @@
-"""Issue 14, the loop's cost per transfer: work shared by the transfers of a step or of a loop pass.
+"""The loop's cost per transfer: work shared by the transfers of a step or of a loop pass.
 
 - A layer handed over is appended once to its step's ``StepLayers``, whatever the number of
   transfers: each reads it through its own cursor, and only a transfer already waiting is woken (with

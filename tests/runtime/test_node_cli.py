@@ -143,7 +143,7 @@ def test_port_in_use_exits_nonzero_with_message():
     (["--port", "70000"], 1, "control_port out of range"),
     (["--advertise-host", "0.0.0.0"], 1, "is not an address a peer can dial"),
     (["--metadata-server", "redis://x"], 1, "metadata server must be P2PHANDSHAKE"),
-    # issue 13: RDMA asked for on a host without a device fails at start, naming what is missing
+    # RDMA asked for on a host without a device fails at start, naming what is missing
     (["--protocol", "rdma"], 1, "transport protocol 'rdma' needs an RDMA device"),
 ], ids=["dtype", "int", "backend", "prefill", "zero-layers", "hostname", "port-range", "advertise-wildcard",
         "metadata-scheme", "rdma-without-device"])

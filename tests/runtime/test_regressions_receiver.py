@@ -1,4 +1,5 @@
-"""Issue 11, D side and runtime plumbing: each test is named after the finding it pins (f11_N).
+"""Regressions of D's side and the runtime's plumbing: late DONEs, fences that always end, bad endpoints,
+stats from another thread, several senders, the layout only for an accepted transfer.
 
 Real runtimes on the memory backend talking over real control sockets; D's receiver is driven
 on its own loop, as the vLLM worker and the decode node drive it.
@@ -70,7 +71,7 @@ def fence_tasks(rt: Runtime, tid: str) -> int:
     return on_loop(rt, lambda: sum(1 for t in asyncio.all_tasks() if t.get_name() == f"fence {tid}" and not t.done()))
 
 
-# --- 3: a late DONE for a settled transfer ----------------------------------------------------------
+# --- a late DONE for a settled transfer -------------------------------------------------------------
 
 def test_late_done_for_settled_transfer_is_not_applied_to_reregistration(runtimes):
     """A retried DONE after the transfer settled (and was forgotten, as under vLLM) is answered how it
@@ -110,7 +111,7 @@ def test_settled_ids_are_kept_for_the_receive_deadline_only(runtimes):
     assert state(d, "t3b") == "registered"
 
 
-# --- 5: bad endpoints, fences that always end, tasks that cannot cancel the runtime ------------------
+# --- bad endpoints, fences that always end, tasks that cannot cancel the runtime ---------------------
 
 def _refused_without_a_leak(p: Runtime, endpoint) -> None:
     before = open_sockets()
@@ -183,7 +184,7 @@ def test_a_task_that_raises_does_not_cancel_the_runtime(runtimes, caplog):
     assert any("send bad-one" in r.getMessage() for r in caplog.records)
 
 
-# --- 6: stats from the model-runner thread ---------------------------------------------------------
+# --- stats from the model-runner thread ------------------------------------------------------------
 
 def test_stats_from_another_thread_while_the_loop_churns_transfers():
     """vLLM's get_kv_connector_stats runs on the model-runner thread: it must never walk the loop's
@@ -263,7 +264,7 @@ def test_stats_from_another_thread_while_the_loop_churns_transfers():
         worker.shutdown()
 
 
-# --- 10: several senders ---------------------------------------------------------------------------
+# --- several senders -------------------------------------------------------------------------------
 
 def test_one_senders_stop_does_not_end_the_fence_of_several(runtimes):
     """Two P ranks write head slices; only rank 0 can be reached to be told to stop. Its 'stopped'
@@ -287,7 +288,7 @@ def test_one_senders_stop_does_not_end_the_fence_of_several(runtimes):
 
 
 def test_a_single_sender_still_ends_the_fence_with_its_stop(runtimes):
-    """The control for f11_10: with one sender, its 'stopped' ends the fence at once."""
+    """The control for ``test_one_senders_stop_does_not_end_the_fence_of_several``: with one sender, its 'stopped' ends the fence at once."""
     d = runtimes("d10b", Timeouts(receive=30, fence_grace=10))
     p = runtimes("p10b")
     register(d, "t10b")
@@ -297,7 +298,7 @@ def test_a_single_sender_still_ends_the_fence_with_its_stop(runtimes):
     assert not result.ok and took < 3.0
 
 
-# --- 11: the layout only for a transfer D accepts ---------------------------------------------------
+# --- the layout only for a transfer D accepts -------------------------------------------------------
 
 def _send(p: Runtime, step: int, spec: TransferSpec, layers: int):
     p.sender.begin_step(step, [spec])
@@ -345,7 +346,7 @@ def test_a_transfer_d_refuses_gets_no_layout_and_writes_nothing(memory_decode_no
     assert (after.crc_k, after.crc_v) != checksums(pc.blocks, [5, 6])
 
 
-# --- 12: no fence task outlives its transfer ---------------------------------------------------------
+# --- no fence task outlives its transfer -------------------------------------------------------------
 
 def test_settled_transfer_leaves_no_fence_task(runtimes):
     d = runtimes("d12", Timeouts(receive=30, fence_grace=30))

@@ -1,4 +1,5 @@
-"""Regressions of issue 11 on P's side (sender, Mooncake backend), one test per finding (f11_N).
+"""Regressions on P's side (sender, Mooncake backend): no FAILED or release while a write may land,
+cancels, bad specs, early aborts.
 
 Memory-backend tests run P and D in this process; ``faults.stall_s`` makes a write outlive its
 deadline and land later, as a timed-out Mooncake write may. The Mooncake tests run D as an
@@ -79,7 +80,7 @@ def released_within(p, tid: str, limit: float) -> float | None:
     return None
 
 
-# --- finding 1: FAILED / "stopped" only once no write can land --------------------------------------
+# --- FAILED / "stopped" only once no write can land -------------------------------------------------
 
 def test_failed_and_stopped_only_once_no_write_can_land(memory_runtime, memory_decode_node):
     """A write timed out and still lands 3 s later; the quarantine (0.5 s) ends first. Until the
@@ -132,7 +133,7 @@ def test_sender_stop_does_not_declare_live_writes_quiet(memory_runtime, memory_d
     assert abort_at_p(p, "aborted", reps["aborted"].token) == "stopped"
 
 
-# --- finding 2: every exception of Mooncake's write() carries what may still land --------------------
+# --- every exception of Mooncake's write() carries what may still land -------------------------------
 
 @pytest.fixture
 def frozen_d():
@@ -242,7 +243,7 @@ def test_refused_submit_after_a_timed_out_run_hands_over_its_pending(frozen_d, m
     assert backend.quarantined == 0
 
 
-# --- finding 4: the engine cancels a running send ------------------------------------------------------
+# --- the engine cancels a running send -----------------------------------------------------------------
 
 def test_cancel_stops_the_send_fails_it_and_tells_d_once_quiet(memory_runtime, memory_decode_node):
     d = memory_decode_node(SHAPE, engine_id="d-f4")
@@ -276,7 +277,7 @@ def test_cancel_stops_the_send_fails_it_and_tells_d_once_quiet(memory_runtime, m
     assert p.sender.wait("f4-next", 5).ok
 
 
-# --- finding 5: one bad spec fails alone -------------------------------------------------------------
+# --- one bad spec fails alone ------------------------------------------------------------------------
 
 def test_bad_specs_fail_alone_and_the_runtime_keeps_serving(memory_runtime, memory_decode_node):
     d = memory_decode_node(SHAPE, engine_id="d-f5")
@@ -311,7 +312,7 @@ def test_bad_specs_fail_alone_and_the_runtime_keeps_serving(memory_runtime, memo
     assert p.loop_thread.alive
 
 
-# --- finding 9: a flood of stranger aborts cannot keep out a genuine early abort ----------------------
+# --- a flood of stranger aborts cannot keep out a genuine early abort ---------------------------------
 
 def test_stranger_abort_flood_cannot_refuse_a_genuine_early_abort(memory_runtime, memory_decode_node):
     d = memory_decode_node(SHAPE, engine_id="d-f9", timeouts=Timeouts(fence_grace=6.0))

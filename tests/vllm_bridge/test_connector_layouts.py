@@ -1,4 +1,4 @@
-"""The KV cache layouts the vLLM bridge accepts (``aiolayer_vllm.layout.describe``), issue 14.
+"""The KV cache layouts the vLLM bridge accepts (``aiolayer_vllm.layout.describe``).
 
 Caches are CPU torch tensors shaped as each engine hands them over; those of the installed vLLM
 (>= 0.32: logical [blocks, heads, tokens, K|V] over a physical order chosen by KVCacheLayout) are

@@ -1,4 +1,4 @@
-"""Issue 15: a D that only holds parked requests (WAITING_FOR_REMOTE_KVS, P not sending yet) must not
+"""A D that only holds parked requests (WAITING_FOR_REMOTE_KVS, P not sending yet) must not
 step vLLM's engine every ~1.7 ms.
 
 One real vLLM CPU D engine; requests carry aiolayer parameters naming a P that never sends, so they
@@ -81,7 +81,7 @@ def test_parked_requests_do_not_keep_the_engine_core_or_the_worker_busy():
     d = VllmServer(tiny_model_dir(), name="decode-parked", env=MC_ENV, prefix_caching=False, omp_bind="nobind",
                    dtype="float32", block_size=32, max_model_len=512, enforce_eager=True,
                    kv_transfer_config=connector("kv_consumer", "dpark", port))
-    client = Runtime(NodeConfig(engine_id="issue15-parked", backend="memory")).start()
+    client = Runtime(NodeConfig(engine_id="parked-client", backend="memory")).start()
     pool = concurrent.futures.ThreadPoolExecutor(PARKED)
     try:
         with d:

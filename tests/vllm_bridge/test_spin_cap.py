@@ -1,4 +1,4 @@
-"""Issue 15: the connector caps how long vLLM's shm message-queue readers spin after a message.
+"""The connector caps how long vLLM's shm message-queue readers spin after a message.
 
 vLLM's ``SpinCondition`` reader ``sched_yield``-spins for 1 s after every message (hard-coded); on cores
 shared by two engines those spinners stalled the other engine's forward (45 s for a request that takes

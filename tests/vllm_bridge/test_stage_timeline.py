@@ -1,4 +1,4 @@
-"""Issue 15's regression guard: the stages aiolayer owns in a proxied request stay near their floor.
+"""A regression guard on latency: the stages aiolayer owns in a proxied request stay near their floor.
 
 Real vLLM CPU P and D engines with AiolayerConnector and ``aiolayer proxy``, all logging at debug:
 the engines write one ``timeline TRANSFER STAGE SECONDS`` line per stage (``aiolayer_vllm.worker.stage``,

@@ -1,4 +1,4 @@
-"""Issue 5's real-engine test: two vLLM CPU engines with AiolayerConnector, P pushes KV to D.
+"""The real-engine test: two vLLM CPU engines with AiolayerConnector, P pushes KV to D.
 
 P prefills and streams every layer through aiolayer (Mooncake over TCP) into D's paged cache; D
 decodes from it. The generated tokens must equal P's own no-transfer generation (the aggregated

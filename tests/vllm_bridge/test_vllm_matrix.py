@@ -1,4 +1,4 @@
-"""Issue 11's real-vLLM matrix: P->D hand-offs under vLLM's own defaults and the features around them.
+"""The real-vLLM matrix: P->D hand-offs under vLLM's own defaults and the features around them.
 
 Two engine configurations, each a P and a D (vLLM CPU with AiolayerConnector), ``aiolayer proxy``
 in front, and every case run directly (the D-first flow played by the test) and through the proxy:
@@ -139,7 +139,7 @@ def _start(name: str, tmp_path_factory) -> tuple:
     # tokenizer: transformers would give the Qwen2 model its own tokenizer class, not the one saved.
     common = {"log_dir": logs, "startup_timeout_s": 480.0, "tokenizer": tokenizer_dir(model), **cfg.both}
     # Opt-out, measured in CI: with four engines on 2 cores, 17 requests parked at D make its engine core
-    # spin and starve its aiolayer loop (issue 15), and P's per-transfer layout fetch passed the 5 s
+    # spin and starve its aiolayer loop (docs/vllm.md, "A parked D's CPU"), and P's per-transfer layout fetch passed the 5 s
     # default once. A longer fetch deadline keeps the case about tokens; the receive deadline is unchanged.
     p = VllmServer(model, name=f"{name}-p", kv_transfer_config=connector(
         "kv_producer", "p", p_port, timeouts={"layout_fetch": 30.0}), **common)

@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 MAX_TOKENS = 8
 PROMPTS = [SAMPLE_PROMPTS[0], SAMPLE_PROMPTS[3], long_prompt(300, seed=5)]   # the last spans three blocks
 # control_call 10 s and layout_fetch 30 s (2 s and 5 s by default): three TP ranks' OMP threads and D's
-# engine core, spinning while a request is parked (issue 15), share the 2 cores with the proxy and D's
+# engine core, spinning while a request is parked (docs/vllm.md), share the 2 cores with the proxy and D's
 # aiolayer loops; then the proxy answered a registration POST only after 2 s three times in a row, and
 # D's loops answered P's per-transfer layout fetch after 5 s (seen at loads of 10-22; the matrix's
 # layout_fetch opt-out has the same cause).
@@ -48,7 +48,7 @@ def _engine(name: str, control_port: int, *, tp: int = 1, dp: int = 1) -> VllmSe
     args = [*(["--tensor-parallel-size", str(tp)] if tp > 1 else []),
             *(["--data-parallel-size", str(dp)] if dp > 1 else [])]
     ranks = tp * dp
-    # every rank of a multi-rank engine on core 0: a parked D's ranks spin (issue 15), and pinned one per
+    # every rank of a multi-rank engine on core 0: a parked D's ranks spin (docs/vllm.md), and pinned one per
     # core they left P's prefill, the proxy and D's own aiolayer threads seconds-long waits for a core
     return VllmServer(tiny_model_dir(LLAMA_GQA), name=name, enforce_eager=True, dtype="float32",
                       omp_bind="|".join("0" for _ in range(ranks)) if ranks > 1 else "nobind",

@@ -1,4 +1,5 @@
-"""Fuzz: malformed ``kv_transfer_params`` never raise out of a connector method (issue 11, finding 5).
+"""Fuzz: malformed ``kv_transfer_params`` never raise out of a connector method: one request's
+parameters must never kill the engine.
 
 Hypothesis mutates the two parameter shapes (wrong types, huge and negative ints, lone surrogates,
 empty strings, nested junk, missing and extra keys) and also sends junk as the aiolayer value and

@@ -1,4 +1,5 @@
-"""Regression tests of issue 11's connector findings (3, 4, 5, 7, 8), through the real vLLM Scheduler.
+"""Regression tests of the connector through the real vLLM Scheduler: a request whose KV already arrived,
+preemption at P and at D, bad parameters, several samples (n > 1) on one transfer, ``kv_both`` engines.
 
 Each test drives real vLLM ``Scheduler``s with the connector and real aiolayer runtimes (memory
 backend) as tests/vllm_sched.py describes, and asserts how each request really ended (vLLM's own
@@ -46,7 +47,7 @@ def _pool_full(engine: Engine) -> bool:
     return pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 
-# --- finding 3: D re-parks a request whose KV already arrived ------------------------------------------
+# --- D re-parks a request whose KV already arrived -----------------------------------------------------
 
 def test_one_token_prompt_is_computed_locally_after_its_kv_arrived(engines):
     """vLLM recomputes the last token of a full-prompt load: with a 1-token prompt it resets the
@@ -90,7 +91,7 @@ def test_request_preempted_at_d_is_prefilled_locally_not_parked_again(engines):
     assert _pool_full(d)
 
 
-# --- finding 4: P preempted while its layer-wise send is in flight -------------------------------------
+# --- P preempted while its layer-wise send is in flight ------------------------------------------------
 
 @pytest.mark.parametrize("asynchronous", [True, False], ids=["async-scheduling", "sync"])
 def test_send_of_a_request_preempted_at_p_fails_and_never_says_done(engines, asynchronous):
@@ -136,7 +137,7 @@ def test_send_of_a_request_preempted_at_p_fails_and_never_says_done(engines, asy
     assert p.runtime.sender.outcome_counts["finished"] == 0
 
 
-# --- finding 5: one request's parameters must never kill the engine -----------------------------------
+# --- one request's parameters must never kill the engine ----------------------------------------------
 
 BAD_RECV = {
     "empty token": {"token": ""},
@@ -224,7 +225,7 @@ def test_worker_never_raises_for_one_bad_request(engines):
     steps_until(lambda: d.runtime.receiver.outcome_counts["finished"] == 1, d, limit=LIMIT)
 
 
-# --- finding 7: n > 1 shares one kv_transfer_params ---------------------------------------------------
+# --- n > 1 shares one kv_transfer_params --------------------------------------------------------------
 
 def test_d_children_sharing_a_transfer_id_are_served_once_each(engines):
     """vLLM's n > 1 children share one kv_transfer_params: the first receives, the others are
@@ -260,7 +261,7 @@ def test_p_children_sharing_a_transfer_id_send_once_and_free_every_block(engines
     assert p.runtime.sender.outcome_counts == {"finished": 1}
 
 
-# --- finding 8: kv_role "kv_both" ---------------------------------------------------------------------
+# --- kv_role "kv_both" --------------------------------------------------------------------------------
 
 def test_kv_both_engines_tell_p_parameters_from_d_parameters(engines):
     """vLLM's NIXL recipes start both engines with kv_both: P's own request (P's parameters) must be
