@@ -20,7 +20,7 @@ MAX_TOKENS = 12
 
 
 @pytest.mark.timeout(300)
-def test_issue12_example_engine_decodes_the_same_tokens_as_a_local_run():
+def test_example_engine_decodes_the_same_tokens_as_a_local_run():
     # imported here: torch and transformers load for this test only, not for the whole collection
     from examples.hf_engine.engine import BLOCK_SIZE, blocks_for, build_model, local_greedy, weights_crc
     from examples.hf_engine.run import Cluster, sample_prompts

@@ -52,7 +52,7 @@ def test_subcommands_come_from_entry_points_and_the_core_imports_no_bridge():
 
 
 @pytest.mark.timeout(900)
-def test_issue13_built_wheels_install_and_run_in_a_fresh_venv(tmp_path):
+def test_built_wheels_install_and_run_in_a_fresh_venv(tmp_path):
     """The wheels a user installs, not the editable dev install: both distributions, non-editable,
     into a venv of their own (dependencies from PyPI), run from outside the checkout."""
     wheels = tmp_path / "wheels"

@@ -1,4 +1,5 @@
-"""The repository stands alone: no tracked file names a path outside it (a clone has only the repo)."""
+"""The repository stands alone: no tracked file names a path outside it, and none speaks of an issue
+tracker or a work log (a clone has only the repo: its files speak of the product)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 OUTSIDE = re.compile(r"\.\./shared|(?<![\w/.-])shared/notes|(?<![\w/.-])notes/[\w-]+\.md")
+# a tracker's or a work log's numbering: the word issue, session or finding and a number (any case)
+TRACKER = r"session [0-9]|issue ?[0-9]+|finding [0-9]"
 
 
 def tracked_files() -> list[Path]:
@@ -32,3 +37,22 @@ def test_no_file_names_a_path_outside_the_repo():
 def test_the_design_docs_exist():
     for name in ("design.md", "fencing.md", "mooncake.md", "vllm.md", "seed-fragilities.md"):
         assert (ROOT / "docs" / name).is_file(), f"docs/{name} is missing"
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_no_file_or_file_name_carries_a_tracker_number():
+    try:
+        top = _git("rev-parse", "--show-toplevel")
+    except FileNotFoundError:
+        pytest.skip("git is not installed")
+    if top.returncode != 0 or Path(top.stdout.strip()).resolve() != ROOT:
+        pytest.skip("not a git checkout of the repository")
+    names = _git("ls-files", "-co", "--exclude-standard").stdout.splitlines()
+    bad_names = [name for name in names if re.search(TRACKER, name, re.IGNORECASE)]
+    found = _git("grep", "-n", "-I", "-i", "-E", "--untracked", TRACKER)
+    assert found.returncode in (0, 1), found.stderr        # 1: no line matched
+    lines = [line[:160] for line in found.stdout.splitlines()]
+    assert not bad_names and not lines, "tracker numbers in the repository:\n" + "\n".join(bad_names + lines)

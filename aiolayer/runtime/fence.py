@@ -4,7 +4,7 @@ Early aborts: D may ask P to stop a transfer before P's step for it came (``Abor
 does not know). P answers ``stopped`` and remembers (transfer id, token) so that the step, when it
 comes, is refused. The Abort is not authenticated (P cannot know the token of a transfer it never
 saw), so the table is bounded; when full, the oldest entry makes room. Refusing instead (Nack
-``busy``, the old design) let a stranger's flood keep every genuine early abort out; evicting,
+``busy``) would let a stranger's flood keep every genuine early abort out; evicting,
 a genuine entry lives until ``Timeouts.receive`` or until that many later entries came.
 """
 

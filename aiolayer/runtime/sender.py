@@ -73,7 +73,7 @@ class Sender:
         self.integrity_checks = 0
         self._steps: dict[int, StepLayers] = {}     # a begun step's layers, read by its transfers
         self.results = Results(on_outcome)
-        r = self.results   # the same containers under their old names (the soak report sizes them)
+        r = self.results   # the same containers under the names the soak report reads (it sizes them)
         self._waiters, self._outcomes, self._released = r.waiters, r.outcomes, r.released
         self._live: dict[str, Request] = {}          # until its writes are quiet
         # ids ``cancel`` was called for (any thread; a bounded deque: appends and ``in`` are atomic)

@@ -4,7 +4,7 @@ Every scenario runs one step on P that streams the same KV to two decode nodes (
 Mooncake over TCP): a healthy one, and one that gets the fault mid-transfer. It records how each
 transfer ended, how long after the fault P reached a terminal state, how many transfers never
 reached one (``lost``, must be 0), and the forward thread's hand-off cost while it happened.
-The same functions back ``tests/test_faults.py``.
+The same functions back ``tests/runtime/test_faults.py``.
 """
 
 from __future__ import annotations

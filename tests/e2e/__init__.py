@@ -4,7 +4,7 @@ vllm`` drives the same servers. ``e2e.<module>`` stays its name in tests: each i
 itself (one object, so a fixture and the bench share its state), not a copy.
 
 Import from test files as ``from e2e.servers import VllmServer`` (tests/ is on sys.path through
-pytest's rootdir-based "prepend" import mode, like ``helpers_node``).
+``pythonpath`` in pyproject.toml, like ``helpers_node``).
 """
 
 import importlib

@@ -1,4 +1,4 @@
-"""D's parked wait (issue 15): the scheduler side sleeps on a wake-up from the receiver, not on vLLM's 1 ms poll.
+"""D's parked wait: the scheduler side sleeps on a wake-up from the receiver, not on vLLM's 1 ms poll.
 
 While D only holds requests in WAITING_FOR_REMOTE_KVS, vLLM's EngineCore steps every ~1.7 ms (each
 empty step is an ``execute_model`` round trip to the worker, whose results are the only way the

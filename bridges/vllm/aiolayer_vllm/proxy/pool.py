@@ -98,7 +98,7 @@ class Pool:
     health_interval_s: float = 2.0
     health_timeout_s: float = 1.0   # each probe of HTTP /health
     # each rank's topology query: an engine's aiolayer loop shares its cores with the engine (a parked D's
-    # engine core spins), and has answered control calls only after seconds there (tests/test_issue14_vllm_parallel.py)
+    # engine core spins), and has answered control calls only after seconds there (tests/vllm_bridge/test_vllm_parallel.py)
     control_timeout_s: float = 5.0
     model: str = ""                 # the model fingerprint every backend's ranks said at start
 

@@ -1,0 +1,173 @@
+"""The D-first proxy in front of real vLLM CPU engines, end to end.
+
+One P, one D (vLLM with AiolayerConnector) and ``aiolayer proxy`` as a real process. Requests
+through the proxy must give the same tokens as the aggregated engine (P answering on its own);
+killing P fails the affected requests with a clear error in bounded time and D's KV usage goes
+back to idle; a client that disconnects mid-stream makes D and P drop the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
+
+from e2e.client import StreamError  # noqa: E402
+from e2e.pd import ProxyProcess  # noqa: E402
+from e2e.servers import (VllmServer, acompletion, completion, free_port, kv_cache_usage,  # noqa: E402
+                         metric_value, running, scrape_metrics)
+from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir  # noqa: E402
+from helpers_node import MC_ENV  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.vllm]
+MAX_TOKENS = 10
+
+
+def _connector(role: str, engine_id: str, port: int) -> dict:
+    return {"kv_connector": "AiolayerConnector", "kv_role": role, "kv_load_failure_policy": "fail",
+            "kv_connector_extra_config": {"engine_id": engine_id, "control_port": port,
+                                          "timeouts": {"receive": 20.0, "fence_grace": 8.0}}}
+
+
+def Proxy(prefill: list[str], decode: list[str]) -> ProxyProcess:
+    return ProxyProcess(prefill, decode, healthy=(200, 503), extra_args=(
+        "--health-interval", "0.5", "--prefill-timeout", "20", "--registration-timeout", "20",
+        "--request-timeout", "60")).start()
+
+
+def _servers():
+    model = tiny_model_dir()
+    p_ctl, d_ctl = free_port(), free_port()
+    # The configuration this file was written for, pinned against the e2e harness's vLLM defaults (the
+    # matrix, tests/vllm_bridge/test_vllm_matrix.py, covers those): float32, block size 32, 512 tokens, eager
+    # (no ~40 s torch.compile per engine), prefix caching off.
+    common = {"env": MC_ENV, "prefix_caching": False, "omp_bind": "nobind", "dtype": "float32", "block_size": 32,
+              "max_model_len": 512, "enforce_eager": True}
+    p = VllmServer(model, name="prefill", kv_transfer_config=_connector("kv_producer", "p", p_ctl), **common)
+    d = VllmServer(model, name="decode", kv_transfer_config=_connector("kv_consumer", "d", d_ctl), **common)
+    return p, d, f"tcp://127.0.0.1:{p_ctl}", f"tcp://127.0.0.1:{d_ctl}"
+
+
+@pytest.fixture(scope="module")
+def stack():
+    p, d, p_ctl, d_ctl = _servers()
+    with running(p, d):
+        proxy = Proxy([f"{p.base_url},{p_ctl}"], [f"{d.base_url},{d_ctl}"])
+        try:
+            yield {"p": p, "d": d, "proxy": proxy}
+        finally:
+            proxy.stop()
+
+
+def test_concurrent_requests_through_the_proxy_equal_the_aggregated_engine(stack):
+    p, proxy = stack["p"], stack["proxy"]
+    prompts = [*SAMPLE_PROMPTS, *(long_prompt(20 + 13 * i, seed=i) for i in range(4))]
+    baseline = {prompt: completion(p, prompt, max_tokens=MAX_TOKENS).token_ids for prompt in prompts}
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
+            jobs = [acompletion(proxy.url, prompts[i % len(prompts)], max_tokens=MAX_TOKENS, stream=bool(i % 2),
+                                model=p.served_model, client=client, timeout_s=150) for i in range(20)]
+            return await asyncio.gather(*jobs)
+
+    outs = asyncio.run(burst())
+    for i, out in enumerate(outs):
+        assert out.token_ids == baseline[prompts[i % len(prompts)]], (i, out)
+    metrics = httpx.get(proxy.url + "/metrics", timeout=5).text
+    assert 'aiolayer_proxy_requests_total{outcome="ok"} 20' in metrics, metrics
+    assert "aiolayer_proxy_pending_transfers 0" in metrics
+
+
+def test_unknown_transfer_registration_is_a_404_with_a_json_error(stack):
+    proxy = stack["proxy"]
+    r = httpx.post(proxy.url + "/internal/aiolayer/registered", timeout=5, json={
+        "transfer_id": "nope", "block_ids": [1], "incarnation": "x", "decode_control": "tcp://127.0.0.1:1"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "unknown_transfer"
+    assert httpx.post(proxy.url + "/internal/aiolayer/registered", timeout=5, content=b"{").status_code == 400
+    models = httpx.get(proxy.url + "/v1/models", timeout=5)
+    assert models.status_code == 200 and models.json()["data"]
+
+
+def test_client_disconnect_mid_stream_drops_the_request_on_d(stack):
+    d, proxy, p = stack["d"], stack["proxy"], stack["p"]
+    body = {"model": p.served_model, "prompt": long_prompt(60, seed=9), "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60, trust_env=False) as client:
+        with client.stream("POST", proxy.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for i, _line in enumerate(r.iter_lines()):
+                if i >= 3:
+                    break   # leave mid-stream: the context manager closes the connection
+    deadline = time.monotonic() + 20
+    while (kv_cache_usage(d) or 0) > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (kv_cache_usage(d) or 0) == 0, "D kept the disconnected request's KV"
+    assert _running(d) == 0 and _running(p) == 0, "an engine still runs the disconnected request"
+    assert "aiolayer_proxy_pending_transfers 0" in httpx.get(proxy.url + "/metrics", timeout=5).text
+
+
+def _running(server) -> float:
+    return metric_value(scrape_metrics(server), "vllm:num_requests_running") or 0.0
+
+
+def test_killed_prefill_fails_in_flight_requests_visibly_and_d_frees_its_kv():
+    p, d, p_ctl, d_ctl = _servers()
+    with running(p, d):
+        proxy = Proxy([f"{p.base_url},{p_ctl}"], [f"{d.base_url},{d_ctl}"])
+        try:
+            prompts = [long_prompt(30 + 7 * i, seed=20 + i) for i in range(10)]
+            baseline = {x: completion(p, x, max_tokens=40).token_ids for x in prompts}
+            pids = p.pids()
+
+            async def burst():
+                async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+                    async def one(i: int):
+                        await asyncio.sleep(0.05 * i)          # requests keep arriving while P dies
+                        t0 = time.monotonic()
+                        try:
+                            out = await acompletion(proxy.url, prompts[i], max_tokens=40, model=p.served_model,
+                                                    client=client, timeout_s=60, stream=bool(i % 2))
+                            return "ok", out.token_ids == baseline[prompts[i]], time.monotonic() - t0
+                        except httpx.HTTPStatusError as exc:
+                            r = exc.response
+                            return r.status_code, "error" in r.json(), time.monotonic() - t0
+                        except StreamError as exc:   # D's stream was already relayed: P's error ends it
+                            return exc.status, "message" in exc.error, time.monotonic() - t0
+
+                    async def kill():
+                        await asyncio.sleep(0.2)
+                        for pid in pids:
+                            os.kill(pid, signal.SIGKILL)
+
+                    results = await asyncio.gather(*(one(i) for i in range(len(prompts))), kill())
+                    return results[:-1]
+
+            results = asyncio.run(burst())
+            failed = [r for r in results if r[0] != "ok"]
+            assert failed, f"killing P failed no request: {results}"
+            for status, body_ok, took in failed:   # a clear error, within the prefill/registration deadline
+                assert status in (502, 503, 504) and body_ok and took < 45, results
+            for status, same, _ in results:
+                if status == "ok":
+                    assert same, results               # those P had served still decode correctly
+            deadline = time.monotonic() + 40
+            while ((kv_cache_usage(d) or 0) > 0 or _running(d) > 0) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert (kv_cache_usage(d) or 0) == 0 and _running(d) == 0, "D kept KV of requests whose P died"
+            # the health check (every 2 s, 1 s probe) takes the dead P out: the proxy then refuses at once
+            deadline = time.monotonic() + 10
+            while True:
+                r = httpx.post(proxy.url + "/v1/completions", timeout=10,
+                               json={"model": p.served_model, "prompt": "x", "max_tokens": 2})
+                if r.status_code == 503 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            assert r.status_code == 503 and r.json()["error"]["type"] == "no_backend", r.text
+        finally:
+            proxy.stop()

@@ -1,0 +1,280 @@
+"""Regressions of the proxy (request bodies, streams that end early, load balancing, headers), against
+``aiolayer proxy`` as a real process.
+
+The engines are small fake vLLM servers (``helpers_proxy.FakeEngine``: uvicorn in threads of this
+process, real sockets). Each has a real aiolayer control socket, so the proxy's ``AbortRequest`` to D
+is observed, not assumed. The proxy's state is read only from its ``/metrics`` and ``/health``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+import httpx  # noqa: E402
+
+from e2e.pd import ProxyProcess  # noqa: E402
+from e2e.servers import metric_value, parse_metrics  # noqa: E402
+from helpers_proxy import FakeEngine, Hub, wait_for as _wait_for  # noqa: E402
+
+pytestmark = pytest.mark.timeout(90)
+
+
+class FakeStackProxy(ProxyProcess):
+    """``aiolayer proxy`` in front of fake engines, with short deadlines and a look at its tables."""
+
+    def __init__(self, prefill: list[FakeEngine], decode: list[FakeEngine]) -> None:
+        super().__init__([f"{e.url},{e.control}" for e in prefill], [f"{e.url},{e.control}" for e in decode],
+                         startup_timeout_s=60, extra_args=(
+                             "--health-interval", "0.2", "--registration-timeout", "5", "--prefill-timeout", "10",
+                             "--request-timeout", "30"))
+
+    def outstanding(self) -> dict[str, int]:
+        backends = httpx.get(self.url + "/health", timeout=5, trust_env=False).json()["backends"]
+        return {b["url"]: b["outstanding"] for b in backends}
+
+    def pending(self) -> int:
+        text = httpx.get(self.url + "/metrics", timeout=5, trust_env=False).text
+        value = metric_value(parse_metrics(text), "aiolayer_proxy_pending_transfers")
+        if value is None:
+            raise AssertionError("no aiolayer_proxy_pending_transfers in /metrics")
+        return int(value)
+
+    def idle(self) -> bool:
+        return self.pending() == 0 and not any(self.outstanding().values())
+
+
+@pytest.fixture(scope="module")
+def stack():
+    """One P, two Ds and the proxy, shared: each test starts and ends with the proxy idle."""
+    hub = Hub()
+    engines = [FakeEngine("prefill", "p", hub), FakeEngine("decode", "d1", hub), FakeEngine("decode", "d2", hub)]
+    try:
+        for e in engines:
+            e.start()
+        proxy = FakeStackProxy(engines[:1], engines[1:]).start()
+        try:
+            yield {"hub": hub, "p": engines[0], "d1": engines[1], "d2": engines[2], "proxy": proxy}
+        finally:
+            proxy.stop()
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def _client() -> httpx.Client:
+    return httpx.Client(timeout=30, trust_env=False)
+
+
+def _last_transfer(engine: FakeEngine) -> str:
+    return engine.requests[-1]["kv_transfer_params"]["aiolayer"]["transfer_id"]
+
+
+def test_least_outstanding_picks_the_idle_d_while_another_streams(stack):
+    """The lease on D lasts the whole stream: short requests go to the idle D, not the streaming one."""
+    proxy, p, d1, d2, hub = stack["proxy"], stack["p"], stack["d1"], stack["d2"], stack["hub"]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    seen = {e.name: len(e.requests) for e in (d1, d2)}
+    long_body = {"prompt": "long", "stream": True, "fake": {"chunks": 2000, "interval_s": 0.02, "until": "long"}}
+    with _client() as client, client.stream("POST", proxy.url + "/v1/completions", json=long_body) as long:
+        assert long.status_code == 200
+        lines = long.iter_lines()
+        assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")   # decoding
+        streaming = d1 if len(d1.requests) > seen["d1"] else d2
+        idle = d2 if streaming is d1 else d1
+        # P's part ended with its answer (which may come after D's first token); D's lasts while it streams
+        _wait_for(lambda: proxy.outstanding()[p.url] == 0, 10, "P's lease released with its answer")
+        assert proxy.outstanding() == {p.url: 0, streaming.url: 1, idle.url: 0}
+        for i in range(4):
+            r = client.post(proxy.url + "/v1/completions", json={"prompt": f"short {i}", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["engine"] == idle.name, (i, r.text)
+        assert len(streaming.requests) == seen[streaming.name] + 1
+        hub.event("long").set()
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    assert streaming.streams[_last_transfer(streaming)] == "completed"
+    _wait_for(proxy.idle, 10, "every lease released after the stream ended")
+
+
+def _raw_stream_request(proxy: ProxyProcess, body: dict) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+def _decode_of(stack, transfer_id: str) -> FakeEngine:
+    return next(d for d in (stack["d1"], stack["d2"]) if d.saw(transfer_id))
+
+
+def test_client_gone_before_the_first_chunk_releases_table_leases_and_ds_stream(stack):
+    proxy, p = stack["proxy"], stack["p"]
+    body = {"prompt": "slow first token", "stream": True, "fake": {"hold_s": 60, "chunks": 2}}
+    # (a) the client has D's status line, D holds its first token: D stays leased until the client leaves
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    asked = len(p.requests)
+    sock = _raw_stream_request(proxy, body)
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    # D's status line is relayed as soon as D answers it, while P's call may still be on its way
+    _wait_for(lambda: len(p.requests) > asked, 10, "P got the prefill")
+    tid = _last_transfer(p)
+    d = _decode_of(stack, tid)
+    assert proxy.outstanding()[d.url] == 1 and proxy.pending() == 1
+    sock.close()
+    _wait_for(lambda: proxy.idle() and d.streams.get(tid) == "closed", 10, "released after the client left")
+    assert tid in d.aborts
+
+    # (b) the client leaves while P's answer arrives: the proxy (frozen meanwhile, as under load) sees both
+    # at once, and the exchange completes before its disconnect watcher runs
+    p.gate.clear()
+    try:
+        sock = _raw_stream_request(proxy, body)
+        _wait_for(lambda: len(p.requests) and _last_transfer(p) != tid, 10, "P got the prefill")
+        tid = _last_transfer(p)
+        d = _decode_of(stack, tid)
+        os.kill(proxy.proc.pid, signal.SIGSTOP)
+        try:
+            p.gate.set()
+            sock.close()
+            _wait_for(lambda: stack["hub"].event("prefilled " + tid).is_set(), 10, "P answered")
+            time.sleep(0.3)
+        finally:
+            os.kill(proxy.proc.pid, signal.SIGCONT)
+    finally:
+        p.gate.set()
+    _wait_for(lambda: proxy.idle() and d.streams.get(tid) == "closed", 10,
+              f"released after the client left (pending {proxy.pending()}, {proxy.outstanding()}, {d.streams})")
+
+
+def test_d_failing_mid_stream_ends_in_an_error_event_and_an_abort(stack):
+    proxy = stack["proxy"]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    body = {"prompt": "doomed", "stream": True, "fake": {"chunks": 5, "fail_at": 2}}
+    with _client() as client, client.stream("POST", proxy.url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert len(events) == 3 and "[DONE]" not in events[-1], events
+    error = json.loads(events[-1][len("data: "):])["error"]
+    assert error["type"] == "decode_error" and error["code"] == 502, error
+    tid = _last_transfer(stack["p"])
+    _wait_for(proxy.idle, 10, "every lease released")
+    assert tid in _decode_of(stack, tid).aborts
+
+
+def test_ds_stream_is_closed_when_the_exchange_fails_after_its_status_line(stack):
+    """D answered its status line but never registered: the 504 closes D's call (vLLM then aborts it)."""
+    proxy = stack["proxy"]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    body = {"prompt": "lost", "stream": True, "fake": {"register": False}}
+    with _client() as client:
+        r = client.post(proxy.url + "/v1/completions", json=body)
+    assert r.status_code == 504 and r.json()["error"]["type"] == "registration_timeout", r.text
+    d = next(d for d in (stack["d1"], stack["d2"]) if d.requests and d.requests[-1]["prompt"] == "lost")
+    tid = _last_transfer(d)
+    _wait_for(lambda: proxy.idle() and d.streams.get(tid) == "closed", 10, f"D's stream closed: {d.streams}")
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": "x", "n": 2}, "n > 1"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of > 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, "n > 1"),
+    ("/v1/completions", {"prompt": "x", "n": "2"}, "n must be an integer"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "n": 1}, "beam search"),
+]
+
+
+def test_parallel_samples_are_refused_with_a_400_before_any_engine_sees_them(stack):
+    proxy, engines = stack["proxy"], [stack["p"], stack["d1"], stack["d2"]]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    seen = [len(e.requests) for e in engines]
+    with _client() as client:
+        for path, body, message in BAD_REQUESTS:
+            r = client.post(proxy.url + path, json=body)
+            assert r.status_code == 400, (body, r.text)
+            error = r.json()["error"]
+            assert error["type"] == "invalid_request" and error["code"] == 400 and message in error["message"]
+        assert [len(e.requests) for e in engines] == seen, "a refused request reached an engine"
+        assert proxy.idle()
+        ok = client.post(proxy.url + "/v1/completions", json={"prompt": "x", "n": 1, "best_of": 1})
+        assert ok.status_code == 200, ok.text
+
+
+def test_bad_bodies_are_a_400_and_affect_nothing_else(stack):
+    proxy, hub = stack["proxy"], stack["hub"]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    bad = [(json.dumps({"prompt": "x", "kv_transfer_params": {"aiolayer": {"transfer_id": "mine"}}}),
+            "kv_transfer_params"),
+           (json.dumps({"prompt": "x", "stream": "false"}), "stream must be true or false"),
+           (json.dumps({"prompt": "x", "stream": 1}), "stream must be true or false"),
+           (json.dumps(["prompt", "x"]), "JSON object"), ("{", "not JSON"), (b"\xff\xfe", "not JSON")]
+    body = {"prompt": "bystander", "stream": True, "fake": {"chunks": 2000, "interval_s": 0.02, "until": "bystander"}}
+    with _client() as client, client.stream("POST", proxy.url + "/v1/completions", json=body) as bystander:
+        lines = bystander.iter_lines()
+        assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
+        seen = [len(e.requests) for e in (stack["p"], stack["d1"], stack["d2"])]
+        for content, message in bad:
+            r = client.post(proxy.url + "/v1/completions", content=content,
+                            headers={"content-type": "application/json"})
+            assert r.status_code == 400 and message in r.json()["error"]["message"], (content, r.text)
+            assert r.json()["error"]["type"] == "invalid_request"
+        assert [len(e.requests) for e in (stack["p"], stack["d1"], stack["d2"])] == seen
+        hub.event("bystander").set()
+        assert [line for line in lines if line][-1] == "data: [DONE]"   # the stream in flight went on untouched
+    ok = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x", "stream": False}, timeout=30, trust_env=False)
+    assert ok.status_code == 200, ok.text
+    _wait_for(proxy.idle, 10, "every lease released")
+
+
+def test_authorization_and_request_id_reach_both_engines(stack):
+    """vLLM servers started with --api-key answer 401 to a request without the client's key."""
+    proxy, p = stack["proxy"], stack["p"]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    sent = {"Authorization": "Bearer sk-test-key", "X-Request-Id": "client-req-7", "Cookie": "session=c"}
+    with _client() as client:
+        reply = client.post(proxy.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=sent)
+    assert reply.status_code == 200, reply.text
+    tid = _last_transfer(p)
+    for engine in (p, _decode_of(stack, tid)):
+        seen = engine.headers[tid]
+        assert seen.get("authorization") == "Bearer sk-test-key", (engine.name, seen)
+        assert seen.get("x-request-id") == "client-req-7", (engine.name, seen)
+    assert "cookie" not in p.headers[tid]        # only the two named headers go on
+
+
+def test_ds_first_token_is_relayed_before_ps_reply_arrives(stack):
+    """D decodes as soon as the KV is there; the client must not wait for P's own HTTP answer too."""
+    proxy, p = stack["proxy"], stack["p"]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    body = {"prompt": "early", "stream": True, "fake": {"p_reply_after_s": 3, "chunks": 2}}
+    with _client() as client, client.stream("POST", proxy.url + "/v1/completions", json=body) as resp:
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        tid = _last_transfer(p)
+        assert not stack["hub"].event("p replied " + tid).is_set(), "D's token waited for P's reply"
+        rest = [line for line in lines if line]
+    assert first.startswith("data: {") and rest[-1] == "data: [DONE]", rest
+    _wait_for(proxy.idle, 10, "every lease released")
+
+
+def test_p_failing_while_d_streams_ends_the_stream_with_ps_error_and_aborts_d(stack):
+    proxy, p = stack["proxy"], stack["p"]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    body = {"prompt": "p fails late", "stream": True,
+            "fake": {"p_reply_after_s": 1, "p_status": 500, "chunks": 400, "interval_s": 0.02}}
+    with _client() as client, client.stream("POST", proxy.url + "/v1/completions", json=body) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    tid = _last_transfer(p)
+    d = _decode_of(stack, tid)
+    assert lines[0].startswith("data: {") and "data: [DONE]" not in lines, lines[-3:]
+    error = json.loads(lines[-1][len("data: "):])["error"]
+    assert error["type"] == "prefill_error" and "HTTP 500" in error["message"], error
+    _wait_for(lambda: tid in d.aborts, 10, "D was told to abort")
+    _wait_for(proxy.idle, 10, "every lease released")
