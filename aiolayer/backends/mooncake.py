@@ -6,7 +6,9 @@ is done, and Mooncake's waiters for a whole batch spin a core (so ``batch_transf
 whose batch only those could watch, is not used). The runs of one ``write`` call form a group with
 ONE future, watched by one poller task (``mooncake_poll.GroupPoller``: O(targets) per tick, not
 O(writes in flight)). The first write to a new target opens its segment, a network handshake, so
-it is submitted from a worker thread.
+it is submitted from a worker thread. Mooncake holds one lock across that handshake that every
+submit takes, whatever its target: while one runs, ``start_write`` declines (None), ``write`` submits
+from the submit thread (``mooncake_thread``) and the poller's top-ups wait, so the loop never blocks.
 
 Every exception ``write`` raises carries, in ``pending``, a future for each run that may still
 land (``TransferTimeout``, ``WriteRefused``): a thread cannot be cancelled, so a submit that
@@ -24,6 +26,7 @@ import numpy as np
 from ..errors import BackendError, TransferTimeout
 from ..transport import MOONCAKE_IPV6, Transport, check_rdma_devices
 from .mooncake_poll import MAX_RUNS_PER_TARGET, GroupPoller, Group
+from .mooncake_thread import INVALID_IDS as _INVALID_IDS, Job, SubmitThread
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +36,6 @@ ENGINE_ENV = {
     "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
     "MC_LOG_LEVEL": "WARNING",
 }
-_INVALID_IDS = (0, -1, (1 << 64) - 1)
 
 
 def _import_engine():
@@ -61,6 +63,7 @@ class MooncakeBackend:
         self._poll = GroupPoller(max_runs_per_target)
         self._opening: set[asyncio.Future] = set()          # settled of submits still running in a thread
         self._openers: dict[str, asyncio.Future] = {}       # target -> the threaded first submit opening it
+        self._thread = SubmitThread(self._job_ended)         # submits made while a segment is being opened
         self._poller: asyncio.Task | None = None
         self.runs_submitted = 0
         self.bytes_submitted = 0
@@ -76,7 +79,7 @@ class MooncakeBackend:
 
     @property
     def quarantined(self) -> int:
-        return len(self._quarantine) + len(self._opening)
+        return len(self._quarantine) + len(self._opening) + len(self._thread.late)
 
     @property
     def inflight(self) -> int:
@@ -113,7 +116,7 @@ class MooncakeBackend:
                                f"device {t.device_name or 'auto'}) returned {rc}")
         self._engine = engine
         self._session = f"{self.host}:{engine.get_rpc_port()}"
-        self._poll.start(engine.transfer_check_status, self._submit_backlog)
+        self._poll.start(engine.transfer_check_status, self._top_up)
         self._poller = spawn(self._poll.run(), name="mooncake-poller")
 
     def register(self, addr: int, length: int) -> None:
@@ -131,7 +134,7 @@ class MooncakeBackend:
     async def write(self, target: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
                     timeout: float) -> None:
         settled = self.start_write(target, src, dst, lengths, timeout)
-        if settled is None:   # the target's segment is not open yet: open it first
+        if settled is None:   # the target's segment is not open yet, or another one's is being opened
             settled = await self._open_and_submit(target, src.tolist(), dst.tolist(), lengths.tolist(), timeout)
         # Settle everything already submitted before reporting, so the caller may trust its fence.
         # Cancelled here, the group is still watched to its end (timed-out runs quarantined).
@@ -141,10 +144,11 @@ class MooncakeBackend:
                     timeout: float) -> asyncio.Future | None:
         """``write`` with no coroutine, for callers of many small writes (``runtime.stream``): submits
         now and returns a future that settles as ``write`` would return or raise. None, with nothing
-        submitted, while the target's segment is not open (``write`` opens it)."""
+        submitted, while the target's segment is not open (``write`` opens it) or while a segment is
+        being opened (``write`` submits from the submit thread)."""
         if self._engine is None:
             raise BackendError("Mooncake backend is not open")
-        if target not in self._opened_targets:
+        if target not in self._opened_targets or self._openers or self._thread.busy:   # _submits_block
             return None
         loop = asyncio.get_running_loop()
         group = Group(loop.create_future(), loop.time() + timeout, timeout, target)
@@ -162,9 +166,58 @@ class MooncakeBackend:
         if target not in self._opened_targets and lens:
             group.ids.append(await self._open_target(target, (srcs[0], dsts[0], lens[0]), timeout, loop))
             first = 1
-        self._submit_all(target, group, srcs, dsts, lens, first)
+        if self._submits_block():
+            await self._submit_in_thread(target, group, (srcs, dsts, lens), first)
+        else:
+            self._submit_all(target, group, srcs, dsts, lens, first)
         self._settle_or_watch(target, group)
         return group.future
+
+    def _submits_block(self) -> bool:
+        """A submit made now could wait on a segment's opening (Mooncake's lock), or would overtake
+        earlier submits still in the submit thread."""
+        return bool(self._openers) or self._thread.busy > 0
+
+    async def _submit_in_thread(self, target: str, group: Group, runs: tuple[list, list, list],
+                                first: int) -> None:
+        """Runs ``first``.. of a new write from the submit thread, as far as the target has room (the
+        rest left in ``group.backlog``), until the write's deadline. Past it, the runs the thread
+        still submits go to ``group.late`` as one future; cancelled, the group is watched anyway."""
+        if first == len(runs[2]):   # the opening submitted the only run
+            return
+        room = self._thread.room(target, self._poll.room(target))
+        job = Job(target, runs, first, min(len(runs[2]), first + room))
+        if job.stop == first:   # no room: every run waits for the poller's top-ups
+            group.backlog, group.next = runs, first
+            return
+        try:
+            late = await self._thread.run(job, self._engine.transfer_submit_write, group.deadline,
+                                          self._poll.adopt)
+        except BaseException:
+            group.future.cancel()   # nobody awaits it: the runs it holds are still watched to their end
+            self._settle_or_watch(target, group)
+            raise
+        if late is not None:
+            group.late.append(late)
+            group.stuck = True
+            return
+        group.ids += job.ids
+        if job.refused is not None:
+            group.refused = self._refusal(target, *job.refused)
+        elif job.stop < len(runs[2]):
+            group.backlog, group.next = runs, job.stop
+
+    def _job_ended(self, job: Job) -> None:
+        """A job of the submit thread ended (in time or late): counted; a refusal closes the target."""
+        self.runs_submitted += len(job.ids)
+        self.bytes_submitted += job.submitted
+        if job.refused is not None:
+            self._opened_targets.discard(job.target)
+
+    def _top_up(self, target: str, group: Group, limit: int) -> None:
+        """The poller's top-up: none while submits would block (the runs wait, their deadline runs)."""
+        if not self._submits_block():
+            self._submit_backlog(target, group, limit)
 
     def _settle_or_watch(self, target: str, group: Group) -> None:
         if group.ids or group.waiting:
@@ -195,14 +248,16 @@ class MooncakeBackend:
         for i in range(first, stop):
             bid = submit(target, srcs[i], dsts[i], lens[i])
             if bid in _INVALID_IDS:
-                self._opened_targets.discard(target)
-                refused = BackendError(f"Mooncake refused a write of {lens[i]} bytes to {target} "
-                                       f"(submit returned {bid})")
+                refused = self._refusal(target, lens[i], bid)
                 break
             ids.append(bid)
         self.runs_submitted += len(ids) - done
         self.bytes_submitted += sum(lens[first:first + len(ids) - done])
         return refused
+
+    def _refusal(self, target: str, length: int, bid: int) -> BackendError:
+        self._opened_targets.discard(target)
+        return BackendError(f"Mooncake refused a write of {length} bytes to {target} (submit returned {bid})")
 
     async def _open_target(self, target: str, run: tuple[int, int, int], timeout: float, loop) -> int:
         """Submit the first run to a new target from a worker thread (opening its segment is a
@@ -287,6 +342,7 @@ class MooncakeBackend:
             await asyncio.gather(self._poller, return_exceptions=True)
             self._poller = None
         self._poll.close()
+        self._thread.close()
         for settled in self._opening:
             settled.cancel()
         self._opening.clear()

@@ -44,7 +44,7 @@ class Group:
     ``future`` settles, once every run did, as the write returns or raises (``finish``)."""
 
     __slots__ = ("ids", "cursor", "failed", "late", "future", "deadline", "timeout", "target", "refused",
-                 "backlog", "next", "unsent")
+                 "backlog", "next", "unsent", "stuck")
 
     def __init__(self, future: asyncio.Future, deadline: float, timeout: float, target: str) -> None:
         self.ids: list[int] = []
@@ -59,6 +59,7 @@ class Group:
         self.timeout = timeout
         self.target = target
         self.refused: BackendError | None = None   # the refusal that stopped the submits, if one did
+        self.stuck = False                      # its submit thread's job outlived the deadline (in late)
 
     @property
     def waiting(self) -> int:
@@ -89,6 +90,9 @@ class Group:
         if self.unsent:
             return TransferTimeout("layer_write", self.timeout, f"{self.unsent} runs to {self.target} never "
                                    f"submitted (its queue was full), {len(pending)} still pending", pending=pending)
+        if self.stuck:
+            return TransferTimeout("layer_write", self.timeout, f"submits to {self.target} still blocked in "
+                                   "Mooncake (a segment is being opened); remote region unknown", pending=pending)
         if pending:
             return TransferTimeout("layer_write", self.timeout, f"{len(pending)} of {len(self.ids)} runs to "
                                    f"{self.target} still pending; remote region unknown", pending=pending)
