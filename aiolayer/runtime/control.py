@@ -177,7 +177,7 @@ class ControlServer:
             return m.Nack(code=exc.code, reason=exc.reason)
         except FrameDropped:
             return None
-        except Exception as exc:  # noqa: BLE001 - the peer is told, and so is the log
+        except Exception as exc:  # the peer is told, and so is the log
             log.exception("control handler failed on %s", type(msg).__name__)
             return m.Nack(code=NackCode.INTERNAL, reason=f"{type(exc).__name__}: {exc}"[:300])
 

@@ -165,7 +165,7 @@ def guarded(method):
             await method(self, req, *args)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - a bug must end this transfer visibly, and only it
+        except Exception as exc:  # a bug must end this transfer visibly, and only it
             log.exception("sender bug in %s of transfer %r", method.__name__, getattr(req.spec, "transfer_id", "?"))
             self._fail_after_bug(req, f"internal error {type(exc).__name__}: {exc}")
 

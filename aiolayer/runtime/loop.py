@@ -151,7 +151,7 @@ class LoopThread:
             return await coro
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - one task's failure must not cancel its TaskGroup siblings
+        except Exception:  # one task's failure must not cancel its TaskGroup siblings
             self.task_errors += 1
             log.exception("aiolayer task %r failed (the runtime goes on)", name)
             return None
@@ -175,7 +175,7 @@ class LoopThread:
             for callback in self._on_exit:
                 try:
                     callback(error)
-                except Exception:  # noqa: BLE001 - one bad callback must not hide the others
+                except Exception:  # one bad callback must not hide the others
                     log.exception("on_exit callback failed")
 
     async def _main(self) -> None:
@@ -194,7 +194,7 @@ class LoopThread:
             for closer in self._on_stop:  # also after a crash: close what the tasks owned
                 try:
                     await closer()
-                except Exception:  # noqa: BLE001 - one bad closer must not skip the others
+                except Exception:  # one bad closer must not skip the others
                     log.exception("on_stop closer failed")
 
 

@@ -367,7 +367,7 @@ class Receiver:
                 quiet = await self._ask_until_quiet(entry, end)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - P's state is unknown: the grace decides
+            except Exception:  # P's state is unknown: the grace decides
                 log.exception("transfer %s: asking P to stop failed; fencing for the whole grace", entry.transfer_id)
                 quiet = False
             if not quiet:

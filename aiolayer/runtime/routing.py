@@ -29,7 +29,7 @@ def _batched_item(rt, msg: m.Message, answer) -> m.Ack | m.Nack | m.Message | No
         return m.Nack(code=exc.code, reason=exc.reason)
     except FrameDropped:
         return None
-    except Exception as exc:  # noqa: BLE001 - this item's sender is told, the batch's others go on
+    except Exception as exc:  # this item's sender is told, the batch's others go on
         log.exception("control handler failed on a batched %s", type(msg).__name__)
         return m.Nack(code=NackCode.INTERNAL, reason=f"{type(exc).__name__}: {exc}"[:300])
 

@@ -364,7 +364,7 @@ class Runtime:
         """On the loop: a new snapshot, swapped in whole (other threads only ever read the attribute)."""
         try:
             self.published_metrics = snapshot(self)
-        except Exception:  # noqa: BLE001 - keep the last one; a stale figure beats none
+        except Exception:  # keep the last one; a stale figure beats none
             log.exception("metrics snapshot failed")
 
     def _outcome(self) -> None:

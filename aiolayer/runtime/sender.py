@@ -170,7 +170,7 @@ class Sender:
                 for item in batch:
                     try:
                         self._dispatch(item)
-                    except Exception:  # noqa: BLE001 - one bad item must not end the sender
+                    except Exception:  # one bad item must not end the sender
                         log.exception("sender: bridge item %.200r dropped", item)
         finally:
             self.bridge.close("sender stopped")
@@ -290,7 +290,7 @@ class Sender:
             settled, reason = exc.settled_s, str(exc)
         except AiolayerError as exc:
             reason = f"{type(exc).__name__}: {exc}"
-        except Exception as exc:  # noqa: BLE001 - a bug must still end in a visible outcome
+        except Exception as exc:  # a bug must still end in a visible outcome
             log.exception("sender bug on transfer %s", req.spec.transfer_id)
             reason = f"internal error {type(exc).__name__}: {exc}"
         finally:
@@ -365,7 +365,7 @@ class Sender:
     def _publish_safely(self, req: Request, reason: str) -> None:
         try:
             self._publish(req, reason, None)
-        except Exception:  # noqa: BLE001 - at shutdown the fence task may not start: the source stays held
+        except Exception:  # at shutdown the fence task may not start: the source stays held
             log.exception("transfer %s: outcome published, source kept held", req.spec.transfer_id)
 
     def _fail_after_bug(self, req: Request, reason: str) -> None:

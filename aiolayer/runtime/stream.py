@@ -256,7 +256,7 @@ class LayerStreamer:
             src, dst, lengths, nbytes = sink.plan.rows([layer for layer, _ in layers])
             submitted = time.perf_counter()
             await self.backend.write(sink.layout.session, src, dst, lengths, self.timeouts.layer_write)
-        except Exception as cause:  # noqa: BLE001 - mapped, not swallowed; cancellation passes through
+        except Exception as cause:  # mapped, not swallowed; cancellation passes through
             raise self._failed(sink.req, layers[0][0], cause) from cause
         sink.landed(layers, submitted, nbytes)
 

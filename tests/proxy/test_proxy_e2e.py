@@ -18,12 +18,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.client import StreamError  # noqa: E402
-from e2e.pd import ProxyProcess  # noqa: E402
-from e2e.servers import (VllmServer, acompletion, completion, free_port, kv_cache_usage,  # noqa: E402
+from e2e.client import StreamError
+from e2e.pd import ProxyProcess
+from e2e.servers import (VllmServer, acompletion, completion, free_port, kv_cache_usage,
                          metric_value, running, scrape_metrics)
-from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir  # noqa: E402
-from helpers_node import MC_ENV  # noqa: E402
+from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir
+from helpers_node import MC_ENV
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.vllm]
 MAX_TOKENS = 10

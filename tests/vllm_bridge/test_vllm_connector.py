@@ -14,7 +14,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from vllm_sched import (FAST, LAYERS, Engine, engines_fixture, lookup, send_params, steps_until,  # noqa: E402
+from vllm_sched import (FAST, LAYERS, Engine, engines_fixture, lookup, send_params, steps_until,
                         tok, vllm_config)
 
 pytestmark = pytest.mark.timeout(120)
@@ -223,7 +223,7 @@ class _Registrations:
         self.bodies: list[dict] = []
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's naming
+            def do_POST(self):  # http.server's naming
                 outer.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 self.send_response(status)
                 self.send_header("Content-Length", "0")

@@ -18,13 +18,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.servers import VllmServer, completion, free_port, running, scrape_metrics  # noqa: E402
-from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir  # noqa: E402
-from helpers_node import MC_ENV  # noqa: E402
+from e2e.servers import VllmServer, completion, free_port, running, scrape_metrics
+from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir
+from helpers_node import MC_ENV
 
-from aiolayer import NodeConfig, Runtime  # noqa: E402
-from aiolayer.protocol import messages as m  # noqa: E402
-from aiolayer_vllm.config import DEBUG_CORRUPT_RECEIVED_ENV, DEBUG_ZERO_RECEIVED_ENV  # noqa: E402
+from aiolayer import NodeConfig, Runtime
+from aiolayer.protocol import messages as m
+from aiolayer_vllm.config import DEBUG_CORRUPT_RECEIVED_ENV, DEBUG_ZERO_RECEIVED_ENV
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.vllm]
 MAX_TOKENS = 12

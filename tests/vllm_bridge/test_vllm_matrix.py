@@ -32,14 +32,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.pd import DirectFlow, ProxyProcess, backend, connector  # noqa: E402
-from e2e.servers import (VllmServer, acompletion, completion, free_port, metric_value, parse_metrics,  # noqa: E402
+from e2e.pd import DirectFlow, ProxyProcess, backend, connector
+from e2e.servers import (VllmServer, acompletion, completion, free_port, metric_value, parse_metrics,
                          running, scrape_metrics)
-from e2e.tiny_model import (LLAMA_GQA, QWEN2_BIAS, SAMPLE_PROMPTS, TinySpec, long_prompt,  # noqa: E402
+from e2e.tiny_model import (LLAMA_GQA, QWEN2_BIAS, SAMPLE_PROMPTS, TinySpec, long_prompt,
                             tiny_model_dir, tokenizer_dir, vocabulary)
-from helpers_node import MC_ENV  # noqa: E402
+from helpers_node import MC_ENV
 
-from aiolayer.config import Timeouts  # noqa: E402
+from aiolayer.config import Timeouts
 
 # Fixture set-up (two engines, one with torch.compile) counts against the first test of each group.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]

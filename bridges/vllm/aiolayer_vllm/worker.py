@@ -118,7 +118,7 @@ class WorkerSide:
             tid = self._rank_tid(tid)
             try:
                 self.runtime.abort_receive(tid, "request aborted at D")
-            except Exception:  # noqa: BLE001 - the runtime is gone: the transfer ends with it
+            except Exception:  # the runtime is gone: the transfer ends with it
                 log.exception("transfer %s: abort not handed over", tid)
         if meta.sends:
             self._begin_sends(meta.sends)
@@ -259,7 +259,7 @@ class WorkerSide:
                 continue
             try:
                 self.runtime.cancel_send(rank_tid, "preempted at P: vLLM freed its blocks")
-            except Exception:  # noqa: BLE001 - logged; the send then ends by its own deadlines
+            except Exception:  # logged; the send then ends by its own deadlines
                 log.exception("transfer %s: cancel failed", rank_tid)
 
     async def _publish(self, reg: Registration, url: str, transfer_id: str) -> None:
@@ -308,7 +308,7 @@ class WorkerSide:
             if layer == len(self.layer_index) - 1:
                 for tid in self._step_tids:
                     stage(tid, "p_last_layer")
-        except Exception:  # noqa: BLE001 - the runtime is gone: its sends fail by their own deadlines
+        except Exception:  # the runtime is gone: its sends fail by their own deadlines
             log.exception("aiolayer: layer %s not handed over", layer_name)
             self._active_step = None
 
@@ -317,7 +317,7 @@ class WorkerSide:
         if step is not None:
             try:
                 step.end()
-            except Exception:  # noqa: BLE001 - as in save_kv_layer
+            except Exception:  # as in save_kv_layer
                 log.exception("aiolayer: step %d not closed", step.id)
             self._step_tids = []
 

@@ -146,7 +146,7 @@ class ProxyState:
             self.outcomes["cancelled"] += 1
             await asyncio.shield(self.spawn(exchange.abort_decode("proxy stopping"), f"abort {exchange.transfer_id}"))
             raise
-        except Exception as exc:  # noqa: BLE001 - a bug still ends in a JSON error and frees D's blocks
+        except Exception as exc:  # a bug still ends in a JSON error and frees D's blocks
             log.exception("transfer %s: proxy failure", exchange.transfer_id)
             await exchange.abort_decode("proxy failure")
             if exchange.relaying:   # the status line is out: the client sees the stream end early
@@ -170,7 +170,7 @@ class ProxyState:
                 raise
             except ExchangeError as exc:   # P failed while D streamed (D was told to abort)
                 outcome, tail = exc.kind, b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
-            except Exception as exc:  # noqa: BLE001 - D (or a proxy bug) failed after the status line
+            except Exception as exc:  # D (or a proxy bug) failed after the status line
                 outcome = "decode_error" if isinstance(exc, httpx.HTTPError) else "internal_error"
                 if outcome == "internal_error":
                     log.exception("transfer %s: proxy failure mid-stream", exchange.transfer_id)
