@@ -122,6 +122,6 @@ class MemoryBackend:
 
 def _land(peer: MemoryBackend, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> None:
     for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist()):
-        peer._check_destination(d, n)
+        peer._check_destination(d, n)   # noqa: SLF001 - another MemoryBackend, checked as itself
         ctypes.memmove(d, s, n)
         peer.bytes_written += n

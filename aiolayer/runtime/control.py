@@ -142,7 +142,8 @@ class ControlServer:
             if len(frames) >= 2 and m.unpack_request_id(frames[1]) is not None:
                 rid = frames[1]  # echo a valid id even on a malformed frame, so the caller can match it
             if len(frames) != 3:
-                reply = m.Nack(code=NackCode.FRAME, reason=f"expected [request_id, payload], got {len(frames) - 1} frames")
+                reply = m.Nack(code=NackCode.FRAME,
+                               reason=f"expected [request_id, payload], got {len(frames) - 1} frames")
             elif m.unpack_request_id(frames[1]) is None:
                 reply = m.Nack(code=NackCode.FRAME, reason="request id must be 8 bytes")
             else:
@@ -280,7 +281,8 @@ class ControlClient:
                 if attempt == attempts:
                     raise
             await asyncio.sleep(min(max(0.0, end - loop.time()), _JITTER.uniform(0.01, 0.05) * attempt))
-        raise ControlTimeout("control_call", deadline_s, f"{type(msg).__name__} to {self.endpoint}, {attempts} attempts")
+        raise ControlTimeout("control_call", deadline_s,
+                             f"{type(msg).__name__} to {self.endpoint}, {attempts} attempts")
 
     async def _read(self) -> None:
         sock = self._sock

@@ -111,8 +111,8 @@ class Runtime:
         self.receiver.bind(spawn, functools.partial(routing.stop_sender, self), on_outcome=self._outcome)
         transport = self.node.transport
         advertised = url_host(transport.advertised())   # bound on bind_host, dialled by peers at this
-        self.server = ControlServer(transport.bind_host, self.node.control_port, functools.partial(routing.handle, self),
-                                    max_frame_bytes=self.node.max_frame_bytes)
+        self.server = ControlServer(transport.bind_host, self.node.control_port,
+                                    functools.partial(routing.handle, self), max_frame_bytes=self.node.max_frame_bytes)
         await self.server.start(spawn)
         self.control_endpoint = f"tcp://{advertised}:{self.server.port}"
         self.layouts.control, self.layouts.incarnation = self.control_endpoint, self.incarnation

@@ -325,7 +325,8 @@ class _Landed:
         try:
             cause = BackendError("the write's future was cancelled") if settled.cancelled() else settled.exception()
             if cause is not None:
-                sink.failed.append((self.order, self.streamer._failed(sink.req, self.layers[0][0], cause)))
+                failed = self.streamer._failed(sink.req, self.layers[0][0], cause)   # noqa: SLF001 - its own callback
+                sink.failed.append((self.order, failed))
             else:
                 sink.landed(self.layers, self.submitted, self.nbytes)
         finally:

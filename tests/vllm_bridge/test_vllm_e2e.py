@@ -55,7 +55,8 @@ def cluster():
                           kv_transfer_config=_connector("kv_consumer", "dz", z_ctl)),
                # bytes changed after they landed: the integrity check must catch every one, and vLLM's
                # "recompute" policy then prefills the request at D
-               VllmServer(model, name="decode-corrupting", **common | {"env": MC_ENV | {DEBUG_CORRUPT_RECEIVED_ENV: "1"}},
+               VllmServer(model, name="decode-corrupting",
+                          **common | {"env": MC_ENV | {DEBUG_CORRUPT_RECEIVED_ENV: "1"}},
                           kv_transfer_config=_connector("kv_consumer", "dc", c_ctl, policy="recompute")))
     client = Runtime(NodeConfig(engine_id="e2e-proxy", backend="memory")).start()
     try:

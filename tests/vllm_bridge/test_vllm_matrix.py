@@ -139,8 +139,9 @@ def _start(name: str, tmp_path_factory) -> tuple:
     # tokenizer: transformers would give the Qwen2 model its own tokenizer class, not the one saved.
     common = {"log_dir": logs, "startup_timeout_s": 480.0, "tokenizer": tokenizer_dir(model), **cfg.both}
     # Opt-out, measured in CI: with four engines on 2 cores, 17 requests parked at D make its engine core
-    # spin and starve its aiolayer loop (docs/vllm.md, "A parked D's CPU"), and P's per-transfer layout fetch passed the 5 s
-    # default once. A longer fetch deadline keeps the case about tokens; the receive deadline is unchanged.
+    # spin and starve its aiolayer loop (docs/vllm.md, "A parked D's CPU"), and P's per-transfer layout
+    # fetch passed the 5 s default once. A longer fetch deadline keeps the case about tokens; the receive
+    # deadline is unchanged.
     p = VllmServer(model, name=f"{name}-p", kv_transfer_config=connector(
         "kv_producer", "p", p_port, timeouts={"layout_fetch": 30.0}), **common)
     d = VllmServer(model, name=f"{name}-d", kv_transfer_config=connector("kv_consumer", "d", d_port),

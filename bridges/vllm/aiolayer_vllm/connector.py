@@ -26,7 +26,8 @@ def _configure_logging() -> None:
     """aiolayer's and this bridge's log level in vLLM's processes (AIOLAYER_LOG_LEVEL, default WARNING);
     DEBUG shows the per-transfer timeline (``worker.stage``)."""
     level = os.environ.get("AIOLAYER_LOG_LEVEL", "")
-    for name in ("aiolayer", "aiolayer_vllm") if level else ("aiolayer",):   # the bridge's: as vLLM set it, unless asked
+    # the bridge's logger: as vLLM set it, unless asked
+    for name in ("aiolayer", "aiolayer_vllm") if level else ("aiolayer",):
         logger = logging.getLogger(name)
         logger.setLevel((level or "WARNING").upper())
         if not logger.handlers and not logging.getLogger().handlers:

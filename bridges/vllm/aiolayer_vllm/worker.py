@@ -1,7 +1,7 @@
 """The worker side (model-runner thread): hands steps and layers to aiolayer and reports results.
 
-It owns its rank's aiolayer ``Runtime`` (started with the KV caches; one per TP/DP rank, see ``ranks``) and uses only its public,
-thread-safe API. Every call here returns at once: ``save_kv_layer`` hands a layer to the step,
+It owns its rank's aiolayer ``Runtime`` (started with the KV caches; one per TP/DP rank, see ``ranks``)
+and uses only its public, thread-safe API. Every call here returns at once: ``save_kv_layer`` hands a layer to the step,
 ``wait_for_save`` does no network I/O, and D's registrations are handed to the runtime's loop
 (``Runtime.receive``). Results come back from thread-safe queues in ``transfer_results``.
 Nothing here raises for one request (vLLM would take the engine down): a request that cannot be

@@ -217,7 +217,8 @@ class ProxyState:
         lines += [f'aiolayer_proxy_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self.outcomes.items())]
         lines += ["# TYPE aiolayer_proxy_rejected_registrations_total counter",
                   f"aiolayer_proxy_rejected_registrations_total {self.rejected_registrations}"]
-        lines += ["# TYPE aiolayer_proxy_pending_transfers gauge", f"aiolayer_proxy_pending_transfers {len(self.pending)}",
+        lines += ["# TYPE aiolayer_proxy_pending_transfers gauge",
+                  f"aiolayer_proxy_pending_transfers {len(self.pending)}",
                   "# TYPE aiolayer_proxy_backend_outstanding gauge", "# TYPE aiolayer_proxy_backend_healthy gauge"]
         for b in self.pool.all:
             labels = f'role="{b.role}",url="{b.url}"'

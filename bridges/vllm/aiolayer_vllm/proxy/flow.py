@@ -283,7 +283,7 @@ class Exchange:
             await client.call(m.AbortRequest(transfer_id=tid, reason=reason, token=self.token),
                               timeout=self.state.timeouts.abort_s)
         except AiolayerError as exc:
-            if isinstance(exc, ControlRejected) and exc.code == m.NackCode.UNKNOWN_TRANSFER:   # D ended it: nothing to free
+            if isinstance(exc, ControlRejected) and exc.code == m.NackCode.UNKNOWN_TRANSFER:   # D ended it
                 log.debug("transfer %s: D no longer knows it: %s", tid, exc)
             else:
                 log.warning("transfer %s: D was not told to abort: %s", tid, exc)
