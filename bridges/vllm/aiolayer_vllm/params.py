@@ -151,7 +151,7 @@ def read(params: Any) -> RecvParams | SendParams | None:
     value = params[KEY]
     if not isinstance(value, dict):
         raise InvalidParams(f"kv_transfer_params[{KEY!r}] must be an object, got {type(value).__name__}")
-    kind: type = RecvParams
+    kind: type[RecvParams] | type[SendParams] = RecvParams
     try:
         keys = {k for k in value if isinstance(k, str)}
         if keys & _SEND_ONLY and keys & _RECV_ONLY:

@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect
 
 from aiolayer.config import Timeouts
 from aiolayer.protocol import messages as m
-from aiolayer import ControlPeers
+from aiolayer import ControlPeers, RuntimeStateError
 
 from .flow import Exchange, ExchangeError, ProxyTimeouts, check_body, forwarded_headers
 from .pool import NoBackend, Pool
@@ -51,6 +51,13 @@ class ProxyState:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The client to the engines, from ``start`` on."""
+        if self.client is None:
+            raise RuntimeStateError("the proxy is not started")
+        return self.client
+
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)  # no pool caps concurrency
         self.client = httpx.AsyncClient(limits=limits)
@@ -64,8 +71,10 @@ class ProxyState:
             task.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
-        await self.peers.close()
-        await self.client.aclose()
+        if self.peers is not None:
+            await self.peers.close()
+        if self.client is not None:
+            await self.client.aclose()
 
     # --- registration (D -> proxy) -------------------------------------------------------------
 
@@ -252,7 +261,8 @@ def create_app(pool: Pool, public_url: str, timeouts: ProxyTimeouts | None = Non
     app.state.proxy = state
 
     for path in ("/v1/completions", "/v1/chat/completions"):
-        app.router.add_route(path, _OpenAIRoute(state, path), methods=["POST"])
+        # an ASGI app: Starlette's Route serves a non-function endpoint as one (its hint names handlers only)
+        app.router.add_route(path, _OpenAIRoute(state, path), methods=["POST"])  # type: ignore[arg-type]
 
     @app.post(REGISTER_PATH)
     async def registered(request: Request) -> JSONResponse:
@@ -266,7 +276,7 @@ def create_app(pool: Pool, public_url: str, timeouts: ProxyTimeouts | None = Non
     async def models(request: Request) -> Response:
         try:
             backend = state.pool.pick("decode")
-            reply = await state.client.get(backend.url + "/v1/models", timeout=5.0,
+            reply = await state.http.get(backend.url + "/v1/models", timeout=5.0,
                                            headers=forwarded_headers(request.scope["headers"]))
         except (NoBackend, httpx.HTTPError) as exc:
             return JSONResponse({"error": {"message": f"no decode backend answered: {exc}"}}, 503)
