@@ -98,8 +98,7 @@ class Sender:
     # --- forward-thread API (never blocks) -------------------------------------------------
 
     def set_local_layout(self, k_base: Sequence[int], v_base: Sequence[int], block_bytes: int, num_blocks: int,
-                         heads: int = 0,
-                         geometry: HeadGeometry | None = None, host: bool = False) -> None:
+                         heads: int = 0, geometry: HeadGeometry | None = None, host: bool = False) -> None:
         check_geometry(block_bytes, heads, geometry)
         self.local = LocalLayout(np.asarray(k_base, dtype=np.int64), np.asarray(v_base, dtype=np.int64),
                                  block_bytes, num_blocks, heads, geometry, host)
