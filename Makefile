@@ -15,7 +15,7 @@ BENCH_VLLM_ARGS ?=
 NIXL ?= nixl==1.5.1
 PYTEST_ARGS ?=
 
-.PHONY: setup bench bench-vllm test e2e clean
+.PHONY: setup bench bench-vllm test e2e lint clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,11 @@ bench-vllm: $(STAMP) $(STAMP_VLLM)
 
 test: $(STAMP) $(STAMP_VLLM)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The linter and the type checker, as configured in pyproject.toml (no vLLM needed: it is not followed).
+lint: $(STAMP)
+	$(BIN)/ruff check
+	$(BIN)/mypy
 
 # The end-to-end tests alone: real vLLM CPU engines with the connector, and the proxy in front of them.
 e2e: $(STAMP) $(STAMP_VLLM)

@@ -9,11 +9,13 @@ lazily so that ``aiolayer.protocol`` can be imported without asyncio, zmq or tor
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
     **dict.fromkeys(("KVShape", "NodeConfig", "Timeouts"), "aiolayer.config"),
+    "Transport": "aiolayer.transport",   # NodeConfig(transport=...): where it listens, how the KV travels
     "Runtime": "aiolayer.runtime.runtime",
     **dict.fromkeys(("TransferSpec", "Outcome", "LayerTiming"), "aiolayer.runtime.spec"),
     **dict.fromkeys(("ReceiveSpec", "Registration", "Step", "Identity"), "aiolayer.runtime.api"),
@@ -31,8 +33,49 @@ _EXPORTS = {
 }
 __all__ = [*_EXPORTS, "__version__"]
 
+# What type checkers and IDEs see (``X as X``: a re-export); at run time ``__getattr__`` loads each on first use.
+if TYPE_CHECKING:
+    from .config import KVShape as KVShape
+    from .config import NodeConfig as NodeConfig
+    from .config import Timeouts as Timeouts
+    from .errors import AiolayerError as AiolayerError
+    from .errors import BackendError as BackendError
+    from .errors import BridgeClosed as BridgeClosed
+    from .errors import BridgeFull as BridgeFull
+    from .errors import ConfigError as ConfigError
+    from .errors import ControlError as ControlError
+    from .errors import ControlRejected as ControlRejected
+    from .errors import ControlTimeout as ControlTimeout
+    from .errors import DeadlineExceeded as DeadlineExceeded
+    from .errors import LayoutMismatch as LayoutMismatch
+    from .errors import MetadataError as MetadataError
+    from .errors import ProtocolError as ProtocolError
+    from .errors import RuntimeStateError as RuntimeStateError
+    from .errors import StaleLayout as StaleLayout
+    from .errors import TransferError as TransferError
+    from .errors import TransferFailed as TransferFailed
+    from .errors import TransferTimeout as TransferTimeout
+    from .errors import UnknownTransfer as UnknownTransfer
+    from .errors import WriteRefused as WriteRefused
+    from .node import DecodeNode as DecodeNode
+    from .protocol.checks import MIN_TOKEN_CHARS as MIN_TOKEN_CHARS
+    from .protocol.plan import HeadGeometry as HeadGeometry
+    from .protocol.plan import RankRoute as RankRoute
+    from .protocol.plan import map_ranks as map_ranks
+    from .runtime.api import Identity as Identity
+    from .runtime.api import ReceiveSpec as ReceiveSpec
+    from .runtime.api import Registration as Registration
+    from .runtime.api import Step as Step
+    from .runtime.control import ControlPeers as ControlPeers
+    from .runtime.receiver import Received as Received
+    from .runtime.runtime import Runtime as Runtime
+    from .runtime.spec import LayerTiming as LayerTiming
+    from .runtime.spec import Outcome as Outcome
+    from .runtime.spec import TransferSpec as TransferSpec
+    from .transport import Transport as Transport
 
-def __getattr__(name: str):
+
+def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'aiolayer' has no attribute {name!r}")

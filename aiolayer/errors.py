@@ -162,5 +162,5 @@ def map_errors(wrap: Callable[[Exception], AiolayerError]) -> Iterator[None]:
     chained to it; cancellation (a ``BaseException``) passes through untouched."""
     try:
         yield
-    except Exception as exc:  # noqa: BLE001 - mapped, not swallowed
+    except Exception as exc:  # mapped, not swallowed
         raise wrap(exc) from exc

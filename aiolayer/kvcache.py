@@ -50,8 +50,8 @@ def checksums(blocks: np.ndarray, block_ids) -> tuple[list[int], list[int]]:
     ids = np.asarray(block_ids, dtype=np.int64)
     crc_k, crc_v = [], []
     for layer in range(blocks.shape[0]):
-        crc_k.append(zlib.crc32(np.ascontiguousarray(blocks[layer, 0, ids])))
-        crc_v.append(zlib.crc32(np.ascontiguousarray(blocks[layer, 1, ids])))
+        crc_k.append(zlib.crc32(np.ascontiguousarray(blocks[layer, 0, ids]).data))
+        crc_v.append(zlib.crc32(np.ascontiguousarray(blocks[layer, 1, ids]).data))
     return crc_k, crc_v
 
 

@@ -15,7 +15,8 @@ import asyncio
 import secrets
 
 from .config import KVShape, NodeConfig, Timeouts
-from .errors import ConfigError, ControlRejected, FrameDropped
+from .backends.base import TransferBackend
+from .errors import ConfigError, ControlRejected, FrameDropped, RuntimeStateError
 from .kvcache import BlockAllocator, PagedKVCache
 from .protocol import messages as m
 from .protocol.codes import AckDetail, NackCode
@@ -26,7 +27,7 @@ from .runtime.runtime import Runtime
 
 class DecodeNode:
     def __init__(self, shape: KVShape, node: NodeConfig | None = None, timeouts: Timeouts | None = None,
-                 backend=None, refuse_writes: bool = False) -> None:
+                 backend: TransferBackend | None = None, refuse_writes: bool = False) -> None:
         self.shape = shape
         self.refuse_writes = refuse_writes   # fault injection: publish the layout, register no memory
         self.runtime = install_hooks(Runtime(node, timeouts, backend=backend), extra_handler=self._handle,
@@ -109,6 +110,8 @@ class DecodeNode:
         ids = self._blocks.get(transfer_id)
         if ids is None:
             raise ControlRejected(NackCode.UNKNOWN_TRANSFER, f"no transfer {transfer_id}")
+        if self.cache is None:
+            raise RuntimeStateError("decode node not started")
         state, reason = self.runtime.receiver.state_of(transfer_id)
         crc_k, crc_v = await asyncio.to_thread(self.cache.checksums, ids)
         return m.VerifyReply(transfer_id=transfer_id, state=state, reason=reason, crc_k=crc_k, crc_v=crc_v)

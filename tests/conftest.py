@@ -11,7 +11,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "vllm: starts real vLLM (CPU) servers; slow (tens of seconds)")
 
 
-from helpers_node import SMALL_SHAPE  # noqa: E402  (one shape for every small test)
+from helpers_node import SMALL_SHAPE  # one shape for every small test
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from aiolayer import cli
 
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
     parser, _ = cli.build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return dict(sub.choices)
 
 
@@ -23,7 +23,7 @@ def test_every_command_is_there():
 def test_every_flag_has_help_and_help_shows_defaults(name):
     command = _subcommands()[name]
     assert command.formatter_class is argparse.ArgumentDefaultsHelpFormatter
-    silent = [a.option_strings for a in command._actions  # noqa: SLF001
+    silent = [a.option_strings for a in command._actions
               if a.option_strings and not isinstance(a, argparse._HelpAction) and not (a.help or "").strip()]
     assert not silent, f"aiolayer {name}: flags without help: {silent}"
     text = command.format_help()

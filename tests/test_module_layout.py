@@ -1,6 +1,8 @@
 """bench/ laid out like the core. Its modules import each other without a cycle (read from
 the source with ``ast``, imports inside functions included: a deferred import hides a cycle, it does not
-remove it), and the bench and the tests start their child processes through one helper."""
+remove it), and the bench and the tests start their child processes through one helper. The vLLM bridge
+takes from aiolayer only its public names and a short list of modules, and type checkers see the
+public names ``aiolayer`` loads lazily."""
 
 from __future__ import annotations
 
@@ -143,3 +145,85 @@ def test_child_process_first_line_has_a_deadline_and_carries_stderr():
             bad.read_json(20)
     finally:
         bad.close()
+
+
+# --- what the vLLM bridge takes from aiolayer ----------------------------------------------------
+
+CORE = BENCH.parent / "aiolayer"
+BRIDGE = BENCH.parent / "bridges" / "vllm" / "aiolayer_vllm"
+# Besides the names of ``aiolayer.__all__``, the bridge may import from these modules (a package
+# covers its submodules); never from the runtime's internals (aiolayer.runtime.*, aiolayer.backends.*,
+# node, kvcache, stats): what it needs of the runtime goes through ``aiolayer.__all__``.
+BRIDGE_MAY_IMPORT = {
+    "aiolayer.errors": "the exception tree, the same classes as aiolayer's exports",
+    "aiolayer.config": "NodeConfig and Timeouts, and the defaults the bridge's settings fall back to",
+    "aiolayer.transport": "Transport, and url_host for the proxy's own endpoints",
+    "aiolayer.protocol": "the sans-I/O protocol: the proxy speaks the control messages (docs/protocol.md) "
+                         "and the bridge plans its ranks' head slices (plan.map_ranks)",
+    "aiolayer.faults": "the one sanctioned way to install the AIOLAYER_DEBUG_* test hooks",
+    "aiolayer.cli": "Command, the contract of an ``aiolayer.commands`` entry point (``aiolayer proxy``)",
+    "aiolayer.compat": "asyncio.timeout, with the backport on Python 3.10",
+}
+
+
+def _core_exports() -> set[str]:
+    import aiolayer
+
+    return set(aiolayer.__all__)
+
+
+def _aiolayer_imports(path: Path) -> list[tuple[str, str]]:
+    """(module, name) of every absolute import of aiolayer in ``path`` (name "" for ``import aiolayer.x``),
+    inside functions and ``if TYPE_CHECKING:`` too."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module \
+                and node.module.split(".")[0] == "aiolayer":
+            found += [(node.module, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, "") for alias in node.names if alias.name.split(".")[0] == "aiolayer"]
+    return found
+
+
+def _allowed_module(module: str) -> bool:
+    return any(module == allowed or module.startswith(allowed + ".") for allowed in BRIDGE_MAY_IMPORT)
+
+
+def test_the_vllm_bridge_imports_only_aiolayers_public_names_and_allowed_modules():
+    exports, refused, used = _core_exports(), [], set()
+    for path in sorted(BRIDGE.rglob("*.py")):
+        for module, name in _aiolayer_imports(path):
+            where = f"{path.relative_to(BRIDGE.parent)}: "
+            if module == "aiolayer" and name in exports:
+                continue
+            # ``from aiolayer import compat`` imports the module aiolayer.compat
+            target = f"aiolayer.{name}" if module == "aiolayer" else module
+            if _allowed_module(target):
+                used.update(m for m in BRIDGE_MAY_IMPORT if target == m or target.startswith(m + "."))
+            else:
+                refused.append(where + (f"from {module} import {name}" if name else f"import {module}"))
+    assert not refused, ("the bridge reaches past aiolayer's public names (export what it needs, or allow "
+                         "the module in BRIDGE_MAY_IMPORT with a reason):\n  " + "\n  ".join(refused))
+    assert used == set(BRIDGE_MAY_IMPORT), f"allowed but no longer imported: {sorted(set(BRIDGE_MAY_IMPORT) - used)}"
+
+
+def test_type_checkers_see_every_public_name_lazy_imports_load():
+    """``aiolayer`` loads its names on first use (``__getattr__``); its ``if TYPE_CHECKING:`` block must
+    name the same ones from the same modules, so that mypy and IDEs see what a user gets."""
+    import importlib
+
+    import aiolayer
+
+    tree = ast.parse((CORE / "__init__.py").read_text())
+    seen = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom) and imp.level == 1, ast.dump(imp)
+                for alias in imp.names:
+                    assert alias.asname == alias.name, f"{alias.name}: re-exported as ``X as X``"
+                    seen[alias.name] = f"aiolayer.{imp.module}"
+    assert seen == aiolayer._EXPORTS
+    assert set(aiolayer.__all__) == {*seen, "__version__"}
+    for name, module in seen.items():
+        assert getattr(aiolayer, name) is getattr(importlib.import_module(module), name), name

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..errors import ConfigError
 from .base import TransferBackend
 
 
-def make_backend(name: str, **options) -> TransferBackend:
+def make_backend(name: str, **options: Any) -> TransferBackend:
     """Build a backend by name; constructing does no I/O (``open`` does)."""
     if name == "mooncake":
         from .mooncake import MooncakeBackend

@@ -7,9 +7,18 @@ that timed out: those are counted in ``quarantined`` and their regions must be t
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import asyncio
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..runtime.loop import Spawn
+
+# Optional on a backend (Mooncake's ``start_write``): ``write`` with no coroutine, for many small writes.
+# The future settles as ``write`` would return or raise; None, with nothing submitted, where ``write``
+# must run instead (e.g. to open the target first).
+StartWrite = Callable[[str, np.ndarray, np.ndarray, np.ndarray, float], Optional[asyncio.Future[Any]]]
 
 
 @runtime_checkable
@@ -28,7 +37,8 @@ class TransferBackend(Protocol):
     def quarantined(self) -> int:
         """Writes that timed out and may still land."""
 
-    async def open(self, spawn) -> None: ...
+    async def open(self, spawn: Spawn) -> None:
+        """Connect; ``spawn`` starts the backend's own tasks on the runtime's loop (a poller)."""
 
     def register(self, addr: int, length: int) -> None: ...
 

@@ -12,11 +12,15 @@ import asyncio
 import ctypes
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .. import compat
 from ..errors import BackendError, TransferTimeout
+
+if TYPE_CHECKING:
+    from ..runtime.loop import Spawn
 
 _registry: dict[str, "MemoryBackend"] = {}
 _names = itertools.count(1)
@@ -39,7 +43,7 @@ class MemoryBackend:
         self._regions: dict[int, int] = {}
         self.faults = Faults()
         self.bytes_written = 0
-        self._spawn = None
+        self._spawn: Spawn | None = None
         self._late: set[asyncio.Future] = set()   # settled futures of stalled writes not landed yet
 
     @property
@@ -54,7 +58,7 @@ class MemoryBackend:
     def quarantined(self) -> int:
         return len(self._late)
 
-    async def open(self, spawn) -> None:
+    async def open(self, spawn: Spawn) -> None:
         if self._session in _registry:
             raise BackendError(f"memory session {self._session!r} already open")
         _registry[self._session] = self
@@ -79,6 +83,8 @@ class MemoryBackend:
             raise BackendError(f"no memory backend named {target!r}")
         faults = peer.faults
         if faults.stall_s > timeout:
+            if self._spawn is None:
+                raise BackendError("memory backend is not open")
             settled = asyncio.get_running_loop().create_future()
             self._late.add(settled)
             self._spawn(self._land_late(peer, src, dst, lengths, faults.stall_s, settled), name=f"late write {target}")
@@ -122,6 +128,6 @@ class MemoryBackend:
 
 def _land(peer: MemoryBackend, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> None:
     for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist()):
-        peer._check_destination(d, n)
+        peer._check_destination(d, n)   # noqa: SLF001 - another MemoryBackend, checked as itself
         ctypes.memmove(d, s, n)
         peer.bytes_written += n

@@ -17,7 +17,7 @@ class WireEnum(str, enum.Enum):
     mixed-in enums format as ``Class.MEMBER``), so log lines and counter labels read the same."""
 
     __str__ = str.__str__
-    __format__ = str.__format__
+    __format__ = str.__format__   # type: ignore[assignment]  # mypy binds the unbound method's self
 
 
 class NackCode(WireEnum):

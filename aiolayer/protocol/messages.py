@@ -28,6 +28,7 @@ REQUEST_ID = struct.Struct("!Q")
 
 
 class _Msg(msgspec.Struct, tag_field="type", kw_only=True, frozen=True):
+    # Each message repeats ``frozen=True``: msgspec inherits it, type checkers read a class's own keywords.
     v: int = PROTOCOL_VERSION
 
 
@@ -38,7 +39,7 @@ class LayerRegion(msgspec.Struct, frozen=True, array_like=True):
     v_base: int
 
 
-class LayoutRequest(_Msg, tag="layout_req"):
+class LayoutRequest(_Msg, tag="layout_req", frozen=True):
     """P asks for D's layout before a transfer's first write: D records the asking P rank as one of the
     transfer's writers (``requester`` with its ``control`` endpoint and runtime ``incarnation``), and
     its fence later asks exactly those writers to stop (docs/fencing.md)."""
@@ -54,14 +55,14 @@ class LayoutRequest(_Msg, tag="layout_req"):
 MAX_LAYOUT_BATCH = 256
 
 
-class LayoutBatch(_Msg, tag="layout_batch"):
+class LayoutBatch(_Msg, tag="layout_batch", frozen=True):
     """Several transfers' ``LayoutRequest``s to one D in one frame (P's prefetches of one pass of its
     loop, e.g. a step's transfers). D authorizes each as if it came alone; answers ``LayoutReplies``."""
 
     items: list[LayoutRequest]
 
 
-class LayoutReply(_Msg, tag="layout"):
+class LayoutReply(_Msg, tag="layout", frozen=True):
     engine_id: str
     incarnation: str           # new on every process start: stale cached layouts are refused
     session: str               # transfer-engine target name, e.g. "127.0.0.1:15123"
@@ -94,7 +95,7 @@ class LayerCheck(msgspec.Struct, frozen=True, kw_only=True):
     crc_v: list[int] = []
 
 
-class Done(_Msg, tag="done"):
+class Done(_Msg, tag="done", frozen=True):
     transfer_id: str
     sender: str
     incarnation: str = ""      # D's incarnation the data was written to
@@ -108,14 +109,14 @@ class Done(_Msg, tag="done"):
 MAX_DONE_BATCH = 256
 
 
-class DoneBatch(_Msg, tag="done_batch"):
+class DoneBatch(_Msg, tag="done_batch", frozen=True):
     """Several DONEs to one D in one frame (P's decided in one pass of its loop). D applies each as if
     it came alone and answers ``Replies``, item by item, in order."""
 
     items: list[Done]
 
 
-class Failed(_Msg, tag="failed"):
+class Failed(_Msg, tag="failed", frozen=True):
     """Sent by P only once none of its writes for the transfer can still be in flight."""
 
     transfer_id: str
@@ -124,7 +125,7 @@ class Failed(_Msg, tag="failed"):
     token: str = ""
 
 
-class Abort(_Msg, tag="abort"):
+class Abort(_Msg, tag="abort", frozen=True):
     """D (or a proxy through D) asks P to stop; P acks once none of its writes is in flight."""
 
     transfer_id: str
@@ -134,7 +135,7 @@ class Abort(_Msg, tag="abort"):
 
 # --- node management (used by a proxy or the benchmark to drive a standalone D node) -----------
 
-class AllocRequest(_Msg, tag="alloc"):
+class AllocRequest(_Msg, tag="alloc", frozen=True):
     transfer_id: str
     num_blocks: int
     contiguous: bool = True
@@ -144,7 +145,7 @@ class AllocRequest(_Msg, tag="alloc"):
     senders: int = 1           # P ranks writing disjoint head slices: D ends it once each said DONE/FAILED
 
 
-class AbortRequest(_Msg, tag="abort_req"):
+class AbortRequest(_Msg, tag="abort_req", frozen=True):
     """To D: give up a transfer (client gone); D fences its blocks until P is quiet."""
 
     transfer_id: str
@@ -152,7 +153,7 @@ class AbortRequest(_Msg, tag="abort_req"):
     token: str = ""
 
 
-class AllocReply(_Msg, tag="alloc_ok"):
+class AllocReply(_Msg, tag="alloc_ok", frozen=True):
     """D's registration of a transfer, as published to whoever dispatches P."""
 
     transfer_id: str
@@ -162,18 +163,18 @@ class AllocReply(_Msg, tag="alloc_ok"):
     token: str = ""            # the transfer's secret, for whoever dispatches P
 
 
-class LookupRequest(_Msg, tag="lookup"):
+class LookupRequest(_Msg, tag="lookup", frozen=True):
     """To D: the registration of ``transfer_id`` (an AllocReply), once D registered it."""
 
     transfer_id: str
     token: str = ""
 
 
-class VerifyRequest(_Msg, tag="verify"):
+class VerifyRequest(_Msg, tag="verify", frozen=True):
     transfer_id: str
 
 
-class VerifyReply(_Msg, tag="verify_ok"):
+class VerifyReply(_Msg, tag="verify_ok", frozen=True):
     transfer_id: str
     state: str
     reason: str
@@ -181,15 +182,15 @@ class VerifyReply(_Msg, tag="verify_ok"):
     crc_v: list[int]
 
 
-class ReleaseRequest(_Msg, tag="release"):
+class ReleaseRequest(_Msg, tag="release", frozen=True):
     transfer_id: str
 
 
-class StatusRequest(_Msg, tag="status"):
+class StatusRequest(_Msg, tag="status", frozen=True):
     transfer_id: str
 
 
-class StatusReply(_Msg, tag="status_ok"):
+class StatusReply(_Msg, tag="status_ok", frozen=True):
     transfer_id: str
     state: str
     reason: str = ""
@@ -197,27 +198,27 @@ class StatusReply(_Msg, tag="status_ok"):
 
 # --- generic replies ----------------------------------------------------------------------------
 
-class Ack(_Msg, tag="ack"):
+class Ack(_Msg, tag="ack", frozen=True):
     # ``AckDetail`` where it is a signal (``stopped``: P is quiet); else informative text. A str on
     # the wire, so that every peer's detail decodes.
     detail: str = ""
 
 
-class Nack(_Msg, tag="nack"):
+class Nack(_Msg, tag="nack", frozen=True):
     """A refusal: ``code`` is machine-readable (a ``NackCode`` value), ``reason`` is for people."""
 
     code: str                  # a NackCode; a str on the wire, so that a newer peer's code still decodes
     reason: str
 
 
-class Replies(_Msg, tag="replies"):
+class Replies(_Msg, tag="replies", frozen=True):
     """The answer to a ``DoneBatch``: one per item, in order; None for an item left unanswered (a
     fault-injection hook dropped it), which its sender sends again alone."""
 
     items: list[Union[Ack, Nack, None]]
 
 
-class LayoutReplies(_Msg, tag="layouts"):
+class LayoutReplies(_Msg, tag="layouts", frozen=True):
     """The answer to a ``LayoutBatch``: per item, in order, ``Ack`` (authorized: ``layout`` is its
     answer), its ``Nack``, or None (left unanswered: a fault-injection hook dropped it; asked again
     alone). ``layout`` is None when no item was authorized."""
@@ -228,14 +229,14 @@ class LayoutReplies(_Msg, tag="layouts"):
 
 # --- topology (whoever routes requests asks a rank who it is) ------------------------------------
 
-class TopologyRequest(_Msg, tag="topology_req"):
+class TopologyRequest(_Msg, tag="topology_req", frozen=True):
     """To any runtime: who it is and where it sits in its engine. No token: the answer names no
     memory (the layout's summary only, never its addresses) and changes nothing."""
 
     requester: str = ""
 
 
-class TopologyReply(_Msg, tag="topology"):
+class TopologyReply(_Msg, tag="topology", frozen=True):
     """A runtime's identity as its embedder set it (``Runtime.set_identity``), and its KV layout's
     summary as its ``LayoutReply`` publishes it (0 / "" before the KV memory is registered)."""
 
@@ -329,4 +330,5 @@ def unpack_request_id(frame: bytes) -> int | None:
     """The request id of a frame, or None when the frame is not a valid id."""
     if len(frame) != REQUEST_ID.size:
         return None
-    return REQUEST_ID.unpack(frame)[0]
+    rid: int = REQUEST_ID.unpack(frame)[0]
+    return rid

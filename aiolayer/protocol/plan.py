@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import msgspec
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ..errors import ConfigError
 
@@ -33,7 +34,7 @@ class BlockRuns(msgspec.Struct, frozen=True):
         return int(self.length.sum())
 
 
-def merge_runs(src_blocks, dst_blocks) -> BlockRuns:
+def merge_runs(src_blocks: ArrayLike, dst_blocks: ArrayLike) -> BlockRuns:
     """Merge pairs (src[i], dst[i]) into runs contiguous on both sides, keeping the given order."""
     src = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
     dst = np.asarray(dst_blocks, dtype=np.int64).reshape(-1)
@@ -50,14 +51,17 @@ def merge_runs(src_blocks, dst_blocks) -> BlockRuns:
     return BlockRuns(src[starts], dst[starts], ends - starts)
 
 
-def run_addresses(runs: BlockRuns, src_base: int, dst_base: int, block_bytes: int):
+Spans = tuple[np.ndarray, np.ndarray, np.ndarray]   # (src_addrs, dst_addrs, lengths), int64
+
+
+def run_addresses(runs: BlockRuns, src_base: int, dst_base: int, block_bytes: int) -> Spans:
     """Byte addresses of every run for one tensor: (src_addrs, dst_addrs, lengths) as int64 arrays."""
     src_addr = runs.src_start * block_bytes + src_base
     dst_addr = runs.dst_start * block_bytes + dst_base
     return src_addr, dst_addr, runs.length * block_bytes
 
 
-def check_block_bounds(block_ids, num_blocks: int, side: str) -> None:
+def check_block_bounds(block_ids: ArrayLike, num_blocks: int, side: str) -> None:
     ids = np.asarray(block_ids, dtype=np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
         raise ValueError(f"{side} block id out of range [0, {num_blocks})")
@@ -211,7 +215,7 @@ def _expand_runs(runs: BlockRuns) -> tuple[np.ndarray, np.ndarray]:
     return runs.src_start[run_of] + within, runs.dst_start[run_of] + within
 
 
-def _merge_spans(src: np.ndarray, dst: np.ndarray, length: np.ndarray):
+def _merge_spans(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Spans:
     """Join each span onto its predecessor where both sides continue exactly where it ended."""
     if src.size < 2:
         return src, dst, length
@@ -223,7 +227,7 @@ def _merge_spans(src: np.ndarray, dst: np.ndarray, length: np.ndarray):
 
 
 def slice_addresses(runs: BlockRuns, src_base: int, dst_base: int, src_heads: int, dst_heads: int,
-                    route: RankRoute, geom: HeadGeometry):
+                    route: RankRoute, geom: HeadGeometry) -> Spans:
     """Byte spans (src_addrs, dst_addrs, lengths), int64, copying ``route``'s heads of every block.
 
     ``src_heads``/``dst_heads`` are the local heads per block of the P and D tensors. A route

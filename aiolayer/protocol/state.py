@@ -128,7 +128,8 @@ class ReceiverTransfer(Transfer):
         failed = [word for word in self.heard.values() if isinstance(word, m.Failed)]
         if failed:
             return failed[0], False
-        return msgspec.structs.replace(msg, bytes=sum(word.bytes for word in self.heard.values())), False
+        total = sum(word.bytes for word in self.heard.values() if isinstance(word, m.Done))   # all are, here
+        return msgspec.structs.replace(msg, bytes=total), False
 
     def tally(self) -> str:
         return tally_detail(len(self.heard), self.senders)

@@ -113,5 +113,5 @@ class Step:
     def __enter__(self) -> "Step":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.end()

@@ -14,7 +14,7 @@ import asyncio
 import collections
 from typing import Any
 
-from ..errors import BridgeClosed, BridgeFull
+from ..errors import BridgeClosed, BridgeFull, RuntimeStateError
 
 
 class LayerBridge:
@@ -24,7 +24,7 @@ class LayerBridge:
         self.drain_batch = drain_batch
         self.linger_s = linger_s
         self.poll_s = poll_s
-        self._items: collections.deque = collections.deque()
+        self._items: collections.deque[Any] = collections.deque()
         self._idle = False
         self._closed: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -43,8 +43,11 @@ class LayerBridge:
         if self._idle:
             self._idle = False
             self.wakeups += 1
+            loop, wakeup = self._loop, self._wakeup
+            if loop is None or wakeup is None:   # idle is set only by drain, on an attached bridge
+                raise RuntimeStateError("layer bridge is not attached to a loop")
             try:
-                self._loop.call_soon_threadsafe(self._wakeup.set)
+                loop.call_soon_threadsafe(wakeup.set)
             except RuntimeError as exc:  # loop closed under us
                 self.close(exc)
                 raise BridgeClosed("layer bridge consumer loop is closed") from exc
@@ -77,23 +80,24 @@ class LayerBridge:
 
         Returns an empty list once the bridge is closed and empty.
         """
-        items = self._items
+        items, loop, wakeup = self._items, self._loop, self._wakeup
+        if loop is None or wakeup is None:
+            raise RuntimeStateError("layer bridge is not attached to a loop")
         if not items and self.linger_s > 0 and self._closed is None:
-            loop = self._loop
             end = loop.time() + self.linger_s
             while not items and self._closed is None and loop.time() < end:
                 await asyncio.sleep(self.poll_s)
         while not items:
             if self._closed is not None:
                 return []
-            self._wakeup.clear()
+            wakeup.clear()
             self._idle = True
             if items or self._closed is not None:  # re-check: a put may have raced the flag
                 self._idle = False
                 continue
-            await self._wakeup.wait()
+            await wakeup.wait()
         self._idle = False
-        batch = []
+        batch: list[Any] = []
         popleft = items.popleft
         for _ in range(min(len(items), self.drain_batch)):
             batch.append(popleft())

@@ -29,11 +29,11 @@ from ..errors import ControlError, ControlRejected, ControlTimeout, FrameDropped
 from ..protocol import messages as m
 from ..protocol.codes import NackCode
 from ..transport import url_host
+from .loop import Spawn
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[m.Message], Awaitable[m.Message]]
-Spawn = Callable[..., asyncio.Task]
 
 _context: zmq.asyncio.Context | None = None
 _BAD_RID = m.pack_request_id(0)
@@ -83,7 +83,7 @@ class ControlServer:
         self.send_errors = 0
         self._sock: zmq.asyncio.Socket | None = None
         self._slots = asyncio.Semaphore(max_concurrent)
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     async def start(self, spawn: Spawn) -> str:
         sock = shared_context().socket(zmq.ROUTER)
@@ -117,14 +117,16 @@ class ControlServer:
 
     async def _serve(self) -> None:
         sock = self._sock
+        if sock is None:
+            raise RuntimeStateError("control server is not started")
         loop_spawn = asyncio.get_running_loop().create_task
-        pending: set[asyncio.Task] = set()
+        pending: set[asyncio.Task[None]] = set()
         try:
             while True:
                 frames = await sock.recv_multipart(copy=True)
                 self.frames_received += 1
                 await self._slots.acquire()
-                task = loop_spawn(self._answer(frames))
+                task = loop_spawn(self._answer(sock, frames))
                 pending.add(task)
                 task.add_done_callback(pending.discard)
         finally:
@@ -133,16 +135,19 @@ class ControlServer:
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
 
-    async def _answer(self, frames: list[bytes]) -> None:
+    async def _answer(self, sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+        """Reply to one frame on ``sock``, the socket it came in on."""
         try:
             # A REQ peer's frames carry an empty delimiter after the identity; its reply must too.
             envelope = frames[:2] if len(frames) >= 2 and frames[1] == b"" else frames[:1]
             frames = [frames[0], *frames[len(envelope):]]
-            rid, reply = _BAD_RID, None
+            rid = _BAD_RID
+            reply: m.Message | None = None
             if len(frames) >= 2 and m.unpack_request_id(frames[1]) is not None:
                 rid = frames[1]  # echo a valid id even on a malformed frame, so the caller can match it
             if len(frames) != 3:
-                reply = m.Nack(code=NackCode.FRAME, reason=f"expected [request_id, payload], got {len(frames) - 1} frames")
+                reply = m.Nack(code=NackCode.FRAME,
+                               reason=f"expected [request_id, payload], got {len(frames) - 1} frames")
             elif m.unpack_request_id(frames[1]) is None:
                 reply = m.Nack(code=NackCode.FRAME, reason="request id must be 8 bytes")
             else:
@@ -154,7 +159,7 @@ class ControlServer:
                 self.nacks_sent += 1
                 self.nacks[str(reply.code)] += 1   # plain str keys: the snapshot is plain data
             try:
-                await self._sock.send_multipart([*envelope, rid, m.encode(reply)])
+                await sock.send_multipart([*envelope, rid, m.encode(reply)])
             except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): nobody to tell
                 self.send_errors += 1
                 log.debug("control reply to a departed peer dropped: %s", exc)
@@ -177,7 +182,7 @@ class ControlServer:
             return m.Nack(code=exc.code, reason=exc.reason)
         except FrameDropped:
             return None
-        except Exception as exc:  # noqa: BLE001 - the peer is told, and so is the log
+        except Exception as exc:  # the peer is told, and so is the log
             log.exception("control handler failed on %s", type(msg).__name__)
             return m.Nack(code=NackCode.INTERNAL, reason=f"{type(exc).__name__}: {exc}"[:300])
 
@@ -191,8 +196,8 @@ class ControlClient:
         self.endpoint = endpoint
         self.timeouts = timeouts
         self._sock: zmq.asyncio.Socket | None = None
-        self._pending: dict[int, asyncio.Future] = {}
-        self._reader: asyncio.Task | None = None
+        self._pending: dict[int, asyncio.Future[m.Message]] = {}
+        self._reader: asyncio.Task[None] | None = None
         self.late_replies = 0
         self.results: collections.Counter[str] = collections.Counter()   # ok / timeout / rejected / error
         self.last_ok: bool | None = None                                  # the peer's health, as last seen
@@ -241,7 +246,7 @@ class ControlClient:
         timeout = self.timeouts.control_call if timeout is None else timeout
         rid = next(self._ids)
         self.last_used = time.monotonic()
-        fut = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[m.Message] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         try:
             async with compat.timeout(timeout):
@@ -280,10 +285,13 @@ class ControlClient:
                 if attempt == attempts:
                     raise
             await asyncio.sleep(min(max(0.0, end - loop.time()), _JITTER.uniform(0.01, 0.05) * attempt))
-        raise ControlTimeout("control_call", deadline_s, f"{type(msg).__name__} to {self.endpoint}, {attempts} attempts")
+        raise ControlTimeout("control_call", deadline_s,
+                             f"{type(msg).__name__} to {self.endpoint}, {attempts} attempts")
 
     async def _read(self) -> None:
         sock = self._sock
+        if sock is None:
+            raise RuntimeStateError(f"control client to {self.endpoint} is not started")
         while True:
             frames = await sock.recv_multipart(copy=True)
             rid = m.unpack_request_id(frames[0]) if len(frames) == 2 else None

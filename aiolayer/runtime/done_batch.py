@@ -18,29 +18,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any, Coroutine
 
 from ..config import Timeouts
 from ..errors import ControlError, ControlRejected, ControlTimeout, DeliveryFailed, ProtocolError, map_errors
 from ..protocol import messages as m
 from ..protocol.codes import NackCode
 from .control import ControlPeers
-from .loop import fail_futures, settle_future, spawn_or_fail
+from .loop import Spawn, fail_futures, not_running, settle_future, spawn_or_fail
+from .spec import TransferSpec
 
 log = logging.getLogger(__name__)
-_Item = tuple[m.Done, asyncio.Future]
+_Item = tuple[m.Done, asyncio.Future[m.Message]]
 
 
 class DoneBatcher:
     def __init__(self, peers: ControlPeers, timeouts: Timeouts) -> None:
         self.peers = peers
         self.timeouts = timeouts
-        self.spawn = None                               # the runtime's, set when the sender runs
+        self.spawn: Spawn = not_running                 # the runtime's, set when the sender runs
         self._queued: dict[str, list[_Item]] = {}       # D's endpoint -> DONEs of this pass
         self._singles: set[str] = set()                 # Ds that answered a batch Nack(decode): one by one
         self.batches = 0                                # frames that carried more than one DONE
         self.batched = 0                                # DONEs those frames carried
 
-    async def tell(self, spec, msg: m.Done | m.Failed) -> m.Message:
+    async def tell(self, spec: TransferSpec, msg: m.Done | m.Failed) -> m.Message:
         """Deliver a transfer's DONE (batched) or FAILED to its D with bounded retries: D's reply;
         ``DeliveryFailed`` (logged) when D did not take it (D's own deadline and fence take over)."""
         try:
@@ -56,7 +58,7 @@ class DoneBatcher:
     async def deliver(self, endpoint: str, done: m.Done) -> m.Message:
         """D's reply to this DONE; raises as ``ControlClient.call_with_retries`` would (a Nack:
         ``ControlRejected``), within ``Timeouts.done_delivery``."""
-        answer = asyncio.get_running_loop().create_future()
+        answer: asyncio.Future[m.Message] = asyncio.get_running_loop().create_future()
         queue = self._queued.setdefault(endpoint, [])
         queue.append((done, answer))
         if len(queue) > 1:
@@ -115,7 +117,7 @@ class DoneBatcher:
                 raise ProtocolError(f"D at {endpoint} answered {len(live)} batched DONEs with {type(reply).__name__}")
             self.batches += 1
             self.batched += len(live)
-        again = []
+        again: list[Coroutine[Any, Any, None]] = []
         for item, answer in zip(live, reply.items):
             if answer is None:
                 again.append(self._alone(endpoint, item, deadline))

@@ -8,8 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Callable, Protocol
 
 from ..errors import DeadlineExceeded
+
+
+class DeviceEvent(Protocol):
+    """A recorded point on a device stream (``torch.Event``), or ``READY`` on the CPU."""
+
+    def query(self) -> bool: ...
 
 
 class ReadyEvent:
@@ -24,7 +31,7 @@ class ReadyEvent:
 READY = ReadyEvent()
 
 
-def _make_recorder():
+def _make_recorder() -> Callable[[], DeviceEvent]:
     try:
         import torch
     except ImportError:  # torch is optional for the core; without it everything is host memory
@@ -34,10 +41,11 @@ def _make_recorder():
         return lambda: READY
     device = accelerator.current_accelerator()
 
-    def record():
+    def record() -> DeviceEvent:
         event = torch.Event(device=device)
         event.record()
-        return event
+        recorded: DeviceEvent = event
+        return recorded
 
     return record
 
@@ -45,7 +53,7 @@ def _make_recorder():
 record_event = _make_recorder()
 
 
-async def wait_event(event, timeout: float) -> None:
+async def wait_event(event: DeviceEvent, timeout: float) -> None:
     """Poll ``event.query()`` with back-off until it is ready; never a device-wide synchronize."""
     if event.query():
         return

@@ -13,16 +13,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from typing import Any, Awaitable, Callable, Concatenate, Coroutine, ParamSpec, Protocol, TypeVar
 
-import numpy as np
-
-from ..protocol.plan import BlockRuns
+from ..protocol.plan import BlockRuns, Spans
 from ..protocol.state import sender_transfer
+from .events import DeviceEvent
 from .spec import LayerTiming, TransferSpec
 
 log = logging.getLogger(__name__)
 
 MAX_EARLY_ABORTS = 4096
+LayerItem = tuple[int, DeviceEvent, float]   # (layer, its device event, perf_counter when handed over)
 
 
 class StepLayers:
@@ -33,10 +34,10 @@ class StepLayers:
     __slots__ = ("items", "waiting")
 
     def __init__(self) -> None:
-        self.items: list[tuple] = []          # (layer, event, handed), in hand-over order
+        self.items: list[LayerItem] = []      # in hand-over order
         self.waiting: list[Request] = []      # transfers that read every item and wait for the next
 
-    def add(self, item: tuple) -> None:
+    def add(self, item: LayerItem) -> None:
         self.items.append(item)
         waiting, self.waiting = self.waiting, []
         for req in waiting:
@@ -52,14 +53,14 @@ class Request:
     def __init__(self, spec: TransferSpec, runs: BlockRuns, feed: StepLayers | None = None) -> None:
         self.spec = spec
         self.runs = runs
-        self.spans: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None   # head slice, from layer bases
+        self.spans: Spans | None = None                # head slice, relative to the layer bases
         self.feed = feed if feed is not None else StepLayers()
         self.cursor = 0                                # feed.items[:cursor] taken
-        self._waiter: asyncio.Future | None = None     # while waiting for the next layer (or a stop)
+        self._waiter: asyncio.Future[None] | None = None   # while waiting for the next layer (or a stop)
         self.state = sender_transfer()                 # with whether, and why, it was told to stop
         self.timings: list[LayerTiming] = []
         self.bytes = 0
-        self.pending: list[asyncio.Future] = []        # timed-out writes that may still land
+        self.pending: list[asyncio.Future[Any]] = []   # timed-out writes that may still land
         self.quiet = asyncio.Event()                   # set once no write of ours can be in flight
 
     @property
@@ -81,7 +82,7 @@ class Request:
         """A layer is handed over and not taken yet."""
         return self.cursor < len(self.feed.items)
 
-    def take_layer(self) -> tuple | None:
+    def take_layer(self) -> LayerItem | None:
         """The next handed-over layer, or None when there is none yet."""
         items = self.feed.items
         if self.cursor == len(items):
@@ -89,7 +90,7 @@ class Request:
         self.cursor += 1
         return items[self.cursor - 1]
 
-    def take_layers(self, limit: int) -> list[tuple]:
+    def take_layers(self, limit: int) -> list[LayerItem]:
         """Every layer handed over and not taken yet (at most ``limit``); none once stopped."""
         if self.state.stopped:
             return []
@@ -97,7 +98,7 @@ class Request:
         self.cursor = min(len(self.feed.items), start + limit)
         return self.feed.items[start:self.cursor]
 
-    def next_arrival(self) -> asyncio.Future:
+    def next_arrival(self) -> asyncio.Future[None]:
         """A future set when a layer is handed over or the transfer is stopped (call with none ready)."""
         self._waiter = asyncio.get_running_loop().create_future()
         self.feed.waiting.append(self)
@@ -139,7 +140,7 @@ class EarlyAborts:
         return expiry is not None and expiry > now
 
 
-async def until_writes_end(pending: list[asyncio.Future], limit: float, late) -> bool:
+async def until_writes_end(pending: list[asyncio.Future[Any]], limit: float, late: Callable[[int], None]) -> bool:
     """Until every write in ``pending`` ended (P's source fence); ``late(count)`` once, if some outlive
     ``limit``: the wait goes on regardless, since memory a write may still read is never handed back
     (Mooncake drains refused writes to one peer at ~5 per second). ``pending`` is the transfer's own
@@ -154,18 +155,29 @@ async def until_writes_end(pending: list[asyncio.Future], limit: float, late) ->
     return not any(f.cancelled() for f in pending)
 
 
-def guarded(method):
+class _Guarded(Protocol):
+    """What ``guarded`` needs of the object whose method it wraps (the sender)."""
+
+    def _fail_after_bug(self, req: Request, reason: str) -> None: ...
+
+
+_Owner = TypeVar("_Owner", bound=_Guarded)
+_Args = ParamSpec("_Args")
+
+
+def guarded(method: Callable[Concatenate[_Owner, Request, _Args], Awaitable[None]]
+            ) -> Callable[Concatenate[_Owner, Request, _Args], Coroutine[Any, Any, None]]:
     """For a per-transfer coroutine ``method(self, req, ...)``: any error ends that transfer as a
     failure (``self._fail_after_bug``) instead of reaching the runtime's TaskGroup, where it would
     cancel every other transfer. Cancellation still propagates."""
 
     @functools.wraps(method)
-    async def run(self, req, *args):
+    async def run(self: _Owner, req: Request, /, *args: _Args.args, **kwargs: _Args.kwargs) -> None:
         try:
-            await method(self, req, *args)
+            await method(self, req, *args, **kwargs)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - a bug must end this transfer visibly, and only it
+        except Exception as exc:  # a bug must end this transfer visibly, and only it
             log.exception("sender bug in %s of transfer %r", method.__name__, getattr(req.spec, "transfer_id", "?"))
             self._fail_after_bug(req, f"internal error {type(exc).__name__}: {exc}")
 

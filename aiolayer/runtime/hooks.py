@@ -6,7 +6,7 @@ tests): not part of the embedding API, so they stay off ``Runtime``'s signatures
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 import msgspec
 
@@ -26,7 +26,19 @@ class Hooks(msgspec.Struct, frozen=True, kw_only=True):
 NO_HOOKS = Hooks()
 
 
-def install_hooks(runtime: Any, **hooks) -> Any:
+class Hookable(Protocol):
+    """What takes hooks (``Runtime``; not imported: it imports this module)."""
+
+    _hooks: Hooks
+
+    @property
+    def started(self) -> bool: ...
+
+
+_Runtime = TypeVar("_Runtime", bound=Hookable)
+
+
+def install_hooks(runtime: _Runtime, **hooks: Any) -> _Runtime:
     """Give a runtime that is not started yet the node's or test's hooks (``Hooks``' fields)."""
     if runtime.started:
         raise RuntimeStateError("hooks go in before the runtime starts")

@@ -20,15 +20,16 @@ from __future__ import annotations
 import ctypes
 import random
 import zlib
+from collections.abc import Iterable
 
 import numpy as np
 
 from ..protocol import messages as m
-from ..protocol.plan import run_addresses
+from ..protocol.plan import BlockRuns, Spans, run_addresses
 from .spec import LocalLayout
 
 
-def crc_of_runs(bases, offsets, lengths) -> list[int]:
+def crc_of_runs(bases: Iterable[int], offsets: Iterable[int], lengths: Iterable[int]) -> list[int]:
     """Per layer base: the CRC32 of the runs ``base + offset`` of ``length`` bytes, in order (host memory)."""
     out = []
     for base in bases:
@@ -47,7 +48,7 @@ def _split_planes(local: LocalLayout) -> bool | None:
     return False if not split.any() else None
 
 
-def sample_check(local: LocalLayout | None, runs, spans, rate: float) -> m.LayerCheck | None:
+def sample_check(local: LocalLayout | None, runs: BlockRuns, spans: Spans | None, rate: float) -> m.LayerCheck | None:
     """P: a check for this transfer, when it is sampled and can be checked; None else. Runs in a
     worker thread (it reads every byte of the transfer's source)."""
     if local is None or not local.host or rate <= 0.0:

@@ -15,7 +15,8 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from typing import Any, Awaitable, Callable, Coroutine
+from collections.abc import Iterable
+from typing import Any, Awaitable, Callable, Coroutine, Protocol
 
 import uvloop
 
@@ -23,6 +24,20 @@ from ..compat import TaskGroup
 from ..errors import DeadlineExceeded, RuntimeStateError
 
 log = logging.getLogger(__name__)
+
+
+class Spawn(Protocol):
+    """How the runtime's parts start a task on its loop (``LoopThread.spawn``: guarded, owned by its
+    TaskGroup, from the loop thread only; a driver's own loop may pass ``loop.create_task``)."""
+
+    def __call__(self, coro: Coroutine[Any, Any, Any], *, name: str) -> asyncio.Task[Any]: ...
+
+
+def not_running(coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
+    """The ``Spawn`` of a part the runtime has not started yet: it starts nothing."""
+    if asyncio.iscoroutine(coro):
+        coro.close()
+    raise RuntimeStateError(f"cannot start {name!r}: not running on a loop yet")
 
 
 class LoopThread:
@@ -84,12 +99,12 @@ class LoopThread:
 
     # --- handing work to the loop ------------------------------------------------------------
 
-    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
         """Run ``coro`` as a task of the loop's TaskGroup; returns a concurrent Future."""
         if not self.alive:
             coro.close()
             raise RuntimeStateError("loop thread is not running")
-        result: concurrent.futures.Future = concurrent.futures.Future()
+        result: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         async def runner() -> None:
             try:
@@ -111,9 +126,9 @@ class LoopThread:
                 _settle(result.set_exception, RuntimeStateError("loop is stopping"))
                 return
             task = self._group.create_task(runner(), name=getattr(coro, "__name__", "submitted"))
-            loop = self._loop
+            loop = self.loop
 
-            def cancel_task(fut: concurrent.futures.Future) -> None:
+            def cancel_task(fut: concurrent.futures.Future[Any]) -> None:
                 # the caller cancelled its future (e.g. ``call`` timed out): stop the work too
                 if fut.cancelled() and not loop.is_closed():
                     try:
@@ -135,7 +150,7 @@ class LoopThread:
             future.cancel()
             raise DeadlineExceeded("loop call", timeout) from None
 
-    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task:
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
         """Start a guarded task owned by the TaskGroup; only from the loop thread.
 
         The task's result is None if ``coro`` raised: the error is logged and counted, not kept.
@@ -144,14 +159,15 @@ class LoopThread:
             if asyncio.iscoroutine(coro):
                 coro.close()
             raise RuntimeStateError("loop has no task group (not running)")
-        return self._group.create_task(self._guard(coro, name), name=name)
+        task: asyncio.Task[Any] = self._group.create_task(self._guard(coro, name), name=name)
+        return task
 
     async def _guard(self, coro: Awaitable[Any], name: str) -> Any:
         try:
             return await coro
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - one task's failure must not cancel its TaskGroup siblings
+        except Exception:  # one task's failure must not cancel its TaskGroup siblings
             self.task_errors += 1
             log.exception("aiolayer task %r failed (the runtime goes on)", name)
             return None
@@ -175,7 +191,7 @@ class LoopThread:
             for callback in self._on_exit:
                 try:
                     callback(error)
-                except Exception:  # noqa: BLE001 - one bad callback must not hide the others
+                except Exception:  # one bad callback must not hide the others
                     log.exception("on_exit callback failed")
 
     async def _main(self) -> None:
@@ -194,7 +210,7 @@ class LoopThread:
             for closer in self._on_stop:  # also after a crash: close what the tasks owned
                 try:
                     await closer()
-                except Exception:  # noqa: BLE001 - one bad closer must not skip the others
+                except Exception:  # one bad closer must not skip the others
                     log.exception("on_stop closer failed")
 
 
@@ -206,7 +222,7 @@ def _settle(setter: Callable[[Any], None], value: Any) -> None:
         pass
 
 
-def settle_future(fut: asyncio.Future, *, result=None, exc: BaseException | None = None) -> None:
+def settle_future(fut: asyncio.Future[Any], *, result: Any = None, exc: BaseException | None = None) -> None:
     """Set ``fut``'s result (or ``exc``) unless it is done already (e.g. its waiter was cancelled)."""
     if fut.done():
         return
@@ -216,13 +232,14 @@ def settle_future(fut: asyncio.Future, *, result=None, exc: BaseException | None
         fut.set_result(result)
 
 
-def fail_futures(items, exc: BaseException) -> None:
+def fail_futures(items: Iterable[tuple[object, asyncio.Future[Any]]], exc: BaseException) -> None:
     """``exc`` into the future of every (anything, future) pair not done yet."""
     for _, fut in items:
         settle_future(fut, exc=exc)
 
 
-def spawn_or_fail(spawn: Callable[..., asyncio.Task], coro: Coroutine[Any, Any, Any], name: str, items,
+def spawn_or_fail(spawn: Spawn, coro: Coroutine[Any, Any, Any], name: str,
+                  items: Iterable[tuple[object, asyncio.Future[Any]]],
                   failure: Callable[[Exception], BaseException]) -> None:
     """Start ``coro`` as an owned task that answers ``items`` (pairs of anything and a future); when
     no task can start (the runtime is stopping), close it and fail each future with ``failure(exc)``."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from typing import Any, Coroutine, Union
 
 import msgspec
 import numpy as np
@@ -33,12 +34,13 @@ from ..errors import ControlError, ControlRejected, DeadlineExceeded, MetadataEr
 from ..protocol import messages as m
 from ..protocol.codes import NackCode
 from .control import ControlPeers
-from .loop import fail_futures, settle_future, spawn_or_fail
+from .loop import Spawn, fail_futures, settle_future, spawn_or_fail
 
 log = logging.getLogger(__name__)
-# (transfer id, token[, writers]), the fetch's future; writers: how many P ranks write into the
-# transfer by this P's plan (D checks it against its registration), 0 or absent = not said
-_Item = tuple[tuple, asyncio.Future]
+# (transfer id, token[, writers]); writers: how many P ranks write into the transfer by this P's plan
+# (D checks it against its registration), 0 or absent = not said
+Credentials = Union[tuple[str, str], tuple[str, str, int]]
+_Key = tuple[Union[str, int], ...]   # (endpoint, *credentials)
 # A batch Nacked with these was not understood (an older D) or too big: its items go alone.
 _NOT_BATCHED = (NackCode.DECODE, NackCode.UNKNOWN, NackCode.SIZE)
 
@@ -71,8 +73,11 @@ class RemoteLayout(msgspec.Struct, frozen=True):
                    reply.kv_heads, reply.block_size, reply.head_bytes, reply.kv_layout)
 
 
+_Item = tuple[Credentials, asyncio.Future[RemoteLayout]]   # one fetch: its credentials, its future
+
+
 class LayoutCache:
-    def __init__(self, peers: ControlPeers, timeouts: Timeouts, requester: str, spawn) -> None:
+    def __init__(self, peers: ControlPeers, timeouts: Timeouts, requester: str, spawn: Spawn) -> None:
         self.peers = peers
         self._spawn = spawn
         self.timeouts = timeouts
@@ -81,8 +86,8 @@ class LayoutCache:
         # once its control server is bound
         self.control = ""
         self.incarnation = ""
-        # (endpoint, transfer id, token) -> the fetch, until its transfer consumes it (``get``)
-        self._entries: dict[tuple[str, str, str], asyncio.Future] = {}
+        # (endpoint, *credentials) -> the fetch, until its transfer consumes it (``get``)
+        self._entries: dict[_Key, asyncio.Future[RemoteLayout]] = {}
         self._queued: dict[str, list[_Item]] = {}      # endpoint -> fetches of this pass, not sent yet
         self._singles: set[str] = set()                # Ds that did not know a batch: one by one
         self.fetches: collections.Counter[str] = collections.Counter()   # per endpoint: transfers asked for
@@ -90,7 +95,7 @@ class LayoutCache:
         self.batched = 0                               # the fetches they carried
         self.deadlines_expired = 0
 
-    def prefetch(self, endpoint: str, credentials: tuple) -> asyncio.Future:
+    def prefetch(self, endpoint: str, credentials: Credentials) -> asyncio.Future[RemoteLayout]:
         """Start fetching ``endpoint``'s layout for a transfer unless its fetch is running already.
 
         ``credentials`` is (transfer id, token) of a transfer D registered: D shows its layout
@@ -98,7 +103,7 @@ class LayoutCache:
         item, the number of P ranks writing the transfer by our plan, lets D refuse a plan that
         disagrees with its registration. Sent once this pass of the loop ends, with the pass's others.
         """
-        key = (endpoint, *credentials)
+        key: _Key = (endpoint, *credentials)
         fut = self._entries.get(key)
         if fut is not None and not (fut.done() and (fut.cancelled() or fut.exception() is not None)):
             return fut
@@ -114,12 +119,12 @@ class LayoutCache:
             loop.call_soon(self._flush, endpoint)
         return fut
 
-    async def get(self, endpoint: str, credentials: tuple, incarnation: str = "") -> RemoteLayout:
+    async def get(self, endpoint: str, credentials: Credentials, incarnation: str = "") -> RemoteLayout:
         """The layout of ``endpoint`` as D showed it to this transfer; it must be of ``incarnation``."""
-        key = (endpoint, *credentials)
+        key: _Key = (endpoint, *credentials)
         fut = self.prefetch(endpoint, credentials)
         try:
-            layout = await asyncio.shield(fut)
+            layout: RemoteLayout = await asyncio.shield(fut)
         finally:
             if self._entries.get(key) is fut:
                 del self._entries[key]
@@ -178,7 +183,7 @@ class LayoutCache:
             self.batches += 1
             self.batched += len(items)
         layout = RemoteLayout.from_reply(endpoint, reply.layout) if reply.layout is not None else None
-        again = []
+        again: list[Coroutine[Any, Any, None]] = []
         for item, answer in zip(items, reply.items):
             if answer is None:
                 again.append(self._alone(endpoint, item, deadline))
@@ -203,7 +208,7 @@ class LayoutCache:
         except Exception as exc:  # noqa: BLE001 - the item's own error, as its transfer reports it
             settle_future(fut, exc=exc)
 
-    def _request(self, credentials: tuple) -> m.LayoutRequest:
+    def _request(self, credentials: Credentials) -> m.LayoutRequest:
         tid, token, *writers = credentials
         return m.LayoutRequest(requester=self.requester, transfer_id=tid, token=token, control=self.control,
                                incarnation=self.incarnation, writers=writers[0] if writers else 0)
@@ -230,6 +235,6 @@ class LayoutCache:
         self._queued.clear()
 
 
-def _consume_exception(fut: asyncio.Future) -> None:
+def _consume_exception(fut: asyncio.Future[RemoteLayout]) -> None:
     if not fut.cancelled():
         fut.exception()  # mark retrieved: the awaiting requests report it

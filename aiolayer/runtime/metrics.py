@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -19,11 +21,38 @@ from .. import compat
 from ..errors import ControlError
 from ..transport import url_host
 
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+    from ..backends.base import TransferBackend
+    from ..config import NodeConfig
+    from .bridge import LayerBridge
+    from .control import ControlPeers, ControlServer
+    from .loop import LoopThread
+    from .metadata import LayoutCache
+    from .receiver import Receiver
+    from .sender import Sender
+
 log = logging.getLogger(__name__)
 MAX_REQUEST_HEAD = 8192
 
 
-def snapshot(rt) -> dict:
+class Source(Protocol):
+    """What a snapshot reads (``Runtime``; not imported: it imports this module); the optional parts
+    exist once it started."""
+
+    node: NodeConfig
+    backend: TransferBackend
+    bridge: LayerBridge
+    loop_thread: LoopThread
+    receiver: Receiver
+    sender: Sender | None
+    server: ControlServer | None
+    peers: ControlPeers | None
+    layouts: LayoutCache | None
+
+
+def snapshot(rt: Source) -> dict[str, Any]:
     """Every figure the metrics expose, as new plain data; on the loop thread only.
 
     From another thread it may raise (a dict changed during iteration): read the runtime's
@@ -64,10 +93,10 @@ def snapshot(rt) -> dict:
 
 
 class _SnapshotCollector:
-    def __init__(self, snap: dict) -> None:
+    def __init__(self, snap: dict[str, Any]) -> None:
         self.snap = snap
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         s = self.snap
         yield _counter("aiolayer_bytes_sent", "bytes P wrote into D's KV cache", s["bytes_sent"])
         yield _counter("aiolayer_bytes_received", "bytes D received, as reported by P's DONE", s["bytes_received"])
@@ -110,9 +139,12 @@ class _SnapshotCollector:
                        s.get("task_errors", 0))
 
 
-def _counter(name: str, doc: str, value, labels=None, samples=()):
+def _counter(name: str, doc: str, value: float | None, labels: Sequence[str] | None = None,
+             samples: Iterable[tuple[Sequence[str], float]] = ()) -> CounterMetricFamily:
     fam = CounterMetricFamily(name, doc, labels=labels)
     if labels is None:
+        if value is None:
+            raise ValueError(f"{name}: a counter without labels needs its value")
         fam.add_metric([], value)
     for label_values, v in samples:
         fam.add_metric(label_values, v)
@@ -123,7 +155,7 @@ def _le(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(bound)
 
 
-def render(snap: dict) -> bytes:
+def render(snap: dict[str, Any]) -> bytes:
     """The Prometheus text exposition of a snapshot."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_SnapshotCollector(snap))
@@ -133,7 +165,7 @@ def render(snap: dict) -> bytes:
 class MetricsServer:
     """``GET /metrics`` on ``host:port`` (0 = a free port), served on the runtime's loop."""
 
-    def __init__(self, host: str, port: int, scrape, read_timeout: float) -> None:
+    def __init__(self, host: str, port: int, scrape: Callable[[], Awaitable[bytes]], read_timeout: float) -> None:
         self.host, self.port = host, port
         self.scrape = scrape              # coroutine function -> bytes, run on the loop
         self.read_timeout = read_timeout

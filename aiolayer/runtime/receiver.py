@@ -44,12 +44,14 @@ from ..protocol import messages as m
 from ..protocol.checks import check_senders, check_token
 from ..protocol.codes import AckDetail, NackCode
 from ..protocol.state import Event, IllegalTransition, State, receiver_transfer
+from .loop import Spawn, not_running
 from .settled import SettledTable
 from .writers import StopSender, Writers, ask_until_quiet
 
 log = logging.getLogger(__name__)
 
 MAX_EARLY = 4096          # DONE/FAILED kept for unregistered transfers: a stranger cannot grow it further
+Release = Callable[[list[int]], None]   # frees a transfer's blocks once it is released
 
 
 class Received(msgspec.Struct, kw_only=True):
@@ -64,7 +66,7 @@ class _Entry:
     __slots__ = ("transfer_id", "token", "block_ids", "first_block", "state", "writers",
                  "timer", "on_release", "fence", "forget")
 
-    def __init__(self, transfer_id: str, token: str, block_ids: list[int], on_release,
+    def __init__(self, transfer_id: str, token: str, block_ids: list[int], on_release: Release | None,
                  first_block: int, senders: int = 1) -> None:
         self.transfer_id = transfer_id
         self.token = token
@@ -74,7 +76,7 @@ class _Entry:
         self.writers = Writers(senders)         # the P ranks that reached it: the fence asks these
         self.timer: asyncio.TimerHandle | None = None
         self.on_release = on_release
-        self.fence: asyncio.Task | None = None
+        self.fence: asyncio.Task[None] | None = None
         self.forget = False                     # forget the entry once settled: the engine owns the blocks
 
 
@@ -87,11 +89,11 @@ class Receiver:
         self._unsettled = 0
         # (transfer id, token, sender) -> (DONE/FAILED, expiry): keyed by token too, so a stranger's
         # early DONE cannot take the place of the real one, and by sender, so k senders are all kept
-        self._early: dict[tuple[str, str, str], tuple[m.Message, float]] = {}
+        self._early: dict[tuple[str, str, str], tuple[m.Done | m.Failed, float]] = {}
         self._settled = SettledTable(timeouts.receive)   # their late words and their ids are refused
         self._on_outcome: Callable[[], None] | None = None
         self._results: collections.deque[Received] = collections.deque()
-        self._spawn = None
+        self._spawn: Spawn = not_running
         self._stop_sender: StopSender | None = None
         self.duplicates = 0
         self.deadlines_expired = 0
@@ -102,7 +104,7 @@ class Receiver:
         self.bytes_received = 0
         self.integrity: collections.Counter[str] = collections.Counter()   # sampled DONEs: verified / mismatch
 
-    def bind(self, spawn, stop_sender: StopSender, on_outcome: Callable[[], None] | None = None) -> None:
+    def bind(self, spawn: Spawn, stop_sender: StopSender | None, on_outcome: Callable[[], None] | None = None) -> None:
         """Give the receiver its task owner, the way to tell a P to stop and whom to tell of an outcome."""
         self._spawn = spawn
         self._stop_sender = stop_sender
@@ -110,7 +112,7 @@ class Receiver:
 
     # --- on the loop ---------------------------------------------------------------------------
 
-    def register(self, transfer_id: str, block_ids: list[int], *, token: str, on_release=None,
+    def register(self, transfer_id: str, block_ids: list[int], *, token: str, on_release: Release | None = None,
                  first_block: int = 0,
                  senders: int = 1, forget: bool = False) -> None:
         """Register before publishing the block ids; ``on_release(block_ids)`` frees them later.
@@ -170,7 +172,7 @@ class Receiver:
             raise ControlRejected(NackCode.WRITERS, reason)
         entry.writers.admit(tid, msg.requester, msg.control, msg.incarnation)
 
-    def handle(self, msg: m.Message) -> m.Message:
+    def handle(self, msg: m.Done | m.Failed) -> m.Ack:
         """Apply a Done or Failed from P; always returns the reply to send."""
         tid = msg.transfer_id
         if tid not in self._entries:
@@ -187,13 +189,14 @@ class Receiver:
         entry.writers.admit(tid, msg.sender)   # a writer beyond the registered ones: refused
         entry.writers.mark_quiet(msg.sender)   # P says DONE/FAILED only once its writes are quiet
         if entry.state.senders > 1:
-            msg, repeated = entry.state.gather(tid, msg)
+            word, repeated = entry.state.gather(tid, msg)
             self.duplicates += repeated
-            if msg is None:   # counted; while D gives the transfer up, that is no acceptance
+            if word is None:   # counted; while D gives the transfer up, that is no acceptance
                 aborting = entry.state.state is State.ABORTING
                 return m.Ack(detail=State.ABORTING.value if aborting else entry.state.tally())
+            msg = word
         event = Event.DONE if isinstance(msg, m.Done) else Event.FAILED
-        reason = "" if event is Event.DONE else f"P reported: {msg.reason}"
+        reason = f"P reported: {msg.reason}" if isinstance(msg, m.Failed) else ""
         if entry.state.state is State.ABORTING:
             reason = entry.state.reason  # P is quiet now; the failure is still why D gave up
         try:
@@ -203,7 +206,7 @@ class Receiver:
         if not changed:
             self.duplicates += 1
             return _already(entry.state.state is State.FINISHED)
-        if event is Event.DONE:
+        if isinstance(msg, m.Done):
             self.bytes_received += msg.bytes
         self._settle(entry)
         return m.Ack(detail=entry.state.state.value)
@@ -288,7 +291,7 @@ class Receiver:
 
     # --- internals -----------------------------------------------------------------------------
 
-    def _keep_early(self, msg: m.Message) -> None:
+    def _keep_early(self, msg: m.Done | m.Failed) -> None:
         now = time.monotonic()
         for key, (_, expiry) in list(self._early.items()):
             if expiry < now:
@@ -367,7 +370,7 @@ class Receiver:
                 quiet = await self._ask_until_quiet(entry, end)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - P's state is unknown: the grace decides
+            except Exception:  # P's state is unknown: the grace decides
                 log.exception("transfer %s: asking P to stop failed; fencing for the whole grace", entry.transfer_id)
                 quiet = False
             if not quiet:

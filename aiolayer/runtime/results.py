@@ -18,10 +18,13 @@ import asyncio
 import collections
 import concurrent.futures
 import time
-from typing import Callable
+from collections.abc import Container, Sequence
+from typing import Callable, TypeVar
 
 from ..errors import DeadlineExceeded, UnknownTransfer
 from .spec import Outcome
+
+_T = TypeVar("_T")
 
 
 class Results:
@@ -29,12 +32,12 @@ class Results:
         # called on the loop before an outcome or a release becomes visible to other threads, so
         # what they read alongside it (the published metrics) already counts it
         self.on_change = on_change
-        self.waiters: dict[str, concurrent.futures.Future] = {}
+        self.waiters: dict[str, concurrent.futures.Future[Outcome]] = {}
         self.outcomes: collections.deque[Outcome] = collections.deque()
         self.released: collections.deque[str] = collections.deque()
-        self._staged: list[tuple[str, object]] = []   # ("publish" | "resolve", Outcome) or ("release", id)
+        self._staged: list[tuple[str, Outcome | str]] = []   # ("publish" | "resolve", Outcome), ("release", id)
 
-    def expect(self, specs: list) -> list[str]:
+    def expect(self, specs: Sequence[object]) -> list[str]:
         """Make ``wait`` slots for the specs' ids (before they reach the loop); returns the new ones."""
         ids = {getattr(spec, "transfer_id", None) for spec in specs}
         added = [tid for tid in ids if isinstance(tid, str) and tid not in self.waiters]
@@ -57,7 +60,7 @@ class Results:
     def release(self, transfer_id: str) -> None:
         self._stage("release", transfer_id)
 
-    def _stage(self, kind: str, item) -> None:
+    def _stage(self, kind: str, item: Outcome | str) -> None:
         self._staged.append((kind, item))
         if len(self._staged) == 1:
             try:
@@ -73,20 +76,19 @@ class Results:
         if self.on_change is not None:
             self.on_change()
         for kind, item in staged:
-            if kind == "publish":
-                self._answer(item)            # first: once appended, another thread may pop it
-                self.outcomes.append(item)
-            elif kind == "resolve":
-                self._answer(item)
-            else:
+            if isinstance(item, str):         # a release
                 self.released.append(item)
+            else:                             # publish or resolve
+                self._answer(item)            # first: once appended, another thread may pop it
+                if kind == "publish":
+                    self.outcomes.append(item)
 
     def _answer(self, outcome: Outcome) -> None:
         waiter = self.waiters.get(outcome.transfer_id)
         if waiter is not None and not waiter.done():
             waiter.set_result(outcome)
 
-    def fail_unpublished(self, reason: str, live) -> None:
+    def fail_unpublished(self, reason: str, live: Container[str]) -> None:
         """Every ``wait`` not answered yet gets a failure (the sender stops); what is staged goes first."""
         self.flush()
         for tid, fut in list(self.waiters.items()):
@@ -121,8 +123,8 @@ class Results:
                 self.waiters.pop(transfer_id, None)
 
 
-def _drain(queue: collections.deque) -> list:
-    out = []
+def _drain(queue: collections.deque[_T]) -> list[_T]:
+    out: list[_T] = []
     while queue:
         out.append(queue.popleft())
     return out

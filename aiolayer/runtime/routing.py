@@ -1,23 +1,57 @@
 """A runtime's control-plane routing: each inbound message to the side that serves it (``handle``, the
 control server's handler; a ``TopologyRequest`` is answered from the runtime's identity), and D's
 fence asking P to stop writing (``stop_sender``, the receiver's ``StopSender``). Runs on the runtime's
-loop; no state of its own. ``rt`` is the ``Runtime`` (not imported here: the runtime imports this module).
+loop; no state of its own. ``rt`` is the ``Runtime``, seen through ``Host`` (the runtime imports this module).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
 
-from ..errors import ControlError, ControlRejected, DeadlineExceeded, FrameDropped
+import msgspec
+
+from ..errors import ControlError, ControlRejected, DeadlineExceeded, FrameDropped, RuntimeStateError
 from ..protocol import messages as m
 from ..protocol.codes import NackCode
 from .integrity import verify_check
 
+if TYPE_CHECKING:
+    from ..config import NodeConfig, Timeouts
+    from .api import Identity
+    from .control import ControlPeers
+    from .hooks import Hooks
+    from .receiver import Receiver
+    from .sender import Sender
+
 log = logging.getLogger("aiolayer.runtime.runtime")   # the runtime's own log, as before the split
+_Item = TypeVar("_Item", bound=m.Message)
 
 
-def _batched_item(rt, msg: m.Message, answer) -> m.Ack | m.Nack | m.Message | None:
+class Host(Protocol):
+    """What routing reads of its runtime (``Runtime``); the optional parts exist once it started."""
+
+    _hooks: Hooks
+    node: NodeConfig
+    timeouts: Timeouts
+    incarnation: str
+    control_endpoint: str
+    identity: Identity
+    receiver: Receiver
+    sender: Sender | None
+    peers: ControlPeers | None
+    layout_reply: m.LayoutReply | None
+
+
+def _sender(rt: Host) -> Sender:
+    if rt.sender is None:
+        raise RuntimeStateError("runtime not started: no sender yet")
+    return rt.sender
+
+
+def _batched_item(rt: Host, msg: _Item, answer: Callable[[_Item], m.Ack]) -> m.Ack | m.Nack | None:
     """One item of a batch frame (``DoneBatch``, ``LayoutBatch``), answered as if it came alone:
     ``answer(msg)``, or its own Nack; None when a fault-injection hook dropped it."""
     try:
@@ -29,38 +63,47 @@ def _batched_item(rt, msg: m.Message, answer) -> m.Ack | m.Nack | m.Message | No
         return m.Nack(code=exc.code, reason=exc.reason)
     except FrameDropped:
         return None
-    except Exception as exc:  # noqa: BLE001 - this item's sender is told, the batch's others go on
+    except Exception as exc:  # this item's sender is told, the batch's others go on
         log.exception("control handler failed on a batched %s", type(msg).__name__)
         return m.Nack(code=NackCode.INTERNAL, reason=f"{type(exc).__name__}: {exc}"[:300])
 
 
-def _check_batch(items: list, limit: int, what: str) -> None:
+def _check_batch(items: Sequence[object], limit: int, what: str) -> None:
     if len(items) > limit:
         raise ControlRejected(NackCode.SIZE, f"{len(items)} {what} in one batch; at most {limit}")
 
 
-def _grant_layout(rt, msg: m.LayoutRequest) -> m.Ack:
+def _grant_layout(rt: Host, msg: m.LayoutRequest) -> m.Ack:
     """The layout names our memory: only for a peer holding the token of a transfer that still takes
     writes (P asks for it for every transfer before its first write), recorded as its writer."""
     rt.receiver.admit_writer(msg)
-    if rt.layout_reply is None:
-        raise ControlRejected(m.NackCode.NOT_READY, "no KV layout registered yet")
+    _published_layout(rt)
     return m.Ack()
 
 
-def _topology(rt) -> m.TopologyReply:
+def _published_layout(rt: Host) -> m.LayoutReply:
+    if rt.layout_reply is None:
+        raise ControlRejected(NackCode.NOT_READY, "no KV layout registered yet")
+    return rt.layout_reply
+
+
+def _topology(rt: Host) -> m.TopologyReply:
     """Who this runtime is (its embedder's ``Identity``) and its layout's summary, never its addresses."""
     ident, layout = rt.identity, rt.layout_reply
-    geo = {} if layout is None else dict(
-        num_layers=len(layout.layers), block_bytes=layout.block_bytes, block_size=layout.block_size,
+    reply = m.TopologyReply(engine_id=rt.node.engine_id, incarnation=rt.incarnation, control=rt.control_endpoint,
+                            role=ident.role, tp_rank=ident.tp_rank, tp_size=ident.tp_size, dp_rank=ident.dp_rank,
+                            dp_size=ident.dp_size, model=ident.model)
+    if layout is None:
+        return reply
+    return msgspec.structs.replace(
+        reply, num_layers=len(layout.layers), block_bytes=layout.block_bytes, block_size=layout.block_size,
         kv_heads=layout.kv_heads, head_bytes=layout.head_bytes, kv_layout=layout.kv_layout)
-    return m.TopologyReply(engine_id=rt.node.engine_id, incarnation=rt.incarnation, control=rt.control_endpoint,
-                           role=ident.role, tp_rank=ident.tp_rank, tp_size=ident.tp_size, dp_rank=ident.dp_rank,
-                           dp_size=ident.dp_size, model=ident.model, **geo)
 
 
-async def stop_sender(rt, endpoint: str, transfer_id: str, token: str, reason: str) -> bool:
+async def stop_sender(rt: Host, endpoint: str, transfer_id: str, token: str, reason: str) -> bool:
     """D's fence: ask P to stop writing ``transfer_id``; True once P says none is in flight."""
+    if rt.peers is None:
+        raise RuntimeStateError("runtime not started: no control peers yet")
     try:
         client = await rt.peers.get(endpoint)
         reply = await client.call(m.Abort(transfer_id=transfer_id, reason=reason, token=token),
@@ -71,7 +114,7 @@ async def stop_sender(rt, endpoint: str, transfer_id: str, token: str, reason: s
     return m.confirms_stop(reply)
 
 
-async def _verified(rt, done: m.Done) -> m.Done | m.Failed:
+async def _verified(rt: Host, done: m.Done | m.Failed) -> m.Done | m.Failed:
     """A DONE carrying an integrity check, once D compared what landed (in a worker thread): as sent,
     or a FAILED from the same sender saying what differs. A DONE D would refuse or keep anyway
     (unknown, wrong token, already given up) goes on unchecked."""
@@ -80,7 +123,7 @@ async def _verified(rt, done: m.Done) -> m.Done | m.Failed:
     blocks = rt.receiver.blocks_to_verify(done.transfer_id, done.token)
     if blocks is None:
         return done
-    problem = await asyncio.to_thread(verify_check, rt.sender.local, blocks, done.check)
+    problem = await asyncio.to_thread(verify_check, _sender(rt).local, blocks, done.check)
     rt.receiver.integrity["mismatch" if problem else "verified"] += 1
     if not problem:
         return done
@@ -88,19 +131,19 @@ async def _verified(rt, done: m.Done) -> m.Done | m.Failed:
     return m.Failed(transfer_id=done.transfer_id, sender=done.sender, reason=problem, token=done.token)
 
 
-async def handle(rt, msg: m.Message) -> m.Message:
+async def handle(rt: Host, msg: m.Message) -> m.Message:
     if rt._hooks.inbound_filter is not None:
         rt._hooks.inbound_filter(msg)
     if isinstance(msg, (m.Done, m.Failed)):
         return rt.receiver.handle(await _verified(rt, msg))
     if isinstance(msg, m.DoneBatch):
         _check_batch(msg.items, m.MAX_DONE_BATCH, "DONEs")
-        items = msg.items
+        items: Sequence[m.Done | m.Failed] = msg.items
         if any(getattr(done, "check", None) is not None for done in items):   # else answered in this pass
-            items = await asyncio.gather(*(_verified(rt, done) for done in items))
+            items = await asyncio.gather(*(_verified(rt, done) for done in msg.items))
         return m.Replies(items=[_batched_item(rt, done, rt.receiver.handle) for done in items])
     if isinstance(msg, m.Abort):
-        return m.Ack(detail=await rt.sender.abort(msg.transfer_id, msg.reason, msg.token))
+        return m.Ack(detail=await _sender(rt).abort(msg.transfer_id, msg.reason, msg.token))
     if isinstance(msg, m.AbortRequest):
         return m.Ack(detail=rt.receiver.abort(msg.transfer_id, msg.reason, msg.token))
     if isinstance(msg, m.LookupRequest):
@@ -109,7 +152,7 @@ async def handle(rt, msg: m.Message) -> m.Message:
                             first_block=first, token=msg.token)
     if isinstance(msg, m.LayoutRequest):
         _grant_layout(rt, msg)
-        return rt.layout_reply
+        return _published_layout(rt)
     if isinstance(msg, m.LayoutBatch):
         _check_batch(msg.items, m.MAX_LAYOUT_BATCH, "layout requests")
         answers = [_batched_item(rt, req, lambda r: _grant_layout(rt, r)) for req in msg.items]
@@ -119,4 +162,4 @@ async def handle(rt, msg: m.Message) -> m.Message:
         return _topology(rt)
     if rt._hooks.extra_handler is not None:
         return await rt._hooks.extra_handler(msg)
-    raise ControlRejected(m.NackCode.UNKNOWN, f"{type(msg).__name__} is not served here")
+    raise ControlRejected(NackCode.UNKNOWN, f"{type(msg).__name__} is not served here")

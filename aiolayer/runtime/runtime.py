@@ -23,11 +23,13 @@ import secrets
 import threading
 import time
 import uuid
-from typing import Awaitable, Callable
+from collections.abc import Sequence
+from typing import Any, Awaitable, Callable
 
 import msgspec
 
 from ..backends import make_backend
+from ..backends.base import TransferBackend
 from ..config import NodeConfig, Timeouts
 from ..errors import AiolayerError, BridgeClosed, ConfigError, DeadlineExceeded, RuntimeStateError
 from ..protocol import messages as m
@@ -50,7 +52,8 @@ WAIT_POLL_S = 0.005   # wait_received: how often a blocked caller looks (results
 
 
 class Runtime:
-    def __init__(self, node: NodeConfig | None = None, timeouts: Timeouts | None = None, backend=None) -> None:
+    def __init__(self, node: NodeConfig | None = None, timeouts: Timeouts | None = None,
+                 backend: TransferBackend | None = None) -> None:
         self.node = node or NodeConfig()
         self.timeouts = timeouts or Timeouts()
         self.incarnation = uuid.uuid4().hex
@@ -73,7 +76,7 @@ class Runtime:
         self.control_endpoint = ""
         self.metrics_server: MetricsServer | None = None
         self.metrics_url = ""
-        self.published_metrics: dict | None = None   # read whole from any thread; replaced, never changed
+        self.published_metrics: dict[str, Any] | None = None   # read whole from any thread; replaced, never changed
         self._outcome_listeners: tuple[Callable[[], None], ...] = ()
         self._started = False
         self._closed = False
@@ -111,8 +114,8 @@ class Runtime:
         self.receiver.bind(spawn, functools.partial(routing.stop_sender, self), on_outcome=self._outcome)
         transport = self.node.transport
         advertised = url_host(transport.advertised())   # bound on bind_host, dialled by peers at this
-        self.server = ControlServer(transport.bind_host, self.node.control_port, functools.partial(routing.handle, self),
-                                    max_frame_bytes=self.node.max_frame_bytes)
+        self.server = ControlServer(transport.bind_host, self.node.control_port,
+                                    functools.partial(routing.handle, self), max_frame_bytes=self.node.max_frame_bytes)
         await self.server.start(spawn)
         self.control_endpoint = f"tcp://{advertised}:{self.server.port}"
         self.layouts.control, self.layouts.incarnation = self.control_endpoint, self.incarnation
@@ -180,7 +183,7 @@ class Runtime:
     def __enter__(self) -> "Runtime":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def set_identity(self, identity: Identity) -> None:
@@ -212,19 +215,21 @@ class Runtime:
         self.loop_thread.call(self._register_layout(k_base, v_base, block_bytes, num_blocks, kv_heads, geometry,
                                                     host_memory), timeout=self.timeouts.shutdown)
 
-    async def _register_layout(self, k_base, v_base, block_bytes: int, num_blocks: int,
+    async def _register_layout(self, k_base: Sequence[int], v_base: Sequence[int], block_bytes: int, num_blocks: int,
                                kv_heads: int = 0, geometry: HeadGeometry | None = None, host: bool = False) -> None:
         span = num_blocks * block_bytes
         for base in list(k_base) + list(v_base) if not self._hooks.refuse_writes else ():
             if base:   # a V base of 0: K and V share one tensor per layer
                 self.backend.register(int(base), span)
-        self.sender.set_local_layout(k_base, v_base, block_bytes, num_blocks, kv_heads, geometry, host)
-        geo = {} if geometry is None else dict(kv_heads=kv_heads, block_size=geometry.block_size,
-                                               head_bytes=geometry.head_bytes, kv_layout=geometry.layout)
-        self.layout_reply = m.LayoutReply(
+        self._running_sender().set_local_layout(k_base, v_base, block_bytes, num_blocks, kv_heads, geometry, host)
+        reply = m.LayoutReply(
             engine_id=self.node.engine_id, incarnation=self.incarnation, session=self.backend.session,
             block_bytes=block_bytes, num_blocks=num_blocks,
-            layers=[m.LayerRegion(int(k), int(v)) for k, v in zip(k_base, v_base)], **geo)
+            layers=[m.LayerRegion(int(k), int(v)) for k, v in zip(k_base, v_base)])
+        if geometry is not None:
+            reply = msgspec.structs.replace(reply, kv_heads=kv_heads, block_size=geometry.block_size,
+                                            head_bytes=geometry.head_bytes, kv_layout=geometry.layout)
+        self.layout_reply = reply
 
     def set_integrity_sample(self, share: float) -> None:
         """P: from now on check this share of transfers end to end (``NodeConfig.integrity_sample``)."""
@@ -324,7 +329,7 @@ class Runtime:
         except AiolayerError as exc:
             log.debug("transfer %s: abort not needed: %s", transfer_id, exc)
 
-    def _on_loop(self, callback, *args) -> None:
+    def _on_loop(self, callback: Callable[..., None], *args: Any) -> None:
         """Run ``callback`` on the loop, in call order, before the loop serves anything that arrives later."""
         try:
             self.loop_thread.loop.call_soon_threadsafe(callback, *args)
@@ -364,7 +369,7 @@ class Runtime:
         """On the loop: a new snapshot, swapped in whole (other threads only ever read the attribute)."""
         try:
             self.published_metrics = snapshot(self)
-        except Exception:  # noqa: BLE001 - keep the last one; a stale figure beats none
+        except Exception:  # keep the last one; a stale figure beats none
             log.exception("metrics snapshot failed")
 
     def _outcome(self) -> None:
@@ -377,15 +382,17 @@ class Runtime:
     async def _scrape(self) -> bytes:
         return render(snapshot(self))
 
-    def metrics_snapshot(self) -> dict:
+    def metrics_snapshot(self) -> dict[str, Any]:
         """Every figure of the metrics as plain data, taken on the loop (from any other thread)."""
-        async def take() -> dict:
+        async def take() -> dict[str, Any]:
             return snapshot(self)
-        return self.loop_thread.call(take(), timeout=self.timeouts.control_call)
+        taken: dict[str, Any] = self.loop_thread.call(take(), timeout=self.timeouts.control_call)
+        return taken
 
     def metrics_text(self) -> str:
         """The Prometheus text exposition, as ``GET /metrics`` serves it."""
-        return self.loop_thread.call(self._scrape(), timeout=self.timeouts.control_call).decode()
+        text: bytes = self.loop_thread.call(self._scrape(), timeout=self.timeouts.control_call)
+        return text.decode()
 
     # --- synchronous helpers for non-loop threads (tools, tests, the benchmark) ---------------
 
@@ -394,7 +401,10 @@ class Runtime:
         limit = self.timeouts.control_call if timeout is None else timeout
 
         async def call() -> m.Message:
+            if self.peers is None:
+                raise RuntimeStateError("runtime not started")
             client = await self.peers.get(endpoint)
             return await client.call(msg, timeout=limit)
 
-        return self.loop_thread.call(call(), timeout=limit + self.timeouts.cleanup)
+        reply: m.Message = self.loop_thread.call(call(), timeout=limit + self.timeouts.cleanup)
+        return reply

@@ -30,10 +30,12 @@ import collections
 import logging
 import operator
 import time
-from typing import Callable
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import numpy as np
 
+from ..backends.base import TransferBackend
 from ..config import Timeouts
 from ..errors import AiolayerError, ControlRejected, DeliveryFailed, RuntimeStateError, TransferStopped
 from ..protocol import messages as m
@@ -47,6 +49,7 @@ from .done_batch import DoneBatcher
 from .events import record_event
 from .fence import MAX_EARLY_ABORTS, EarlyAborts, Request, StepLayers, guarded, until_writes_end
 from .integrity import sample_check
+from .loop import Spawn, not_running
 from .metadata import LayoutCache
 from .results import Results
 from .spec import LayerTiming, LocalLayout, Outcome, TransferSpec, check_layout, check_spec
@@ -59,7 +62,7 @@ _NO_RUNS = merge_runs([], [])
 
 
 class Sender:
-    def __init__(self, *, engine_id: str, bridge: LayerBridge, backend, peers: ControlPeers,
+    def __init__(self, *, engine_id: str, bridge: LayerBridge, backend: TransferBackend, peers: ControlPeers,
                  layouts: LayoutCache, timeouts: Timeouts, on_outcome: Callable[[], None] | None = None,
                  integrity_sample: float = 0.0) -> None:
         self.engine_id = engine_id
@@ -81,7 +84,7 @@ class Sender:
         # abort before the step came, by (transfer id, token): refuse the step then; keyed by token
         # too, so a stranger's abort can neither stop the transfer nor shadow the real abort
         self._aborted_early = EarlyAborts()
-        self._spawn = None
+        self._spawn: Spawn = not_running   # the runtime's, from ``run``
         self.active = 0
         self.fence_timeouts = 0
         # for metrics (read on the loop): outcomes, bytes written, deadlines hit, hand-off latency
@@ -94,8 +97,8 @@ class Sender:
 
     # --- forward-thread API (never blocks) -------------------------------------------------
 
-    def set_local_layout(self, k_base, v_base, block_bytes: int, num_blocks: int, heads: int = 0,
-                         geometry: HeadGeometry | None = None, host: bool = False) -> None:
+    def set_local_layout(self, k_base: Sequence[int], v_base: Sequence[int], block_bytes: int, num_blocks: int,
+                         heads: int = 0, geometry: HeadGeometry | None = None, host: bool = False) -> None:
         check_geometry(block_bytes, heads, geometry)
         self.local = LocalLayout(np.asarray(k_base, dtype=np.int64), np.asarray(v_base, dtype=np.int64),
                                  block_bytes, num_blocks, heads, geometry, host)
@@ -159,7 +162,7 @@ class Sender:
 
     # --- the loop side -----------------------------------------------------------------------
 
-    async def run(self, spawn) -> None:
+    async def run(self, spawn: Spawn) -> None:
         """Drain the bridge until it is closed; owned by the runtime's TaskGroup."""
         self._spawn = self.dones.spawn = spawn
         try:
@@ -170,13 +173,13 @@ class Sender:
                 for item in batch:
                     try:
                         self._dispatch(item)
-                    except Exception:  # noqa: BLE001 - one bad item must not end the sender
+                    except Exception:  # one bad item must not end the sender
                         log.exception("sender: bridge item %.200r dropped", item)
         finally:
             self.bridge.close("sender stopped")
             self._fail_unstarted("sender stopped")
 
-    def _dispatch(self, item: tuple) -> None:
+    def _dispatch(self, item: tuple[Any, ...]) -> None:
         kind = item[0]
         if kind == "layer":
             _, step, layer, event, handed = item
@@ -210,11 +213,12 @@ class Sender:
             return
         try:
             check_spec(spec)
-            check_block_bounds(spec.src_blocks, self.local.num_blocks, "source")
+            check_block_bounds(spec.src_blocks, self._local().num_blocks, "source")
             runs = merge_runs(spec.src_blocks, spec.dst_blocks)
         except Exception as exc:  # noqa: BLE001 - ValueError, OverflowError (ids >= 2**63), TypeError...
             self._refuse(spec, f"invalid transfer spec: {type(exc).__name__}: {exc}")
             return
+        tid = spec.transfer_id   # the same, checked
         req = Request(spec, runs, feed)
         if self._aborted_early.take((tid, spec.token), time.monotonic()):
             self._spawn(self._finish(req, "aborted by D before it started", None), name=f"fail {tid}")
@@ -228,7 +232,7 @@ class Sender:
         self.active += 1
         self._spawn(self._run_request(req), name=f"send {tid}")
 
-    def _refuse(self, spec, reason: str) -> None:
+    def _refuse(self, spec: object, reason: str) -> None:
         """A transfer that cannot start: its outcome at once; FAILED to D if the spec can address it."""
         tid = getattr(spec, "transfer_id", None)
         if not isinstance(spec, TransferSpec) or not isinstance(tid, str):
@@ -280,9 +284,10 @@ class Sender:
         try:
             layout = await self.layouts.get(req.spec.peer, (req.spec.transfer_id, req.spec.token, req.spec.writers),
                                             req.spec.dst_incarnation)
-            req.spans = check_layout(self.local, req.spec, req.runs, layout)
+            local = self._local()
+            req.spans = check_layout(local, req.spec, req.runs, layout)
             req.state.apply(Event.LAYOUT_READY)
-            settled = await self.stream.stream(req, self.local, layout)
+            settled = await self.stream.stream(req, local, layout)
         except asyncio.CancelledError:
             self._publish_safely(req, "runtime stopped")
             raise
@@ -290,7 +295,7 @@ class Sender:
             settled, reason = exc.settled_s, str(exc)
         except AiolayerError as exc:
             reason = f"{type(exc).__name__}: {exc}"
-        except Exception as exc:  # noqa: BLE001 - a bug must still end in a visible outcome
+        except Exception as exc:  # a bug must still end in a visible outcome
             log.exception("sender bug on transfer %s", req.spec.transfer_id)
             reason = f"internal error {type(exc).__name__}: {exc}"
         finally:
@@ -319,9 +324,10 @@ class Sender:
                 return
             if req.aborted and not req.by_p:
                 return   # D asked us to stop: it learns we are quiet from its Abort's reply
-            msg = m.Failed(transfer_id=spec.transfer_id, sender=self.engine_id, reason=reason[:500], token=spec.token)
+            failed = m.Failed(transfer_id=spec.transfer_id, sender=self.engine_id, reason=reason[:500],
+                              token=spec.token)
             try:
-                await self.dones.tell(spec, msg)
+                await self.dones.tell(spec, failed)
             except DeliveryFailed:
                 pass   # logged; D's own deadline and fence end the transfer there
             return
@@ -365,7 +371,7 @@ class Sender:
     def _publish_safely(self, req: Request, reason: str) -> None:
         try:
             self._publish(req, reason, None)
-        except Exception:  # noqa: BLE001 - at shutdown the fence task may not start: the source stays held
+        except Exception:  # at shutdown the fence task may not start: the source stays held
             log.exception("transfer %s: outcome published, source kept held", req.spec.transfer_id)
 
     def _fail_after_bug(self, req: Request, reason: str) -> None:
@@ -383,7 +389,7 @@ class Sender:
         self.results.release(tid)
 
     @guarded
-    async def _release_when_quiet(self, req: Request, pending: list[asyncio.Future]) -> None:
+    async def _release_when_quiet(self, req: Request, pending: list[asyncio.Future[Any]]) -> None:
         """Hold the source blocks (and the transfer live: abort answers ``settling``) until the
         backend saw every write that may still land end (``fence.until_writes_end``)."""
         def late(count: int) -> None:
@@ -395,6 +401,11 @@ class Sender:
             self._release(req)
         else:   # the backend closed: nobody knows, keep them held
             log.error("transfer %s: backend closed with writes unresolved; source kept held", req.spec.transfer_id)
+
+    def _local(self) -> LocalLayout:
+        if self.local is None:
+            raise RuntimeStateError("register the KV caches before the first step")
+        return self.local
 
     def _fail_unstarted(self, reason: str) -> None:
         """The sender stops: every outcome not yet published fails. Live transfers stay live (not

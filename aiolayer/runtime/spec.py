@@ -6,11 +6,34 @@ Split off ``sender`` (which re-exports the types) so that the sender holds only 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Protocol
+
 import msgspec
 import numpy as np
 
 from ..errors import ConfigError, LayoutMismatch
-from ..protocol.plan import BlockRuns, HeadGeometry, RankRoute, check_block_bounds, run_addresses, slice_addresses
+from ..protocol.plan import (BlockRuns, HeadGeometry, RankRoute, Spans, check_block_bounds, run_addresses,
+                             slice_addresses)
+
+if TYPE_CHECKING:
+    from .metadata import RemoteLayout
+
+
+class Registered(Protocol):
+    """What P's spec takes from D's registration: a ``Registration`` (``Runtime.receive``) or a
+    ``DecodeNode``'s ``AllocReply``."""
+
+    @property
+    def transfer_id(self) -> str: ...
+
+    @property
+    def block_ids(self) -> list[int]: ...
+
+    @property
+    def incarnation(self) -> str: ...
+
+    @property
+    def token(self) -> str: ...
 
 
 class TransferSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -31,7 +54,7 @@ class TransferSpec(msgspec.Struct, frozen=True, kw_only=True):
     writers: int = 0
 
     @classmethod
-    def from_registration(cls, reg, *, src_blocks: list[int], peer: str = "", layerwise: bool = True,
+    def from_registration(cls, reg: Registered, *, src_blocks: list[int], peer: str = "", layerwise: bool = True,
                           route: RankRoute | None = None) -> "TransferSpec":
         """P's spec for the blocks D registered: ``reg`` is D's ``Registration`` (``Runtime.receive``)
         or a ``DecodeNode``'s ``AllocReply``; ``peer`` is D's control endpoint where ``reg`` has none."""
@@ -78,7 +101,7 @@ class LocalLayout(msgspec.Struct, frozen=True):
         return int(self.k_base.shape[0])
 
 
-def check_spec(spec) -> None:
+def check_spec(spec: object) -> None:
     """What the sender needs of a spec before it touches anything; ``ValueError`` otherwise.
 
     ``TransferSpec`` does not check field types (msgspec does not on construction), and the
@@ -107,10 +130,11 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def check_layout(local: LocalLayout, spec: TransferSpec, runs: BlockRuns, layout):
+def check_layout(local: LocalLayout, spec: TransferSpec, runs: BlockRuns, layout: RemoteLayout) -> Spans | None:
     """D's layout must fit ours and the spec's blocks (``LayoutMismatch``, ``ValueError``);
     returns the head-slice spans of a routed spec (None: whole blocks)."""
-    sliced = spec.route is not None   # then block sizes differ legitimately: the geometry must match
+    route = spec.route
+    sliced = route is not None   # then block sizes differ legitimately: the geometry must match
     if layout.num_layers != local.num_layers or (not sliced and layout.block_bytes != local.block_bytes):
         raise LayoutMismatch(
             f"D has {layout.num_layers} layers of {layout.block_bytes}-byte blocks, "
@@ -118,10 +142,10 @@ def check_layout(local: LocalLayout, spec: TransferSpec, runs: BlockRuns, layout
     if bool((layout.v_base == 0).any()) != bool((local.v_base == 0).any()):
         raise LayoutMismatch("one side keeps K and V in separate tensors, the other in one")
     check_block_bounds(spec.dst_blocks, layout.num_blocks, "destination")
-    return _route_spans(local, spec.route, runs, layout) if sliced else None
+    return _route_spans(local, route, runs, layout) if route is not None else None
 
 
-def _route_spans(local: LocalLayout, route: RankRoute, runs: BlockRuns, layout):
+def _route_spans(local: LocalLayout, route: RankRoute, runs: BlockRuns, layout: RemoteLayout) -> Spans:
     """The route's byte spans relative to each layer's bases: computed once per request."""
     geom = local.geometry
     if geom is None or not layout.kv_heads:
@@ -140,7 +164,7 @@ def _route_spans(local: LocalLayout, route: RankRoute, runs: BlockRuns, layout):
         raise LayoutMismatch(f"route {route}: {exc}") from None
 
 
-def layer_runs(local: LocalLayout, runs: BlockRuns, spans, layout, layer: int):
+def layer_runs(local: LocalLayout, runs: BlockRuns, spans: Spans | None, layout: RemoteLayout, layer: int) -> Spans:
     """(src, dst, lengths) int64 arrays of one layer's K and V writes."""
     planes = [(local.k_base, layout.k_base)]
     if local.v_base[layer]:   # 0: K and V share each block (one plane), as on vLLM's CPU backend

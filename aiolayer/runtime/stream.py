@@ -26,15 +26,18 @@ import asyncio
 import collections
 import logging
 import time
+from typing import Any
 
 import numpy as np
 
 from .. import compat
+from ..backends.base import StartWrite, TransferBackend
 from ..config import Timeouts
 from ..errors import AiolayerError, BackendError, DeadlineExceeded, LayerWriteFailed, TransferStopped, TransferTimeout
-from ..protocol.plan import run_addresses
+from ..protocol.plan import BlockRuns, Spans, run_addresses
 from .events import wait_event
-from .fence import Request
+from .fence import LayerItem, Request
+from .metadata import RemoteLayout
 from .spec import LayerTiming, LocalLayout, layer_runs
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,8 @@ log = logging.getLogger(__name__)
 # Above this many addresses (layers x runs) per transfer, each layer's are computed when it is
 # written instead (a long NHD prompt has one run per token and head slice: megabytes per transfer).
 _PLAN_MAX = 1 << 15
+_Rows = tuple[np.ndarray, np.ndarray, np.ndarray, int]   # (src, dst, lengths, bytes)
+_Held = list[tuple[int, float]]                          # layers ready to write: (layer, when handed over)
 
 
 class LayerPlan:
@@ -49,9 +54,9 @@ class LayerPlan:
 
     __slots__ = ("_args", "_rows")
 
-    def __init__(self, local: LocalLayout, runs, spans, layout) -> None:
+    def __init__(self, local: LocalLayout, runs: BlockRuns, spans: Spans | None, layout: RemoteLayout) -> None:
         self._args = (local, runs, spans, layout)
-        self._rows = None
+        self._rows: _Rows | None = None
         split = local.v_base != 0   # per layer: K and V in separate tensors (else one plane)
         if not (split.all() or not split.any()):
             return   # mixed: layer_runs decides per layer
@@ -59,26 +64,30 @@ class LayerPlan:
         planes = [(local.k_base, layout.k_base)] + ([(local.v_base, layout.v_base)] if split.all() else [])
         if local.num_layers * len(planes) * len(rel[2]) > _PLAN_MAX:
             return
-        col = lambda a: np.asarray(a, dtype=np.int64)[:, None]   # noqa: E731 - bases as a column
+
+        def col(bases: np.ndarray) -> np.ndarray:   # as a column
+            return np.asarray(bases, dtype=np.int64)[:, None]
+
         src = np.concatenate([rel[0][None, :] + col(mine) for mine, _ in planes], axis=1)
         dst = np.concatenate([rel[1][None, :] + col(theirs) for _, theirs in planes], axis=1)
         lengths = np.broadcast_to(np.concatenate([rel[2]] * len(planes)), src.shape)
         self._rows = (src, dst, lengths, int(lengths[0].sum()) if lengths.size else 0)
 
-    def rows(self, layers: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    def rows(self, layers: list[int]) -> _Rows:
         """Those layers' runs, layer after layer, as one (src, dst, lengths, bytes)."""
         if len(layers) == 1:
             return self.layer(layers[0])
         if self._rows is None:
             parts = [self.layer(layer) for layer in layers]
-            return (*(np.concatenate([p[i] for p in parts]) for i in range(3)), sum(p[3] for p in parts))
+            return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                    np.concatenate([p[2] for p in parts]), sum(p[3] for p in parts))
         src, dst, lengths, nbytes = self._rows
         first = layers[0]
         in_order = layers == list(range(first, first + len(layers)))
         pick = slice(first, first + len(layers)) if in_order else np.asarray(layers)
         return src[pick].ravel(), dst[pick].ravel(), lengths[pick].ravel(), nbytes * len(layers)
 
-    def layer(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    def layer(self, layer: int) -> _Rows:
         if self._rows is None:
             src, dst, lengths = layer_runs(*self._args, layer)
             return src, dst, lengths, int(lengths.sum())
@@ -87,15 +96,15 @@ class LayerPlan:
 
 
 class LayerStreamer:
-    def __init__(self, backend, timeouts: Timeouts, deadlines: collections.Counter[str]) -> None:
+    def __init__(self, backend: TransferBackend, timeouts: Timeouts, deadlines: collections.Counter[str]) -> None:
         self.backend = backend
         self.timeouts = timeouts
         self.deadlines = deadlines   # the sender's counter of deadlines hit, by phase (metrics)
         # A backend with ``start_write`` (Mooncake) takes the layers ready together as ONE write,
         # started with no task; any other, each layer as its own write in its own task.
-        self._start = getattr(backend, "start_write", None)
+        self._start: StartWrite | None = getattr(backend, "start_write", None)
 
-    async def stream(self, req: Request, local: LocalLayout, layout) -> float:
+    async def stream(self, req: Request, local: LocalLayout, layout: RemoteLayout) -> float:
         """Submit each layer as it arrives; returns when every write settled (perf_counter).
 
         Raises ``TransferStopped`` (``settled_s`` set) when the transfer stopped (abort, cancel), a
@@ -141,8 +150,8 @@ class LayerStreamer:
             raise error
         return reason
 
-    async def _feed(self, req: Request, left: int, sink: "_Sink", group) -> str:
-        held: list[tuple[int, float]] = []   # layers ready but not yet submitted
+    async def _feed(self, req: Request, left: int, sink: "_Sink", group: compat.TaskGroup) -> str:
+        held: _Held = []   # layers ready but not yet submitted
         reason = ""
         layerwise = req.spec.layerwise
         each = layerwise and self._start is None   # no start_write: every layer its own write (task)
@@ -204,7 +213,7 @@ class LayerStreamer:
             req.pending[:] = [f for f in req.pending if not f.done() or f.cancelled()]
         return ""
 
-    def _submit(self, group, sink: "_Sink", held: list[tuple[int, float]]) -> None:
+    def _submit(self, group: compat.TaskGroup, sink: "_Sink", held: _Held) -> None:
         """The held layers into writes (one, with ``start_write``; else one task per layer); clears ``held``."""
         batches = [list(held)] if self._start is not None else [[h] for h in held]
         held.clear()
@@ -214,7 +223,7 @@ class LayerStreamer:
             if not self._started(sink, layers, order):
                 group.create_task(self._written(sink, layers, order))
 
-    def _started(self, sink: "_Sink", layers: list[tuple[int, float]], order: int) -> bool:
+    def _started(self, sink: "_Sink", layers: _Held, order: int) -> bool:
         """Start the write with no task (``start_write``): thousands of transfers x layers in flight
         would each hold a task, coroutines and frames. False: not started (no such method, or it
         needs ``write``, e.g. to open the target first)."""
@@ -232,7 +241,7 @@ class LayerStreamer:
         sink.add(settled, _Landed(self, sink, layers, submitted, nbytes, order))
         return True
 
-    async def _next_layer(self, req: Request):
+    async def _next_layer(self, req: Request) -> LayerItem | None:
         """The next layer to be handed over (call with none ready: ``take_layers`` took those), None
         once stopped; ``layer_gap`` bounds the wait."""
         if req.aborted:
@@ -241,14 +250,14 @@ class LayerStreamer:
             await req.next_arrival()
         return None if req.aborted else req.take_layer()
 
-    async def _written(self, sink: "_Sink", layers: list[tuple[int, float]], order: int) -> None:
+    async def _written(self, sink: "_Sink", layers: _Held, order: int) -> None:
         """``write`` for the TaskGroup: its failure recorded as a value, so that it cancels no sibling."""
         try:
             await self.write(sink, layers)
         except LayerWriteFailed as exc:
             sink.failed.append((order, exc))
 
-    async def write(self, sink: "_Sink", layers: list[tuple[int, float]]) -> None:
+    async def write(self, sink: "_Sink", layers: _Held) -> None:
         """The layers' K and V runs as one backend write; ``LayerWriteFailed`` (of the first layer) on
         any error (a backend bug too: the transfer fails, its siblings go on). Runs that may still
         land go to ``req.pending`` (the fence)."""
@@ -256,7 +265,7 @@ class LayerStreamer:
             src, dst, lengths, nbytes = sink.plan.rows([layer for layer, _ in layers])
             submitted = time.perf_counter()
             await self.backend.write(sink.layout.session, src, dst, lengths, self.timeouts.layer_write)
-        except Exception as cause:  # noqa: BLE001 - mapped, not swallowed; cancellation passes through
+        except Exception as cause:  # mapped, not swallowed; cancellation passes through
             raise self._failed(sink.req, layers[0][0], cause) from cause
         sink.landed(layers, submitted, nbytes)
 
@@ -280,20 +289,20 @@ class _Sink:
 
     __slots__ = ("req", "plan", "layout", "failed", "order", "count", "started", "waiter")
 
-    def __init__(self, req: Request, plan: LayerPlan, layout) -> None:
+    def __init__(self, req: Request, plan: LayerPlan, layout: RemoteLayout) -> None:
         self.req, self.plan, self.layout = req, plan, layout
         self.failed: list[tuple[int, LayerWriteFailed]] = []
         self.order = 0   # writes submitted so far
         self.count = 0   # task-less writes not settled yet
         self.started = 0   # task-less writes started
-        self.waiter: asyncio.Future | None = None
+        self.waiter: asyncio.Future[None] | None = None
 
-    def landed(self, layers: list[tuple[int, float]], submitted: float, nbytes: int) -> None:
+    def landed(self, layers: _Held, submitted: float, nbytes: int) -> None:
         now = time.perf_counter()
         self.req.timings.extend(LayerTiming(layer, handed, submitted, now) for layer, handed in layers)
         self.req.bytes += nbytes
 
-    def add(self, settled: asyncio.Future, landed: "_Landed") -> None:
+    def add(self, settled: asyncio.Future[Any], landed: "_Landed") -> None:
         self.count += 1
         self.started += 1
         self.req.pending.append(settled)
@@ -315,17 +324,18 @@ class _Landed:
 
     __slots__ = ("streamer", "sink", "layers", "submitted", "nbytes", "order")
 
-    def __init__(self, streamer: LayerStreamer, sink: _Sink, layers, submitted: float, nbytes: int,
+    def __init__(self, streamer: LayerStreamer, sink: _Sink, layers: _Held, submitted: float, nbytes: int,
                  order: int) -> None:
         self.streamer, self.sink, self.layers = streamer, sink, layers
         self.submitted, self.nbytes, self.order = submitted, nbytes, order
 
-    def __call__(self, settled: asyncio.Future) -> None:
+    def __call__(self, settled: asyncio.Future[Any]) -> None:
         sink = self.sink
         try:
             cause = BackendError("the write's future was cancelled") if settled.cancelled() else settled.exception()
             if cause is not None:
-                sink.failed.append((self.order, self.streamer._failed(sink.req, self.layers[0][0], cause)))
+                failed = self.streamer._failed(sink.req, self.layers[0][0], cause)   # noqa: SLF001 - its own callback
+                sink.failed.append((self.order, failed))
             else:
                 sink.landed(self.layers, self.submitted, self.nbytes)
         finally:

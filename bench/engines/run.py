@@ -78,8 +78,10 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, bulk: bool):
     extra = {"layerwise_min_tokens": 1 << 30} if bulk else {}
     p_ctl, d_ctl = free_port(), free_port()
     env = mooncake_env()
-    p = engine(model, "prefill", p_core, args, env=env, kv_transfer_config=connector("kv_producer", "p", p_ctl, **extra))
-    d = engine(model, "decode", d_core, args, env=env, kv_transfer_config=connector("kv_consumer", "d", d_ctl, **extra))
+    p = engine(model, "prefill", p_core, args, env=env,
+               kv_transfer_config=connector("kv_producer", "p", p_ctl, **extra))
+    d = engine(model, "decode", d_core, args, env=env,
+               kv_transfer_config=connector("kv_consumer", "d", d_ctl, **extra))
     with running(p, d):
         with ProxyProcess([f"{p.base_url},tcp://127.0.0.1:{p_ctl}"], [f"{d.base_url},tcp://127.0.0.1:{d_ctl}"],
                           extra_args=("--request-timeout", str(REQUEST_TIMEOUT_S), *_proxy_debug())) as proxy:
@@ -102,7 +104,7 @@ async def _measure(complete, texts: list[str], concurrent: bool, max_tokens: int
             out = await complete(text, max_tokens)
             return {"ttft_ms": out.ttft_s * 1e3 if out.ttft_s else None, "total_ms": out.elapsed_s * 1e3,
                     "tokens": out.token_ids}
-        except Exception as exc:   # counted in the row as a failure, with its reason
+        except Exception as exc:   # noqa: BLE001 - counted in the row as a failure, with its reason
             return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
     if concurrent:
@@ -127,7 +129,7 @@ def run_row(name: str, model: Path, args: argparse.Namespace, texts: dict[str, l
             _progress(name, "concurrency 1", serial)
             burst = asyncio.run(_measure(complete, texts["burst"], True, args.engine_max_tokens))
             _progress(name, f"burst of {len(burst)}", burst)
-    except Exception as exc:   # a row that cannot run is reported as such, the others still run
+    except Exception as exc:   # noqa: BLE001 - a row that cannot run is reported as such, the others still run
         return {"row": name, "ran": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
     return {"row": name, "ran": True, "how": how, "serial": serial, "burst": burst,
             "wall_s": round(time.monotonic() - t0, 1)}

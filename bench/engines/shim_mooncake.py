@@ -9,6 +9,6 @@ import torch
 if torch.accelerator.current_accelerator() is None:
     torch.accelerator.current_device_index = lambda: 0
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import MooncakeConnector  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import MooncakeConnector
 
 __all__ = ["MooncakeConnector"]

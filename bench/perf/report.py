@@ -70,7 +70,8 @@ def derive(modes: dict) -> dict:
             continue
         alone = raw["transfer_ms"] if raw else r["transfer_ms"]
         r["hidden_fraction"] = round(1 - r["exposed_ms"] / alone, 3) if alone else None
-        r["ttft_vs_threaded"] = round(r["ttft_ms"] / threaded["ttft_ms"], 3) if threaded and threaded["ttft_ms"] else None
+        r["ttft_vs_threaded"] = (round(r["ttft_ms"] / threaded["ttft_ms"], 3) if threaded and threaded["ttft_ms"]
+                                 else None)
         if raw:
             for variant, key in (("batch_sync", "efficiency_vs_batch_sync"),
                                  ("submit_poll+compute", "efficiency_vs_raw_under_compute"),
@@ -100,7 +101,8 @@ def print_table(report: dict) -> None:
         handoff = f"{h['p50']}/{h['p99']}/{h['max']}" if h else "-"
         label = f"{name}({r['choice'][0]})" if "choice" in r else name
         print(f"{label:<13}{_fmt(r['ttft_ms'], '.1f', 9)}{_fmt(r['ttft_vs_threaded'], '.2f', 7)}"
-              f"{_fmt(r['forward_ms'], '.1f', 8)}{_fmt(r['exposed_ms'], '.1f', 9)}{_fmt(r['hidden_fraction'], '.2f', 8)}"
+              f"{_fmt(r['forward_ms'], '.1f', 8)}{_fmt(r['exposed_ms'], '.1f', 9)}"
+              f"{_fmt(r['hidden_fraction'], '.2f', 8)}"
               f"{_fmt(r['transfer_ms'], '.1f', 9)}{_fmt(r['gbps'], '.2f', 7)}{_fmt(r['efficiency'], '.2f', 6)}"
               f"  {handoff:<23}{_fmt(r['cpu_s_per_gb'], '.3f', 9)}{str(r['verified']).lower():>9}")
     print("x thr = TTFT / threaded TTFT; hidden = 1 - exposed / raw_mooncake transfer time; "
@@ -116,7 +118,8 @@ def print_table(report: dict) -> None:
     _print_integrity_cost(lw, report["modes"].get("checked"))
     if lw.get("efficiency_vs_raw_per_layer") is not None:
         print(f"layerwise GB/s vs raw Mooncake paced one layer at a time like the forward: "
-              f"{lw['efficiency_vs_raw_per_layer']:.2f}; vs Mooncake's batch write: {lw['efficiency_vs_batch_sync']:.2f}")
+              f"{lw['efficiency_vs_raw_per_layer']:.2f}; "
+              f"vs Mooncake's batch write: {lw['efficiency_vs_batch_sync']:.2f}")
 
 
 def _print_integrity_cost(lw: dict, checked: dict | None) -> None:

@@ -212,9 +212,11 @@ class ThreadedConnector:
 
     def _finish(self, req: _Req) -> None:
         spec = req.spec
-        client = self._snd_clients.get(spec.peer) or self._snd_clients.setdefault(spec.peer, ReqClient(self.ctx, spec.peer))
+        client = (self._snd_clients.get(spec.peer)
+                  or self._snd_clients.setdefault(spec.peer, ReqClient(self.ctx, spec.peer)))
         if req.error:  # the seed skipped this message (fragility 5); sent here so the bench can clean up
-            msg = m.Failed(transfer_id=spec.transfer_id, sender=self.engine_id, reason=req.error[:500], token=spec.token)
+            msg = m.Failed(transfer_id=spec.transfer_id, sender=self.engine_id, reason=req.error[:500],
+                           token=spec.token)
         else:
             msg = m.Done(transfer_id=spec.transfer_id, sender=self.engine_id, incarnation=spec.dst_incarnation,
                          layers=len(req.timings), bytes=req.bytes, token=spec.token)

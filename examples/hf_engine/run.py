@@ -26,7 +26,7 @@ from pathlib import Path
 if __package__ in (None, ""):   # run as a file: python examples/hf_engine/run.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from examples.hf_engine.engine import BLOCK_SIZE, build_model, local_greedy, weights_crc  # noqa: E402
+from examples.hf_engine.engine import BLOCK_SIZE, build_model, local_greedy, weights_crc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Mooncake over TCP on one host (docs/mooncake.md); set before the engine exists, so in the child's env

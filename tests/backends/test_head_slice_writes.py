@@ -24,14 +24,14 @@ from helpers_node import SMALL_SHAPE, apply_mc_env, mooncake_p, stoppable_node
 
 apply_mc_env()  # before any Mooncake engine exists in this process
 
-from aiolayer.backends.mooncake import MooncakeBackend  # noqa: E402
-from aiolayer.errors import BackendError, TransferTimeout  # noqa: E402
-from aiolayer.protocol import messages as m  # noqa: E402
-from aiolayer.protocol.plan import HeadGeometry, RankRoute, merge_runs, slice_addresses  # noqa: E402
-from aiolayer.runtime.spec import LocalLayout, layer_runs  # noqa: E402
-from aiolayer.runtime.stream import LayerPlan  # noqa: E402
-from aiolayer.bench.scenarios.scale.driver import run_scenario  # noqa: E402
-from aiolayer.bench.scenarios.scale.model import ScaleConfig  # noqa: E402
+from aiolayer.backends.mooncake import MooncakeBackend
+from aiolayer.errors import BackendError, TransferTimeout
+from aiolayer.protocol import messages as m
+from aiolayer.protocol.plan import HeadGeometry, RankRoute, merge_runs, slice_addresses
+from aiolayer.runtime.spec import LocalLayout, layer_runs
+from aiolayer.runtime.stream import LayerPlan
+from aiolayer.bench.scenarios.scale.driver import run_scenario
+from aiolayer.bench.scenarios.scale.model import ScaleConfig
 
 pytestmark = pytest.mark.timeout(90)
 SHAPE = SMALL_SHAPE

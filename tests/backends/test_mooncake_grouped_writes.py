@@ -22,11 +22,11 @@ from helpers_node import SMALL_SHAPE, apply_mc_env, mooncake_p, stoppable_node
 
 apply_mc_env()  # before any Mooncake engine exists in this process
 
-from aiolayer.errors import BackendError, TransferTimeout  # noqa: E402
-from aiolayer.protocol import messages as m  # noqa: E402
-from aiolayer.protocol.plan import HeadGeometry, RankRoute, map_ranks, merge_runs, run_addresses, slice_addresses  # noqa: E402
-from aiolayer.bench.scenarios.scale.driver import run_scenario  # noqa: E402
-from aiolayer.bench.scenarios.scale.model import ScaleConfig  # noqa: E402
+from aiolayer.errors import BackendError, TransferTimeout
+from aiolayer.protocol import messages as m
+from aiolayer.protocol.plan import HeadGeometry, RankRoute, map_ranks, merge_runs, run_addresses, slice_addresses
+from aiolayer.bench.scenarios.scale.driver import run_scenario
+from aiolayer.bench.scenarios.scale.model import ScaleConfig
 
 pytestmark = pytest.mark.timeout(90)
 SHAPE = SMALL_SHAPE

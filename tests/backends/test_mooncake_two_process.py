@@ -22,11 +22,11 @@ from helpers_node import SMALL_SHAPE, apply_mc_env, spawn_node
 
 apply_mc_env()  # before any engine exists in this process
 
-from aiolayer import KVShape, NodeConfig, Runtime, Timeouts, TransferSpec  # noqa: E402
-from aiolayer.errors import ControlRejected  # noqa: E402
-from aiolayer.kvcache import PagedKVCache, checksums  # noqa: E402
-from aiolayer.protocol import messages as m  # noqa: E402
-from aiolayer.runtime.control import open_sockets  # noqa: E402
+from aiolayer import KVShape, NodeConfig, Runtime, Timeouts, TransferSpec
+from aiolayer.errors import ControlRejected
+from aiolayer.kvcache import PagedKVCache, checksums
+from aiolayer.protocol import messages as m
+from aiolayer.runtime.control import open_sockets
 
 SHAPE = SMALL_SHAPE
 WAIT_S = 15.0

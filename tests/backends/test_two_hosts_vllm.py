@@ -14,10 +14,10 @@ from aiolayer.bench import netns
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.pd import ProxyProcess  # noqa: E402
-from e2e.servers import VllmServer, completion, running  # noqa: E402
-from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir  # noqa: E402
-from helpers_node import MC_ENV  # noqa: E402
+from e2e.pd import ProxyProcess
+from e2e.servers import VllmServer, completion, running
+from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir
+from helpers_node import MC_ENV
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm,
               pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "available")]

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("mooncake.engine")
 pytest.importorskip("matplotlib")
 
-from aiolayer.bench.perf.harness import MODES  # noqa: E402
+from aiolayer.bench.perf.harness import MODES
 
 TINY = ["--backend", "mooncake", "--prompt-tokens", "64", "--num-layers", "3", "--kv-heads", "2",
         "--head-dim", "64", "--layer-ms", "1"]

@@ -35,8 +35,8 @@ def test_rows_are_checked_against_the_aggregated_engine_and_every_bad_answer_cou
 
 
 def test_an_unknown_row_is_refused_before_any_engine_starts():
-    r = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "--engine", "vllm", "--engine-rows", "aggregated,nope"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "--engine", "vllm",
+                        "--engine-rows", "aggregated,nope"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown --engine-rows ['nope']" in r.stderr
 
 

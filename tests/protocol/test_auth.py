@@ -19,14 +19,14 @@ from helpers_node import SMALL_SHAPE, apply_mc_env, spawn_node
 
 apply_mc_env()
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 
-from aiolayer import NodeConfig, Runtime, TransferSpec  # noqa: E402
-from aiolayer.config import Timeouts  # noqa: E402
-from aiolayer.errors import ConfigError, ControlRejected  # noqa: E402
-from aiolayer.kvcache import PagedKVCache, checksums  # noqa: E402
-from aiolayer.protocol import messages as m  # noqa: E402
-from aiolayer.runtime.receiver import MAX_EARLY, Receiver  # noqa: E402
+from aiolayer import NodeConfig, Runtime, TransferSpec
+from aiolayer.config import Timeouts
+from aiolayer.errors import ConfigError, ControlRejected
+from aiolayer.kvcache import PagedKVCache, checksums
+from aiolayer.protocol import messages as m
+from aiolayer.runtime.receiver import MAX_EARLY, Receiver
 
 BLOCKS = 4
 WRONG = "f" * 32

@@ -18,11 +18,11 @@ from helpers_node import apply_mc_env
 
 apply_mc_env()
 
-from aiolayer import Runtime, TransferSpec  # noqa: E402
-from aiolayer.config import KVShape, NodeConfig  # noqa: E402
-from aiolayer.kvcache import PagedKVCache, checksums  # noqa: E402
-from aiolayer.protocol import messages as m  # noqa: E402
-from aiolayer.bench.node import NodeProcess  # noqa: E402
+from aiolayer import Runtime, TransferSpec
+from aiolayer.config import KVShape, NodeConfig
+from aiolayer.kvcache import PagedKVCache, checksums
+from aiolayer.protocol import messages as m
+from aiolayer.bench.node import NodeProcess
 
 SHAPE = KVShape(num_layers=2, num_blocks=16, block_size=16, kv_heads=2, head_dim=64)
 VALID = [m.encode(x) for x in (m.StatusRequest(transfer_id="t"), m.LayoutRequest(requester="fuzz"),

@@ -67,7 +67,8 @@ def test_protocol_sources_import_no_io_modules():
 
 SAMPLES: list[m._Msg] = [
     m.LayoutRequest(requester="p0"),
-    m.LayoutBatch(items=[m.LayoutRequest(requester="p0", transfer_id="t", token="k"), m.LayoutRequest(transfer_id="u")]),
+    m.LayoutBatch(items=[m.LayoutRequest(requester="p0", transfer_id="t", token="k"),
+                         m.LayoutRequest(transfer_id="u")]),
     m.LayoutReply(engine_id="d", incarnation="inc", session="127.0.0.1:1", block_bytes=4096,
                   num_blocks=8, layers=[m.LayerRegion(1 << 40, (1 << 40) + 4096), m.LayerRegion(0, 1)]),
     m.LayoutReplies(layout=m.LayoutReply(engine_id="d", incarnation="inc", session="127.0.0.1:1", block_bytes=4096,

@@ -176,7 +176,7 @@ def test_replicated_heads_are_sent_by_different_p_ranks(topo):
 
 
 def test_known_topologies():
-    R = RankRoute
+    R = RankRoute   # noqa: N806 - one letter keeps the expected tables readable
     # P_tp < D_tp: each P rank splits its 4 heads over two D ranks.
     assert map_ranks(8, 2, 4) == [R(0, 0, 0, 0, 2), R(0, 1, 2, 0, 2), R(1, 2, 0, 0, 2),
                                   R(1, 3, 2, 0, 2)]

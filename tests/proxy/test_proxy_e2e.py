@@ -18,12 +18,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.client import StreamError  # noqa: E402
-from e2e.pd import ProxyProcess  # noqa: E402
-from e2e.servers import (VllmServer, acompletion, completion, free_port, kv_cache_usage,  # noqa: E402
+from e2e.client import StreamError
+from e2e.pd import ProxyProcess
+from e2e.servers import (VllmServer, acompletion, completion, free_port, kv_cache_usage,
                          metric_value, running, scrape_metrics)
-from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir  # noqa: E402
-from helpers_node import MC_ENV  # noqa: E402
+from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir
+from helpers_node import MC_ENV
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.vllm]
 MAX_TOKENS = 10
@@ -35,7 +35,7 @@ def _connector(role: str, engine_id: str, port: int) -> dict:
                                           "timeouts": {"receive": 20.0, "fence_grace": 8.0}}}
 
 
-def Proxy(prefill: list[str], decode: list[str]) -> ProxyProcess:
+def start_proxy(prefill: list[str], decode: list[str]) -> ProxyProcess:
     return ProxyProcess(prefill, decode, healthy=(200, 503), extra_args=(
         "--health-interval", "0.5", "--prefill-timeout", "20", "--registration-timeout", "20",
         "--request-timeout", "60")).start()
@@ -58,7 +58,7 @@ def _servers():
 def stack():
     p, d, p_ctl, d_ctl = _servers()
     with running(p, d):
-        proxy = Proxy([f"{p.base_url},{p_ctl}"], [f"{d.base_url},{d_ctl}"])
+        proxy = start_proxy([f"{p.base_url},{p_ctl}"], [f"{d.base_url},{d_ctl}"])
         try:
             yield {"p": p, "d": d, "proxy": proxy}
         finally:
@@ -119,7 +119,7 @@ def _running(server) -> float:
 def test_killed_prefill_fails_in_flight_requests_visibly_and_d_frees_its_kv():
     p, d, p_ctl, d_ctl = _servers()
     with running(p, d):
-        proxy = Proxy([f"{p.base_url},{p_ctl}"], [f"{d.base_url},{d_ctl}"])
+        proxy = start_proxy([f"{p.base_url},{p_ctl}"], [f"{d.base_url},{d_ctl}"])
         try:
             prompts = [long_prompt(30 + 7 * i, seed=20 + i) for i in range(10)]
             baseline = {x: completion(p, x, max_tokens=40).token_ids for x in prompts}

@@ -13,14 +13,14 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-import httpx  # noqa: E402
+import httpx
 
-from aiolayer.config import Timeouts  # noqa: E402
-from aiolayer.protocol import messages as m  # noqa: E402
-from aiolayer.runtime.control import ControlPeers, ControlServer  # noqa: E402
-from aiolayer_vllm.proxy.app import ProxyState  # noqa: E402
-from aiolayer_vllm.proxy.flow import Exchange, ExchangeError, ProxyTimeouts  # noqa: E402
-from aiolayer_vllm.proxy.pool import Backend, Pool  # noqa: E402
+from aiolayer.config import Timeouts
+from aiolayer.protocol import messages as m
+from aiolayer.runtime.control import ControlPeers, ControlServer
+from aiolayer_vllm.proxy.app import ProxyState
+from aiolayer_vllm.proxy.flow import Exchange, ExchangeError, ProxyTimeouts
+from aiolayer_vllm.proxy.pool import Backend, Pool
 
 
 def _broken_client(request: httpx.Request) -> httpx.Response:

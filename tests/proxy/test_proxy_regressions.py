@@ -18,11 +18,11 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-import httpx  # noqa: E402
+import httpx
 
-from e2e.pd import ProxyProcess  # noqa: E402
-from e2e.servers import metric_value, parse_metrics  # noqa: E402
-from helpers_proxy import FakeEngine, Hub, wait_for as _wait_for  # noqa: E402
+from e2e.pd import ProxyProcess
+from e2e.servers import metric_value, parse_metrics
+from helpers_proxy import FakeEngine, Hub, wait_for as _wait_for
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -19,16 +19,16 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-import httpx  # noqa: E402
+import httpx
 
-from aiolayer import ControlPeers, Timeouts  # noqa: E402
-from aiolayer.protocol import messages as m  # noqa: E402
-from aiolayer.runtime.control import ControlServer  # noqa: E402
-from aiolayer_vllm.proxy.pool import Backend, Pool  # noqa: E402
-from aiolayer_vllm.proxy.topology import learn_pool, recheck  # noqa: E402
-from e2e.pd import ProxyProcess  # noqa: E402
-from e2e.procs import free_port  # noqa: E402
-from helpers_proxy import FakeEngine, Hub, StandInRanks, wait_for  # noqa: E402
+from aiolayer import ControlPeers, Timeouts
+from aiolayer.protocol import messages as m
+from aiolayer.runtime.control import ControlServer
+from aiolayer_vllm.proxy.pool import Backend, Pool
+from aiolayer_vllm.proxy.topology import learn_pool, recheck
+from e2e.pd import ProxyProcess
+from e2e.procs import free_port
+from helpers_proxy import FakeEngine, Hub, StandInRanks, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 NOWHERE = "http://127.0.0.1:9"   # refusals at start come before any HTTP call

@@ -13,8 +13,8 @@ from helpers_node import apply_mc_env
 
 apply_mc_env()
 
-from aiolayer.bench.scenarios import faults  # noqa: E402
-from aiolayer.bench.scenarios.faults import FAULT_TIMEOUTS, P_DEADLINE_S  # noqa: E402
+from aiolayer.bench.scenarios import faults
+from aiolayer.bench.scenarios.faults import FAULT_TIMEOUTS, P_DEADLINE_S
 
 pytestmark = pytest.mark.timeout(120)
 HANDOFF_MAX_NS = 50_000_000   # the design aiolayer replaces stalled the forward ~3 s per layer; allow scheduler noise
@@ -142,8 +142,8 @@ def _free_port() -> int:
 
 # --- faults of the network (bench/scenarios/net_faults.py): P and D on two network namespaces -----------
 
-from aiolayer.bench import netns  # noqa: E402
-from aiolayer.bench.scenarios import net_faults  # noqa: E402
+from aiolayer.bench import netns
+from aiolayer.bench.scenarios import net_faults
 
 needs_netns = pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "available")
 

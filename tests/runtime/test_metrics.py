@@ -19,13 +19,13 @@ from helpers_node import SMALL_SHAPE, apply_mc_env, spawn_node
 
 apply_mc_env()
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 
-from aiolayer import NodeConfig, Runtime, TransferSpec  # noqa: E402
-from aiolayer.config import Timeouts  # noqa: E402
-from aiolayer.kvcache import PagedKVCache  # noqa: E402
-from aiolayer.protocol import messages as m  # noqa: E402
-from aiolayer.stats import LatencyHistogram  # noqa: E402
+from aiolayer import NodeConfig, Runtime, TransferSpec
+from aiolayer.config import Timeouts
+from aiolayer.kvcache import PagedKVCache
+from aiolayer.protocol import messages as m
+from aiolayer.stats import LatencyHistogram
 
 RECEIVE_S = 1.0
 

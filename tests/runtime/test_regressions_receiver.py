@@ -103,7 +103,8 @@ def test_settled_ids_are_kept_for_the_receive_deadline_only(runtimes):
     """Bounded in time: after Timeouts.receive the id is forgotten and may be registered afresh."""
     d = runtimes("d3b", Timeouts(receive=0.3, fence_grace=0.2))
     register(d, "t3b")
-    assert on_loop(d, lambda: d.receiver.handle(m.Done(transfer_id="t3b", sender="p", token=TOKEN))).detail == "finished"
+    done = m.Done(transfer_id="t3b", sender="p", token=TOKEN)
+    assert on_loop(d, lambda: d.receiver.handle(done)).detail == "finished"
     with pytest.raises(ControlRejected):
         register(d, "t3b")
     time.sleep(0.4)
@@ -178,7 +179,8 @@ def test_a_task_that_raises_does_not_cancel_the_runtime(runtimes, caplog):
     time.sleep(0.2)
     assert d.loop_thread.alive
     register(d, "t5c")                                       # the runtime still serves
-    assert on_loop(d, lambda: d.receiver.handle(m.Done(transfer_id="t5c", sender="p", token=TOKEN))).detail == "finished"
+    done = m.Done(transfer_id="t5c", sender="p", token=TOKEN)
+    assert on_loop(d, lambda: d.receiver.handle(done)).detail == "finished"
     assert d.metrics_snapshot()["task_errors"] == 1
     assert "aiolayer_task_errors_total 1.0" in d.metrics_text()
     assert any("send bad-one" in r.getMessage() for r in caplog.records)
@@ -288,7 +290,8 @@ def test_one_senders_stop_does_not_end_the_fence_of_several(runtimes):
 
 
 def test_a_single_sender_still_ends_the_fence_with_its_stop(runtimes):
-    """The control for ``test_one_senders_stop_does_not_end_the_fence_of_several``: with one sender, its 'stopped' ends the fence at once."""
+    """The control for ``test_one_senders_stop_does_not_end_the_fence_of_several``: with one sender, its
+    'stopped' ends the fence at once."""
     d = runtimes("d10b", Timeouts(receive=30, fence_grace=10))
     p = runtimes("p10b")
     register(d, "t10b")

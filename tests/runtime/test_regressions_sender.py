@@ -20,11 +20,11 @@ from helpers_node import SMALL_SHAPE, apply_mc_env, stoppable_node
 
 apply_mc_env()  # before any Mooncake engine exists in this process
 
-from aiolayer import NodeConfig, Runtime, Timeouts, TransferSpec  # noqa: E402
-from aiolayer.errors import ConfigError, ControlRejected, WriteRefused  # noqa: E402
-from aiolayer.kvcache import PagedKVCache, checksums  # noqa: E402
-from aiolayer.protocol import messages as m  # noqa: E402
-from aiolayer.runtime.fence import MAX_EARLY_ABORTS  # noqa: E402
+from aiolayer import NodeConfig, Runtime, Timeouts, TransferSpec
+from aiolayer.errors import ConfigError, ControlRejected, WriteRefused
+from aiolayer.kvcache import PagedKVCache, checksums
+from aiolayer.protocol import messages as m
+from aiolayer.runtime.fence import MAX_EARLY_ABORTS
 
 pytestmark = pytest.mark.timeout(90)
 SHAPE = SMALL_SHAPE

@@ -162,7 +162,8 @@ def test_backend_failure_is_reported_to_d(pd, small_shape, caplog):
     assert "injected failure" in out.reason
     st = status_when(p, d, "bad", "failed")
     assert st.state == "failed"
-    logged = {r.name for r in caplog.records if "transfer bad " in r.getMessage() and "injected failure" in r.getMessage()}
+    logged = {r.name for r in caplog.records
+              if "transfer bad " in r.getMessage() and "injected failure" in r.getMessage()}
     assert logged >= {"aiolayer.runtime.sender", "aiolayer.runtime.receiver"}, caplog.text
     assert "P reported" in st.reason and "injected failure" in st.reason
     # D may free the blocks of a failed transfer (its timer was settled by FAILED)

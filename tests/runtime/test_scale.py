@@ -40,7 +40,8 @@ def _geometry(layout: str) -> HeadGeometry:
 
 
 def _as_layout(view: np.ndarray, layout: str) -> np.ndarray:
-    """A cache's [block, token, head, dim] (NHD) or [block, head, token, dim] (HND) view as [block, head, token, dim]."""
+    """A cache's [block, token, head, dim] (NHD) or [block, head, token, dim] (HND) view as
+    [block, head, token, dim]."""
     return view.transpose(0, 2, 1, 3) if layout == "NHD" else view
 
 
@@ -54,7 +55,8 @@ class _P:
                 _as_layout(self.cache.layer_view(layer, plane), layout)[:] = kv[layer, plane][:, heads]
         self.rt = Runtime(NodeConfig(engine_id=f"p{rank}", backend="memory")).start()
         geo = dict(kv_heads=len(heads), geometry=_geometry(layout)) if geometry else {}
-        self.rt.register_kv_memory(self.cache.k_base, self.cache.v_base, self.cache.shape.block_bytes, NUM_BLOCKS, **geo)
+        self.rt.register_kv_memory(self.cache.k_base, self.cache.v_base, self.cache.shape.block_bytes, NUM_BLOCKS,
+                                   **geo)
 
 
 def _global_kv(kv_heads: int, seed: int) -> np.ndarray:
@@ -181,7 +183,8 @@ def test_decode_node_publishes_its_geometry(memory_runtime):
     node = DecodeNode(_shape(2, "HND"), NodeConfig(engine_id="d-pub", backend="memory")).start()
     try:
         reply = node.runtime.layout_reply
-        assert (reply.kv_heads, reply.block_size, reply.head_bytes, reply.kv_layout) == (2, BLOCK_SIZE, 2 * HEAD_DIM, "HND")
+        assert ((reply.kv_heads, reply.block_size, reply.head_bytes, reply.kv_layout)
+                == (2, BLOCK_SIZE, 2 * HEAD_DIM, "HND"))
         assert m.decode(m.encode(reply)) == reply
     finally:
         node.stop()
@@ -282,8 +285,9 @@ def test_scale_two_p_ranks_to_four_d_ranks(tmp_path):
     from aiolayer.bench.main import add_bench_args
     parser = argparse.ArgumentParser()
     add_bench_args(parser)
-    args = parser.parse_args(["--scenario", "scale", "--prefill-ranks", "2", "--decode-ranks", "4", "--requests", "150",
-                              "--num-layers", "4", "--head-dim", "64", "--out", str(tmp_path), "--against-whole-blocks"])
+    args = parser.parse_args(["--scenario", "scale", "--prefill-ranks", "2", "--decode-ranks", "4",
+                              "--requests", "150", "--num-layers", "4", "--head-dim", "64", "--out", str(tmp_path),
+                              "--against-whole-blocks"])
     before = _children()
     t0 = time.monotonic()
     assert run_scale(args) == 0

@@ -6,7 +6,6 @@ tests hand the sender events that complete at set times (what a GPU's do)."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 

@@ -12,11 +12,11 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-import torch  # noqa: E402
+import torch
 
-from aiolayer import ConfigError, Timeouts  # noqa: E402
-from aiolayer_vllm.config import from_extra_config  # noqa: E402
-from vllm_sched import BLOCK_SIZE, LAYERS, vllm_config  # noqa: E402
+from aiolayer import ConfigError, Timeouts
+from aiolayer_vllm.config import from_extra_config
+from vllm_sched import BLOCK_SIZE, LAYERS, vllm_config
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,13 +13,13 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from aiolayer import NodeConfig, ReceiveSpec, Runtime, Timeouts, TransferSpec  # noqa: E402
-from aiolayer.errors import ConfigError  # noqa: E402
-from aiolayer.protocol.plan import HeadGeometry, local_heads, map_ranks, routes_from  # noqa: E402
-from aiolayer_vllm.layout import describe, layer_order  # noqa: E402
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheTensor, MLAAttentionSpec,  # noqa: E402
+from aiolayer import NodeConfig, ReceiveSpec, Runtime, Timeouts, TransferSpec
+from aiolayer.errors import ConfigError
+from aiolayer.protocol.plan import HeadGeometry, local_heads, map_ranks, routes_from
+from aiolayer_vllm.layout import describe, layer_order
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheTensor, MLAAttentionSpec,
                                         create_kv_cache_views)
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 pytestmark = pytest.mark.timeout(60)
 B, N, H, D = 6, 16, 2, 8          # blocks, tokens per block, local KV heads, head size

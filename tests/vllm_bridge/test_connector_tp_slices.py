@@ -15,12 +15,12 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from aiolayer import NodeConfig, Runtime  # noqa: E402
-from aiolayer.protocol import messages as m  # noqa: E402
-from aiolayer_vllm.config import from_extra_config  # noqa: E402
-from aiolayer_vllm.metadata import AiolayerMetadata, RecvReq, SendReq  # noqa: E402
-from aiolayer_vllm.ranks import Topology, rank_transfer_id  # noqa: E402
-from aiolayer_vllm.worker import WorkerSide  # noqa: E402
+from aiolayer import NodeConfig, Runtime
+from aiolayer.protocol import messages as m
+from aiolayer_vllm.config import from_extra_config
+from aiolayer_vllm.metadata import AiolayerMetadata, RecvReq, SendReq
+from aiolayer_vllm.ranks import Topology, rank_transfer_id
+from aiolayer_vllm.worker import WorkerSide
 
 pytestmark = pytest.mark.timeout(60)
 HEADS, BLOCK, HEAD_SIZE, BLOCKS = 4, 16, 8, 12

@@ -22,13 +22,13 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 psutil = pytest.importorskip("psutil")
 
-from e2e.pd import connector  # noqa: E402
-from e2e.servers import VllmServer, completion, free_port  # noqa: E402
-from e2e.tiny_model import tiny_model_dir  # noqa: E402
-from helpers_node import MC_ENV  # noqa: E402
+from e2e.pd import connector
+from e2e.servers import VllmServer, completion, free_port
+from e2e.tiny_model import tiny_model_dir
+from helpers_node import MC_ENV
 
-from aiolayer import NodeConfig, Runtime  # noqa: E402
-from aiolayer.protocol import messages as m  # noqa: E402
+from aiolayer import NodeConfig, Runtime
+from aiolayer.protocol import messages as m
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.vllm]
 PARKED = 2

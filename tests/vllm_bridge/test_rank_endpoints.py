@@ -13,11 +13,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from aiolayer.errors import ConfigError  # noqa: E402
-from aiolayer_vllm.params import InvalidParams, RecvParams, SendParams, read  # noqa: E402
-from aiolayer_vllm.proxy.flow import Exchange, ProxyTimeouts  # noqa: E402
-from aiolayer_vllm.proxy.pool import Backend  # noqa: E402
-from aiolayer_vllm.ranks import Topology, rank_transfer_id, routes_for_p, whole_blocks, writers_of_d  # noqa: E402
+from aiolayer.errors import ConfigError
+from aiolayer_vllm.params import InvalidParams, RecvParams, SendParams, read
+from aiolayer_vllm.proxy.flow import Exchange, ProxyTimeouts
+from aiolayer_vllm.proxy.pool import Backend
+from aiolayer_vllm.ranks import Topology, rank_transfer_id, routes_for_p, whole_blocks, writers_of_d
 
 TOKEN = "t" * 32
 

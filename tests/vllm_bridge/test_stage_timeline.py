@@ -31,10 +31,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.pd import ProxyProcess, backend, connector  # noqa: E402
-from e2e.servers import VllmServer, completion, free_port, running  # noqa: E402
-from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir  # noqa: E402
-from helpers_node import MC_ENV  # noqa: E402
+from e2e.pd import ProxyProcess, backend, connector
+from e2e.servers import VllmServer, completion, free_port, running
+from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir
+from helpers_node import MC_ENV
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm]
 BOUND_MS = 250.0

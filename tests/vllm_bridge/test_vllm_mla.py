@@ -27,13 +27,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.pd import ProxyProcess, connector  # noqa: E402
-from e2e.procs import free_ports  # noqa: E402
-from e2e.servers import VllmServer, completion, running, scrape_metrics  # noqa: E402
-from e2e.tiny_model import DEEPSEEK_V2_MLA, SAMPLE_PROMPTS, long_prompt, tiny_model_dir, tokenizer_dir  # noqa: E402
-from helpers_node import MC_ENV  # noqa: E402
+from e2e.pd import ProxyProcess, connector
+from e2e.procs import free_ports
+from e2e.servers import VllmServer, completion, running, scrape_metrics
+from e2e.tiny_model import DEEPSEEK_V2_MLA, SAMPLE_PROMPTS, long_prompt, tiny_model_dir, tokenizer_dir
+from helpers_node import MC_ENV
 
-from aiolayer_vllm.config import DEBUG_ZERO_RECEIVED_ENV  # noqa: E402
+from aiolayer_vllm.config import DEBUG_ZERO_RECEIVED_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 MAX_TOKENS = 8

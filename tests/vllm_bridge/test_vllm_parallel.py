@@ -27,11 +27,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.pd import ProxyProcess, connector  # noqa: E402
-from e2e.procs import free_ports  # noqa: E402
-from e2e.servers import VllmServer, acompletion, completion, running, scrape_metrics, unconfirmed_releases  # noqa: E402
-from e2e.tiny_model import LLAMA_GQA, SAMPLE_PROMPTS, long_prompt, tiny_model_dir  # noqa: E402
-from helpers_node import MC_ENV  # noqa: E402
+from e2e.pd import ProxyProcess, connector
+from e2e.procs import free_ports
+from e2e.servers import VllmServer, acompletion, completion, running, scrape_metrics, unconfirmed_releases
+from e2e.tiny_model import LLAMA_GQA, SAMPLE_PROMPTS, long_prompt, tiny_model_dir
+from helpers_node import MC_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 MAX_TOKENS = 8

@@ -23,10 +23,10 @@ import httpx  # noqa: F401 - imported here, not first on a loop thread (see _wit
 import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from vllm_sched import LAYERS, Engine, layer_pattern, lookup, recv_params, send_params, steps_until  # noqa: E402
+from vllm_sched import LAYERS, Engine, layer_pattern, lookup, recv_params, send_params, steps_until
 
 pytestmark = pytest.mark.timeout(600)
 FAST = {"control_call": 0.3, "control_retries": 2, "layer_write": 1.0, "done_delivery": 0.5, "receive": 5.0,

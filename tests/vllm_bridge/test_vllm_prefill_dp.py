@@ -36,13 +36,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.pd import ProxyProcess, connector  # noqa: E402
-from e2e.procs import free_port, free_ports  # noqa: E402
-from e2e.servers import (VllmServer, acompletion, completion, kv_cache_usage, metric_value, running,  # noqa: E402
+from e2e.pd import ProxyProcess, connector
+from e2e.procs import free_port, free_ports
+from e2e.servers import (VllmServer, acompletion, completion, kv_cache_usage, metric_value, running,
                          scrape_metrics, unconfirmed_releases)
-from e2e.tiny_model import LLAMA_GQA, SAMPLE_PROMPTS, long_prompt, tiny_model_dir  # noqa: E402
-from helpers_node import MC_ENV  # noqa: E402
-from helpers_relay import Freezer, Relay, bytes_received, worker_ports  # noqa: E402
+from e2e.tiny_model import LLAMA_GQA, SAMPLE_PROMPTS, long_prompt, tiny_model_dir
+from helpers_node import MC_ENV
+from helpers_relay import Freezer, Relay, bytes_received, worker_ports
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 MAX_TOKENS = 8

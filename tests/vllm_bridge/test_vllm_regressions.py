@@ -12,7 +12,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from vllm_sched import (LAYERS, Engine, engines_fixture, layer_pattern, lookup, recv_params,  # noqa: E402
+from vllm_sched import (LAYERS, Engine, engines_fixture, layer_pattern, lookup, recv_params,
                         send_params, steps_until, tok)
 
 pytestmark = pytest.mark.timeout(120)

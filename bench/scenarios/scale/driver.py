@@ -270,8 +270,9 @@ def run_scenario(cfg: ScaleConfig) -> dict:
     with tempfile.TemporaryDirectory(prefix="aiolayer-scale-") as tmp:
         cfg_path = Path(tmp) / "config.json"
         cfg_path.write_bytes(msgspec.json.encode(cfg))
-        nodes = [NodeProcess(cfg.shape(d_heads, cfg.total_blocks), extra_args=[*node_args, "--engine-id", f"scale-d{d}"],
-                             start_timeout=START_S) for d in range(cfg.d_tp)]
+        nodes = [NodeProcess(cfg.shape(d_heads, cfg.total_blocks),
+                             extra_args=[*node_args, "--engine-id", f"scale-d{d}"], start_timeout=START_S)
+                 for d in range(cfg.d_tp)]
         ranks: list[RankProcess] = []
         proxy = None
         try:
@@ -279,7 +280,8 @@ def run_scenario(cfg: ScaleConfig) -> dict:
             with ThreadPoolExecutor(len(nodes)) as pool:
                 list(pool.map(NodeProcess.start, nodes))
             ready = collect(ranks, "ready", START_S)
-            proxy = Runtime(NodeConfig(engine_id="scale-proxy", backend="memory"), Timeouts(control_call=CALL_S)).start()
+            proxy = Runtime(NodeConfig(engine_id="scale-proxy", backend="memory"),
+                            Timeouts(control_call=CALL_S)).start()
             return _drive(cfg, Path(tmp), nodes, ranks, ready, proxy)
         finally:
             if proxy is not None:

@@ -1,4 +1,5 @@
-"""A P (prefill) rank of ``bench --scenario scale``, run as ``python -m aiolayer.bench.scenarios.scale.rank RANK CONFIG``.
+"""A P (prefill) rank of ``bench --scenario scale``, run as
+``python -m aiolayer.bench.scenarios.scale.rank RANK CONFIG``.
 
 It fills a paged KV cache with its local heads of the global seeded KV (``model.kv_layer``), starts
 its own Runtime (Mooncake over TCP), freezes its start-up heap out of the garbage collector's passes
@@ -71,7 +72,8 @@ def rank_main(rank: int, cfg: ScaleConfig) -> int:
                 layouts = msgspec.json.decode(Path(path).read_bytes(), type=list[RawLayout])
                 batches = raw_batches(cfg, items, {x.d_rank: x for x in layouts}, cache.k_base, cache.v_base,
                                       len(heads))
-            _say(kind="raw", rank=rank, method=method, **METHODS[method][0](rt.backend._engine, batches))
+            engine = rt.backend._engine   # noqa: SLF001 - raw Mooncake through the runtime's own engine
+            _say(kind="raw", rank=rank, method=method, **METHODS[method][0](engine, batches))
     finally:
         rt.stop()
     return 0
@@ -140,7 +142,7 @@ class _GcClock:
 
 def _loop_thread(rt: Runtime) -> threading.Thread:
     """The runtime's loop thread (an internal attribute, read for the report's CPU figures)."""
-    return rt.loop_thread._thread
+    return rt.loop_thread._thread   # noqa: SLF001
 
 
 def _writes_in_flight(backend) -> int:

@@ -43,7 +43,8 @@ def build_report(cfg: ScaleConfig, routes, writers, allocs, summaries: dict[int,
               "peak_runs_per_target": s.get("peak_runs_per_target"),
               "seconds": round(s["t_end"] - s["t_begin"], 3),
               "gbps": round(s["bytes"] / max(1e-9, s["t_end"] - s["t_begin"]) / 1e9, 3),
-              "cpu_s": s["cpu_s"], "loop_cpu_s": s["loop_cpu_s"], "gc_s": s.get("gc_s"), "gc_collections": s.get("gc_collections"),
+              "cpu_s": s["cpu_s"], "loop_cpu_s": s["loop_cpu_s"], "gc_s": s.get("gc_s"),
+              "gc_collections": s.get("gc_collections"),
               "raw_gbps": raw["per_rank_gbps"][p], "raw_cpu_s": raws[best][p]["cpu_s"]}
              for p, s in sorted(summaries.items())]
     failures = [f"{tid}: {why}" for tid, why in verdict.items() if why][:10]
@@ -65,7 +66,8 @@ def print_scale(r: dict) -> None:
     c = r["config"]
     print(f"scale: {r['prefill_ranks']} P ranks -> {r['decode_ranks']} D ranks, {r['requests']} requests "
           f"({r['transfers']} D transfers, {r['p_transfers']} P transfers), {c['layout']}, {c['num_layers']} layers, "
-          f"{c['kv_heads']}x{c['head_dim']} {c['dtype']} heads, {c['blocks_per_request']} x {c['block_size']}-token blocks")
+          f"{c['kv_heads']}x{c['head_dim']} {c['dtype']} heads, "
+          f"{c['blocks_per_request']} x {c['block_size']}-token blocks")
     print(f"{'rank':<6}{'heads':<14}{'transfers':>10}{'ok':>7}{'failed':>7}{'MB':>9}{'s':>8}{'GB/s':>7}"
           f"{'raw GB/s':>9}{'loop CPU s':>11}{'peak active':>12}{'peak writes':>12}")
     for p in r["per_p_rank"]:
@@ -84,7 +86,8 @@ def print_scale(r: dict) -> None:
               f"{sum(b for b, _ in batched)} batch frames (those decided in one pass of P's loop), the rest alone")
     layouts = [(p.get("layout_batches"), p.get("layouts_batched")) for p in r["per_p_rank"]]
     if all(b is not None for b, _ in layouts):
-        print(f"layout requests to D: {sum(n for _, n in layouts)} of {sum(p['specs'] for p in r['per_p_rank'])} went in "
+        print(f"layout requests to D: {sum(n for _, n in layouts)} of {sum(p['specs'] for p in r['per_p_rank'])} "
+              "went in "
               f"{sum(b for b, _ in layouts)} batch frames (a step's, up to {m.MAX_LAYOUT_BATCH} per frame)")
     print_raw(r)
     print_whole_blocks(r)
@@ -150,7 +153,8 @@ def print_whole_blocks(r: dict) -> None:
     if not w:
         return
     print(f"whole blocks, same requests ({r['prefill_ranks']} P -> {w['decode_ranks']} D, run after): "
-          f"{w['gbps']:.3f} GB/s, aiolayer / raw = {w['raw_ratio']:.2f}, loop CPU {w['cpu_s_per_gb']['loop']:.2f} s/GB, "
+          f"{w['gbps']:.3f} GB/s, aiolayer / raw = {w['raw_ratio']:.2f}, "
+          f"loop CPU {w['cpu_s_per_gb']['loop']:.2f} s/GB, "
           f"verified {w['verified']}/{w['transfers']}")
     print(f"head slices' loop CPU per GB = {w['loop_cpu_head_slices_over_whole_blocks']:.2f}x whole blocks' "
           f"(raw Mooncake's process CPU per GB, the same spans: {w['raw_cpu_head_slices_over_whole_blocks']:.2f}x); "
@@ -164,7 +168,8 @@ def print_raw(r: dict) -> None:
         print(f"raw Mooncake ({name}{', the baseline' if name == r['raw_best'] else ''}): {x['writes']} writes in "
               f"{x['seconds']:.2f} s = {x['gbps']:.3f} GB/s, {x['cpu_s'] / max(1e-9, x['bytes'] / 1e9):.2f} CPU s/GB, "
               f"{x['failed_batches']} failed  ({x['method']})")
-    print(f"raw Mooncake, same spans{'' if r['raw_same_spans'] else ' (COUNTS DIFFER)'}: aiolayer {r['gbps']:.3f} GB/s / "
+    print(f"raw Mooncake, same spans{'' if r['raw_same_spans'] else ' (COUNTS DIFFER)'}: "
+          f"aiolayer {r['gbps']:.3f} GB/s / "
           f"raw {r['raw_gbps']:.3f} GB/s: aiolayer / raw = {r['raw_ratio']:.2f}")
     print(f"CPU s per GB: aiolayer loop thread {cpu['loop']:.2f}, aiolayer process {cpu['process']:.2f}, "
           f"raw process {cpu['raw_process']:.2f}; aiolayer's garbage collector {r['gc_s_per_gb']:.2f} "

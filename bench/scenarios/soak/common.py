@@ -1,4 +1,5 @@
-"""What every module of the soak (bench/scenarios/soak/driver.py) shares: its shape, sizes, pacing and deadline bounds."""
+"""What every module of the soak (bench/scenarios/soak/driver.py) shares: its shape, sizes, pacing and
+deadline bounds."""
 
 from __future__ import annotations
 

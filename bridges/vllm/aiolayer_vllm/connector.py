@@ -9,7 +9,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorRole,
                                                                 KVConnectorTransferResults)
 
-from aiolayer.errors import ConfigError
+from aiolayer.errors import ConfigError, RuntimeStateError
 
 from . import ranks
 from .config import check_extra_config, from_extra_config
@@ -26,7 +26,8 @@ def _configure_logging() -> None:
     """aiolayer's and this bridge's log level in vLLM's processes (AIOLAYER_LOG_LEVEL, default WARNING);
     DEBUG shows the per-transfer timeline (``worker.stage``)."""
     level = os.environ.get("AIOLAYER_LOG_LEVEL", "")
-    for name in ("aiolayer", "aiolayer_vllm") if level else ("aiolayer",):   # the bridge's: as vLLM set it, unless asked
+    # the bridge's logger: as vLLM set it, unless asked
+    for name in ("aiolayer", "aiolayer_vllm") if level else ("aiolayer",):
         logger = logging.getLogger(name)
         logger.setLevel((level or "WARNING").upper())
         if not logger.handlers and not logging.getLogger().handlers:
@@ -81,12 +82,18 @@ class AiolayerConnector(KVConnectorBase_V1):
 
     # --- worker side ---------------------------------------------------------------------------
 
+    @property
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeStateError("aiolayer: a worker-side call on the scheduler's connector")
+        return self._worker
+
     def register_kv_caches(self, kv_caches) -> None:
-        self._worker.register_kv_caches(kv_caches)
+        self._worker_side.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: AiolayerMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        self._worker.bind(connector_metadata)
+        self._worker_side.bind(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return None  # D's KV is pushed by P; nothing to start here
@@ -95,22 +102,22 @@ class AiolayerConnector(KVConnectorBase_V1):
         return None  # a request runs only after all of its KV arrived (async load)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        self._worker.save_kv_layer(layer_name)
+        self._worker_side.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        self._worker.wait_for_save()
+        self._worker_side.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving, _failed = self._worker.transfer_results(finished_req_ids)
+        sending, recving, _failed = self._worker_side.transfer_results(finished_req_ids)
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving, failed = self._worker.transfer_results(finished_req_ids)
+        sending, recving, failed = self._worker_side.transfer_results(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors()
+        return self._worker_side.load_errors()
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -133,21 +140,27 @@ class AiolayerConnector(KVConnectorBase_V1):
 
     # --- scheduler side ------------------------------------------------------------------------
 
+    @property
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeStateError("aiolayer: a scheduler-side call on a worker's connector")
+        return self._scheduler
+
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        self._scheduler.kv_cache_manager = kv_cache_manager
+        self._scheduler_side.kv_cache_manager = kv_cache_manager
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> AiolayerMetadata:
-        return self._scheduler.build_connector_meta(scheduler_output)
+        return self._scheduler_side.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
-        self._scheduler.update_connector_output(connector_output)
+        self._scheduler_side.update_connector_output(connector_output)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request, block_ids)
+        return self._scheduler_side.request_finished(request, block_ids)

@@ -8,10 +8,13 @@ integrity check's fault: with ``integrity_sample`` 1.0 at P every such transfer 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from aiolayer.protocol import messages as m
 
 
-def zero_blocks(views, blocks: list[int]) -> None:
+def zero_blocks(views: Mapping[str, tuple[Any, ...]], blocks: list[int]) -> None:
     import torch
 
     idx = torch.as_tensor(blocks, dtype=torch.int64)
@@ -20,7 +23,7 @@ def zero_blocks(views, blocks: list[int]) -> None:
             plane.index_fill_(0, idx, 0)
 
 
-def corrupter(views: dict, layer_names, blocks_of):
+def corrupter(views: Mapping[str, tuple[Any, ...]], layer_names, blocks_of):
     """D's inbound hook: on a DONE (alone or batched), change one value of the last layer in the
     transfer's last block; ``blocks_of(transfer id)`` gives D's blocks of a transfer (or None)."""
     last = views[layer_names[-1]]

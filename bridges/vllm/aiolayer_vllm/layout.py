@@ -27,6 +27,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import NoReturn
 
 import torch
 
@@ -105,6 +106,8 @@ def describe(kv_caches: Mapping, num_blocks: int, block_size: int, head_size: in
         k_base.append(planes[0].data_ptr())
         v_base.append(planes[1].data_ptr() if len(planes) == 2 else 0)
         views[name] = planes
+    if first is None:
+        raise ConfigError("vLLM gave no KV cache layers")
     found = first[1]
     return KVLayout(names=tuple(names), k_base=tuple(k_base), v_base=tuple(v_base),
                     block_bytes=found.block_bytes, num_blocks=num_blocks, views=MappingProxyType(views),
@@ -120,7 +123,7 @@ def _show(cache) -> str:
     return f"shape {tuple(cache.shape)} strides {tuple(cache.stride())} {cache.dtype}"
 
 
-def _refuse(name: str, cache, why: str):
+def _refuse(name: str, cache, why: str) -> NoReturn:
     raise ConfigError(f"layer {name}: KV cache {_show(cache)}: {why}")
 
 

@@ -10,8 +10,9 @@ D published and the P tensor-parallel size the plan assumed (optional; P refuses
 differs, telling D at once); a D with several tensor-parallel ranks is named by ``"decode_ranks":
 [{"decode_control": ..., "dst_incarnation": ...}, ...]`` in rank order instead of the two single fields
 (the blocks are the same on every rank: one scheduler allocates them). Transfer ids are the proxy's
-own, never derived from vLLM's request ids. The token is a secret the proxy mints per transfer (``secrets.token_hex(16)``) and gives only
-to this transfer's D and P: D refuses layout requests and DONE/FAILED without it.
+own, never derived from vLLM's request ids. The token is a secret the proxy mints per transfer
+(``secrets.token_hex(16)``) and gives only to this transfer's D and P: D refuses layout requests and
+DONE/FAILED without it.
 
 A request's parameters come from a client: ``read`` validates them whole (types, ranges, ASCII ids
 and endpoints, no unknown field) and tells the two shapes apart by their fields, so one engine can
@@ -150,7 +151,7 @@ def read(params: Any) -> RecvParams | SendParams | None:
     value = params[KEY]
     if not isinstance(value, dict):
         raise InvalidParams(f"kv_transfer_params[{KEY!r}] must be an object, got {type(value).__name__}")
-    kind: type = RecvParams
+    kind: type[RecvParams] | type[SendParams] = RecvParams
     try:
         keys = {k for k in value if isinstance(k, str)}
         if keys & _SEND_ONLY and keys & _RECV_ONLY:

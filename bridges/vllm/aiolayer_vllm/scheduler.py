@@ -21,14 +21,18 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from aiolayer.errors import RuntimeStateError
 from aiolayer.protocol.plan import use_layerwise
 
 from .config import BridgeConfig
 from .metadata import AiolayerMetadata, RecvReq, SendReq
 from .params import InvalidParams, RecvParams, SendParams, read
 from .wake import open_waiter, park_wait_s
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 log = logging.getLogger(__name__)
 MAX_CLAIMS = 1 << 16      # transfer ids remembered after their request, to refuse a late duplicate
@@ -41,7 +45,7 @@ class SchedulerSide:
         self.block_size = block_size
         self.is_producer = is_producer
         self.is_consumer = is_consumer
-        self.kv_cache_manager = None
+        self.kv_cache_manager: KVCacheManager | None = None   # vLLM's, bound before the first step
         self._params: dict[str, RecvParams | SendParams | None] = {}   # req_id -> its verdict, read once
         self._claims: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
         self._parked: dict[str, tuple[RecvParams, int]] = {}       # D: req_id -> (params, computed)
@@ -115,7 +119,7 @@ class SchedulerSide:
                 self._consumed.add(req_id)    # from its first allocation on, the parameters are spent
             if parked is not None and num_external_tokens > 0:
                 recv, computed = parked
-                all_blocks = self.kv_cache_manager.get_block_ids(req_id)[0]
+                all_blocks = self._block_ids(req_id)
                 first = computed // self.block_size
                 self._receiving[req_id] = recv.transfer_id
                 self._meta.recvs.append(RecvReq(req_id, recv.transfer_id, list(all_blocks[first:]),
@@ -125,6 +129,12 @@ class SchedulerSide:
             send = self._read(request)
             if isinstance(send, SendParams):
                 self._to_send[req_id] = (request, send)
+
+    def _block_ids(self, req_id: str) -> list[int]:
+        """The request's blocks (of the one KV cache group the bridge allows)."""
+        if self.kv_cache_manager is None:
+            raise RuntimeStateError("aiolayer: vLLM has not bound its KV cache manager")
+        return self.kv_cache_manager.get_block_ids(req_id)[0]
 
     # --- P -------------------------------------------------------------------------------------
 
@@ -136,7 +146,7 @@ class SchedulerSide:
             if n == 0 or request.num_computed_tokens + n < request.num_prompt_tokens:
                 continue  # not scheduled, or an earlier chunk: the whole KV is final only at the last one
             del self._to_send[req_id]
-            blocks = self.kv_cache_manager.get_block_ids(req_id)[0]
+            blocks = self._block_ids(req_id)
             needed = math.ceil(request.num_prompt_tokens / self.block_size)
             src = list(blocks[send.first_block:needed])
             self._sent[req_id] = send.transfer_id

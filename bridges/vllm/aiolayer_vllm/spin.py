@@ -30,13 +30,13 @@ def cap_spin(seconds: float) -> bool:
     if not callable(getattr(SpinCondition, "wait", None)):
         return False
     already = hasattr(SpinCondition, "_aiolayer_spin_cap")
-    SpinCondition._aiolayer_spin_cap = seconds
+    SpinCondition._aiolayer_spin_cap = seconds   # noqa: SLF001 - our own mark on vLLM's class
     if already:
         return True
     original = SpinCondition.wait
 
     def wait(self, *args, **kwargs):
-        cap = SpinCondition._aiolayer_spin_cap
+        cap = SpinCondition._aiolayer_spin_cap   # noqa: SLF001
         if getattr(self, "busy_loop_s", 0) > cap:   # the writers' is 0: only readers spin
             self.busy_loop_s = cap
         return original(self, *args, **kwargs)

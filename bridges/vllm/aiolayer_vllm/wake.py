@@ -63,7 +63,7 @@ class Waiter:
     def __init__(self, cap_s: float, engine_id: str) -> None:
         self.cap_ms = cap_s * 1e3
         self.path = address(os.getpid(), engine_id)[len("ipc://"):]
-        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         if not self.path.startswith("@"):
             with contextlib.suppress(FileNotFoundError):
@@ -72,7 +72,7 @@ class Waiter:
 
     def wait(self) -> bool:
         """Block until a wake-up or the cap; True if woken. Every queued wake-up is drained."""
-        woken = bool(self._sock.poll(self.cap_ms))
+        woken = bool(self._sock.poll(int(self.cap_ms)))   # whole ms, as pyzmq makes of a float
         while woken:
             try:
                 self._sock.recv(zmq.NOBLOCK)

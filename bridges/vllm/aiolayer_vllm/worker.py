@@ -1,7 +1,7 @@
 """The worker side (model-runner thread): hands steps and layers to aiolayer and reports results.
 
-It owns its rank's aiolayer ``Runtime`` (started with the KV caches; one per TP/DP rank, see ``ranks``) and uses only its public,
-thread-safe API. Every call here returns at once: ``save_kv_layer`` hands a layer to the step,
+It owns its rank's aiolayer ``Runtime`` (started with the KV caches; one per TP/DP rank, see ``ranks``)
+and uses only its public, thread-safe API. Every call here returns at once: ``save_kv_layer`` hands a layer to the step,
 ``wait_for_save`` does no network I/O, and D's registrations are handed to the runtime's loop
 (``Runtime.receive``). Results come back from thread-safe queues in ``transfer_results``.
 Nothing here raises for one request (vLLM would take the engine down): a request that cannot be
@@ -15,10 +15,12 @@ import collections
 import functools
 import logging
 import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from aiolayer import ReceiveSpec, Registration, Runtime, Step, TransferSpec
+from aiolayer import ReceiveSpec, Registration, Runtime, RuntimeStateError, Step, TransferSpec
 from aiolayer.faults import install_hooks
 
 from .config import BridgeConfig
@@ -31,6 +33,9 @@ from .ranks import (Topology, rank_transfer_id, refused_d_ranks, routes_for_p, w
 from .stats import AiolayerStats, delta, totals
 from .threads import unpinned
 from .wake import Waker
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +61,7 @@ class WorkerSide:
         self.is_consumer = is_consumer
         self.runtime: Runtime | None = None
         self.layer_index: dict[str, int] = {}
-        self._views: dict = {}
+        self._views: Mapping[str, tuple[Any, ...]] = {}
         self._active_step: Step | None = None
         self._req_of: dict[str, str] = {}                 # P: (rank) transfer id -> vLLM request id
         self._open_sends: dict[str, set[str]] = {}        # P: request id -> its sends not yet quiet
@@ -68,11 +73,19 @@ class WorkerSide:
         self._finished: set[str] = set()                  # P: ... that vLLM reported finished
         self._load_errors: set[int] = set()
         self._reported: dict[str, float] = {}             # the totals of the last stats report
-        self._http = None   # D: one HTTP client for every registration POST, made and closed on the loop
+        # D: one HTTP client for every registration POST, made and closed on the loop
+        self._http: httpx.AsyncClient | None = None
         self._step_tids: list[str] = []                   # P: the transfers of the step being saved (timeline)
         # D: wakes the scheduler side's parked wait as a receive ends (``wake``); None: it never waits
         self._waker = Waker(engine_core_pid, config.node.engine_id) \
             if is_consumer and engine_core_pid is not None else None
+
+    @property
+    def _rt(self) -> Runtime:
+        """The rank's runtime, once ``register_kv_caches`` started it."""
+        if self.runtime is None:
+            raise RuntimeStateError("aiolayer: no runtime before the KV caches are registered")
+        return self.runtime
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -117,8 +130,8 @@ class WorkerSide:
         for _req_id, tid in meta.aborts:
             tid = self._rank_tid(tid)
             try:
-                self.runtime.abort_receive(tid, "request aborted at D")
-            except Exception:  # noqa: BLE001 - the runtime is gone: the transfer ends with it
+                self._rt.abort_receive(tid, "request aborted at D")
+            except Exception:  # the runtime is gone: the transfer ends with it
                 log.exception("transfer %s: abort not handed over", tid)
         if meta.sends:
             self._begin_sends(meta.sends)
@@ -145,7 +158,7 @@ class WorkerSide:
             announce = functools.partial(self._publish, url=recv.notify_url, transfer_id=recv.transfer_id) \
                 if recv.notify_url else None
             stage(tid, "d_bound")
-            self.runtime.receive(spec, announce)
+            self._rt.receive(spec, announce)
         except Exception as exc:  # noqa: BLE001 - a bad spec or a stopped runtime: this request fails
             log.error("transfer %s: not registered: %s", tid, exc)
             self._recv_failures.append((tid, f"not registered: {type(exc).__name__}: {exc}", None))
@@ -184,7 +197,7 @@ class WorkerSide:
         if not specs:
             return
         try:
-            self._active_step = self.runtime.begin_step(specs)
+            self._active_step = self._rt.begin_step(specs)
             self._step_tids = [spec.transfer_id for spec in specs]
         except Exception as exc:  # noqa: BLE001 - refused before anything was queued: no write started
             log.error("aiolayer: %d transfers not sent: %s", len(specs), exc)
@@ -218,7 +231,7 @@ class WorkerSide:
         self._req_of.update((spec.transfer_id, send.req_id) for spec in specs)
         for spec in specs:
             try:
-                self.runtime.refuse_send(spec, reason)
+                self._rt.refuse_send(spec, reason)
             except Exception as exc:  # noqa: BLE001 - the runtime is gone: D's own deadline ends it
                 log.error("transfer %s: refusal not handed over: %s", spec.transfer_id, exc)
                 self._send_quiet(spec.transfer_id)
@@ -258,8 +271,8 @@ class WorkerSide:
             if self._req_of.get(rank_tid) != req_id:
                 continue
             try:
-                self.runtime.cancel_send(rank_tid, "preempted at P: vLLM freed its blocks")
-            except Exception:  # noqa: BLE001 - logged; the send then ends by its own deadlines
+                self._rt.cancel_send(rank_tid, "preempted at P: vLLM freed its blocks")
+            except Exception:  # logged; the send then ends by its own deadlines
                 log.exception("transfer %s: cancel failed", rank_tid)
 
     async def _publish(self, reg: Registration, url: str, transfer_id: str) -> None:
@@ -269,7 +282,7 @@ class WorkerSide:
         ranks this is: the proxy hands P every rank's endpoint once all of them registered."""
         import httpx
 
-        t, topo = self.runtime.timeouts, self.topology
+        t, topo = self._rt.timeouts, self.topology
         body = {"transfer_id": transfer_id, "token": reg.token, "block_ids": reg.block_ids,
                 "first_block": reg.first_block, "incarnation": reg.incarnation,
                 "decode_control": reg.decode_control, "rank": topo.tp_rank, "ranks": topo.tp_size,
@@ -308,7 +321,7 @@ class WorkerSide:
             if layer == len(self.layer_index) - 1:
                 for tid in self._step_tids:
                     stage(tid, "p_last_layer")
-        except Exception:  # noqa: BLE001 - the runtime is gone: its sends fail by their own deadlines
+        except Exception:  # the runtime is gone: its sends fail by their own deadlines
             log.exception("aiolayer: layer %s not handed over", layer_name)
             self._active_step = None
 
@@ -317,7 +330,7 @@ class WorkerSide:
         if step is not None:
             try:
                 step.end()
-            except Exception:  # noqa: BLE001 - as in save_kv_layer
+            except Exception:  # as in save_kv_layer
                 log.exception("aiolayer: step %d not closed", step.id)
             self._step_tids = []
 
@@ -325,7 +338,9 @@ class WorkerSide:
 
     def transfer_results(self, finished_req_ids) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) for this pass."""
-        sending, recving, failed = set(), set(), set()
+        sending: set[str] = set()
+        recving: set[str] = set()
+        failed: set[str] = set()
         if self.runtime is None:
             return sending, recving, failed
         for outcome in self.runtime.pop_outcomes():

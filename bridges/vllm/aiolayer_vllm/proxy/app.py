@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect
 
 from aiolayer.config import Timeouts
 from aiolayer.protocol import messages as m
-from aiolayer import ControlPeers
+from aiolayer import ControlPeers, RuntimeStateError
 
 from .flow import Exchange, ExchangeError, ProxyTimeouts, check_body, forwarded_headers
 from .pool import NoBackend, Pool
@@ -51,6 +51,13 @@ class ProxyState:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The client to the engines, from ``start`` on."""
+        if self.client is None:
+            raise RuntimeStateError("the proxy is not started")
+        return self.client
+
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)  # no pool caps concurrency
         self.client = httpx.AsyncClient(limits=limits)
@@ -64,8 +71,10 @@ class ProxyState:
             task.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
-        await self.peers.close()
-        await self.client.aclose()
+        if self.peers is not None:
+            await self.peers.close()
+        if self.client is not None:
+            await self.client.aclose()
 
     # --- registration (D -> proxy) -------------------------------------------------------------
 
@@ -146,7 +155,7 @@ class ProxyState:
             self.outcomes["cancelled"] += 1
             await asyncio.shield(self.spawn(exchange.abort_decode("proxy stopping"), f"abort {exchange.transfer_id}"))
             raise
-        except Exception as exc:  # noqa: BLE001 - a bug still ends in a JSON error and frees D's blocks
+        except Exception as exc:  # a bug still ends in a JSON error and frees D's blocks
             log.exception("transfer %s: proxy failure", exchange.transfer_id)
             await exchange.abort_decode("proxy failure")
             if exchange.relaying:   # the status line is out: the client sees the stream end early
@@ -170,7 +179,7 @@ class ProxyState:
                 raise
             except ExchangeError as exc:   # P failed while D streamed (D was told to abort)
                 outcome, tail = exc.kind, b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
-            except Exception as exc:  # noqa: BLE001 - D (or a proxy bug) failed after the status line
+            except Exception as exc:  # D (or a proxy bug) failed after the status line
                 outcome = "decode_error" if isinstance(exc, httpx.HTTPError) else "internal_error"
                 if outcome == "internal_error":
                     log.exception("transfer %s: proxy failure mid-stream", exchange.transfer_id)
@@ -217,7 +226,8 @@ class ProxyState:
         lines += [f'aiolayer_proxy_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self.outcomes.items())]
         lines += ["# TYPE aiolayer_proxy_rejected_registrations_total counter",
                   f"aiolayer_proxy_rejected_registrations_total {self.rejected_registrations}"]
-        lines += ["# TYPE aiolayer_proxy_pending_transfers gauge", f"aiolayer_proxy_pending_transfers {len(self.pending)}",
+        lines += ["# TYPE aiolayer_proxy_pending_transfers gauge",
+                  f"aiolayer_proxy_pending_transfers {len(self.pending)}",
                   "# TYPE aiolayer_proxy_backend_outstanding gauge", "# TYPE aiolayer_proxy_backend_healthy gauge"]
         for b in self.pool.all:
             labels = f'role="{b.role}",url="{b.url}"'
@@ -251,7 +261,8 @@ def create_app(pool: Pool, public_url: str, timeouts: ProxyTimeouts | None = Non
     app.state.proxy = state
 
     for path in ("/v1/completions", "/v1/chat/completions"):
-        app.router.add_route(path, _OpenAIRoute(state, path), methods=["POST"])
+        # an ASGI app: Starlette's Route serves a non-function endpoint as one (its hint names handlers only)
+        app.router.add_route(path, _OpenAIRoute(state, path), methods=["POST"])  # type: ignore[arg-type]
 
     @app.post(REGISTER_PATH)
     async def registered(request: Request) -> JSONResponse:
@@ -265,7 +276,7 @@ def create_app(pool: Pool, public_url: str, timeouts: ProxyTimeouts | None = Non
     async def models(request: Request) -> Response:
         try:
             backend = state.pool.pick("decode")
-            reply = await state.client.get(backend.url + "/v1/models", timeout=5.0,
+            reply = await state.http.get(backend.url + "/v1/models", timeout=5.0,
                                            headers=forwarded_headers(request.scope["headers"]))
         except (NoBackend, httpx.HTTPError) as exc:
             return JSONResponse({"error": {"message": f"no decode backend answered: {exc}"}}, 503)

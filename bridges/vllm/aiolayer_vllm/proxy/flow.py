@@ -24,6 +24,7 @@ import httpx
 from aiolayer import compat
 from aiolayer.errors import AiolayerError, ControlRejected
 from aiolayer.protocol import messages as m
+from aiolayer.protocol.codes import NackCode
 
 from ..params import check_endpoint
 from ..ranks import rank_transfer_id
@@ -212,8 +213,10 @@ class Exchange:
     def raise_if_prefill_failed(self) -> None:
         """P's failure (an ``ExchangeError``; D was told to abort already), once P's call ended with one."""
         p = self.p_task
-        if p is not None and p.done() and not p.cancelled() and p.exception() is not None:
-            raise p.exception()
+        if p is not None and p.done() and not p.cancelled():
+            error = p.exception()
+            if error is not None:
+                raise error
 
     async def decoded_chunks(self, d_resp: httpx.Response):
         """D's body as it comes; P failing meanwhile ends it with P's ``ExchangeError``."""
@@ -222,8 +225,9 @@ class Exchange:
             nxt = asyncio.ensure_future(anext(chunks))
             try:
                 while not nxt.done():
-                    p_running = self.p_task is not None and not self.p_task.done()
-                    await asyncio.wait({nxt, self.p_task} if p_running else {nxt}, return_when=asyncio.FIRST_COMPLETED)
+                    p = self.p_task
+                    await asyncio.wait({nxt, p} if p is not None and not p.done() else {nxt},
+                                       return_when=asyncio.FIRST_COMPLETED)
                     self.raise_if_prefill_failed()
             except BaseException:
                 nxt.cancel()
@@ -242,10 +246,10 @@ class Exchange:
         """The request's timeline (ms since the proxy took it), logged at debug when the exchange closes."""
         self.stamps[stage] = round((time.perf_counter() - self.started) * 1e3, 1)
 
-    async def _prefill(self, reg: dict) -> None:
+    async def _prefill(self, regs: list[dict]) -> None:
         client, t = self.state.client, self.state.timeouts
         try:
-            reply = await client.post(self.prefill.url + self.path, json=self.p_body(reg), headers=self.headers,
+            reply = await client.post(self.prefill.url + self.path, json=self.p_body(regs), headers=self.headers,
                                       timeout=t.prefill_s)
         except Exception as exc:  # noqa: BLE001 - any failure of the call to P is P's failure
             if not isinstance(exc, (httpx.HTTPError, asyncio.TimeoutError)):
@@ -261,6 +265,8 @@ class Exchange:
             raise ExchangeError(502, "prefill_error", f"P answered HTTP {reply.status_code}: {reply.text[:300]}")
 
     async def _decode_error(self, what: str) -> ExchangeError:
+        if self.d_task is None:
+            return ExchangeError(502, "decode_error", f"{what}: D was never called")
         try:
             resp = self.d_task.result()
         except (httpx.HTTPError, Exception) as exc:  # noqa: BLE001 - reported to the client
@@ -283,7 +289,7 @@ class Exchange:
             await client.call(m.AbortRequest(transfer_id=tid, reason=reason, token=self.token),
                               timeout=self.state.timeouts.abort_s)
         except AiolayerError as exc:
-            if isinstance(exc, ControlRejected) and exc.code == m.NackCode.UNKNOWN_TRANSFER:   # D ended it: nothing to free
+            if isinstance(exc, ControlRejected) and exc.code == NackCode.UNKNOWN_TRANSFER:   # D ended it
                 log.debug("transfer %s: D no longer knows it: %s", tid, exc)
             else:
                 log.warning("transfer %s: D was not told to abort: %s", tid, exc)

@@ -59,10 +59,11 @@ class Backend:
         control, _, extra = rest.partition(",")
         tp = extra.removeprefix("tp=")
         port = control.rpartition(":")[2]
+        bad_tp = bool(extra) and not (extra.startswith("tp=") and tp.isdigit() and 1 <= int(tp) <= 1024)
         if not sep or not url.startswith(("http://", "https://")) or not control.startswith("tcp://") \
-                or not port.isdigit() or (extra and not (extra.startswith("tp=") and tp.isdigit() and 1 <= int(tp) <= 1024)) \
-                or int(port) + int(tp or 1) - 1 > 65535:
-            raise ValueError(f"--{role} expects URL,CONTROL[,tp=N] (http://host:port,tcp://host:port,tp=2), got {spec!r}")
+                or not port.isdigit() or bad_tp or int(port) + int(tp or 1) - 1 > 65535:
+            raise ValueError(f"--{role} expects URL,CONTROL[,tp=N] (http://host:port,tcp://host:port,tp=2), "
+                             f"got {spec!r}")
         return cls(role, url.rstrip("/"), control, declared_tp=int(tp or 0))
 
 
@@ -98,7 +99,8 @@ class Pool:
     health_interval_s: float = 2.0
     health_timeout_s: float = 1.0   # each probe of HTTP /health
     # each rank's topology query: an engine's aiolayer loop shares its cores with the engine (a parked D's
-    # engine core spins), and has answered control calls only after seconds there (tests/vllm_bridge/test_vllm_parallel.py)
+    # engine core spins), and has answered control calls only after seconds there
+    # (tests/vllm_bridge/test_vllm_parallel.py)
     control_timeout_s: float = 5.0
     model: str = ""                 # the model fingerprint every backend's ranks said at start
 

@@ -84,8 +84,10 @@ def run_proxy(args: argparse.Namespace) -> int:
         print("aiolayer proxy: refused to start:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 1
     for b in pool.all:
-        logger.info("%s: engine %s, tp %d, dp %d, role %s, model %s", b.name, b.topology.engine_id,
-                    b.topology.tp, b.topology.dp, b.topology.role, b.topology.model)
+        learned = b.topology   # every backend's: learn_pool found no problem
+        if learned is not None:
+            logger.info("%s: engine %s, tp %d, dp %d, role %s, model %s", b.name, learned.engine_id,
+                        learned.tp, learned.dp, learned.role, learned.model)
     timeouts = ProxyTimeouts(registration_s=args.registration_timeout, prefill_s=args.prefill_timeout,
                              request_s=args.request_timeout)
     app = create_app(pool, url, timeouts)

@@ -117,13 +117,13 @@ async def learn(role: str, control: str, declared_tp: int, peers: ControlPeers, 
     _check_first(role, control, declared_tp, first)
     endpoints = [rank_endpoint(control, i) for i in range(first.tp_size * first.dp_size)]
     rest = await asyncio.gather(*(ask(peers, ep, timeout) for ep in endpoints[1:]), return_exceptions=True)
-    replies = [first, *rest]
     for outcome in rest:
         if isinstance(outcome, BaseException) and not isinstance(outcome, TopologyProblem):
             raise outcome
     missing = [str(r) for r in rest if isinstance(r, TopologyProblem)]
     if missing:
         raise TopologyProblem("; ".join(missing), all(r.answered for r in rest if isinstance(r, TopologyProblem)))
+    replies = [first, *(r for r in rest if not isinstance(r, BaseException))]   # each: every error raised above
     unready = [ep for ep, r in zip(endpoints, replies) if not r.num_layers]
     if unready and len(unready) < len(replies):   # an engine mid-start: its ranks register one by one
         raise TopologyProblem(f"{', '.join(unready)} registered no KV memory yet (its other ranks did)", False)
