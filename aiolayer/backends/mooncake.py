@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from typing import Any
 
 import numpy as np
 
@@ -56,7 +57,7 @@ class MooncakeBackend:
     def __init__(self, transport: Transport | None = None, max_runs_per_target: int = MAX_RUNS_PER_TARGET) -> None:
         self.transport = transport or Transport()
         self.host = ""                      # the advertised host, resolved at open (no I/O here)
-        self._engine = None
+        self._engine: Any = None            # Mooncake's TransferEngine (untyped), at open
         self._session = ""
         self._regions: dict[int, int] = {}
         self._opened_targets: set[str] = set()
@@ -234,6 +235,8 @@ class MooncakeBackend:
 
     def _submit_backlog(self, target: str, group: Group, limit: int) -> None:
         """Up to ``limit`` of the group's waiting runs (also the poller's top-up); a refusal drops the rest."""
+        if group.backlog is None:   # its deadline dropped the rest meanwhile
+            return
         srcs, dsts, lens = group.backlog
         stop = min(len(lens), group.next + limit)
         group.refused = self._submit_range(target, group, srcs, dsts, lens, group.next, stop)

@@ -20,6 +20,7 @@ import asyncio
 import collections
 import heapq
 import itertools
+from typing import Any, Callable
 
 from ..errors import BackendError, TransferTimeout, WriteRefused
 
@@ -101,12 +102,16 @@ class Group:
         return None
 
 
+def _not_started(*_: object) -> Any:
+    raise BackendError("the Mooncake poller is not started")
+
+
 class GroupPoller:
     """The groups in flight, by target in submission order, their deadlines, and quarantined runs."""
 
     def __init__(self, max_runs: int = MAX_RUNS_PER_TARGET) -> None:
-        self.check = None                                    # the engine's transfer_check_status, at start
-        self.submit = None                                   # (target, group, limit): submit waiting runs, at start
+        self.check: Callable[[int], Any] = _not_started   # the engine's transfer_check_status, at start
+        self.submit: Callable[[str, Group, int], None] = _not_started   # (target, group, limit): at start
         self.max_runs = max_runs
         self.peak_runs = 0                                    # most runs in flight to one target
         self._inflight: dict[str, list[Group]] = {}         # target -> its unsettled groups, in order
@@ -117,7 +122,7 @@ class GroupPoller:
         self._groups = 0                                      # unsettled groups
         self._runs = 0                                        # unsettled runs in them
         self._quarantine: dict[int, asyncio.Future] = {}     # timed out, may still land: id -> settled
-        self._wake: asyncio.Event | None = None
+        self._wake = asyncio.Event()                         # made again at start, on the loop
         self._quarantine_due = 0.0
 
     @property

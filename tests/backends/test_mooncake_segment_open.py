@@ -22,12 +22,12 @@ from helpers_node import SMALL_SHAPE, apply_mc_env, mooncake_p, stoppable_node
 
 apply_mc_env()  # before any Mooncake engine exists in this process
 
-from aiolayer import NodeConfig, Runtime, Timeouts, TransferSpec  # noqa: E402
-from aiolayer.backends.mooncake import MooncakeBackend  # noqa: E402
-from aiolayer.errors import DeadlineExceeded, TransferTimeout  # noqa: E402
-from aiolayer.kvcache import PagedKVCache  # noqa: E402
-from aiolayer.kvcache import checksums  # noqa: E402
-from aiolayer.protocol import messages as m  # noqa: E402
+from aiolayer import NodeConfig, Runtime, Timeouts, TransferSpec
+from aiolayer.backends.mooncake import MooncakeBackend
+from aiolayer.errors import DeadlineExceeded, TransferTimeout
+from aiolayer.kvcache import PagedKVCache
+from aiolayer.kvcache import checksums
+from aiolayer.protocol import messages as m
 
 SHAPE = SMALL_SHAPE
 DEADLINE_S = 1.0      # the deadline of the writes that must fail in time
