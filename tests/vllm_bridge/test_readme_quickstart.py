@@ -41,7 +41,8 @@ def quickstart_blocks() -> dict[str, str]:
 
 def test_the_quickstart_blocks_are_in_the_readme_and_parse():
     for name, block in quickstart_blocks().items():
-        checked = subprocess.run(["bash", "-n", "-c", block], capture_output=True, text=True, timeout=10)
+        checked = subprocess.run(["bash", "-n", "-c", block], capture_output=True, text=True, timeout=10,
+                                 check=False)
         assert checked.returncode == 0, f"{name}: {checked.stderr}"
         assert "MODEL=${MODEL:-" in block or name == "proxy", f"{name}: the model must be a ${{MODEL:-...}} default"
 
@@ -82,19 +83,19 @@ def _server_class():
 def test_the_readme_quickstart_serves_a_completion_with_kv_moved_from_p_to_d(tmp_path):
     pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
     from e2e.procs import free_ports, shm_in_use
-    from e2e.servers import free_port, scrape_metrics
+    from e2e.servers import scrape_metrics
     from e2e.tiny_model import LLAMA_GQA, tiny_model_dir
 
     blocks = quickstart_blocks()
     cpus = sorted(os.sched_getaffinity(0))
-    env = _environment(
-        MODEL=str(tiny_model_dir(LLAMA_GQA)),
-        P_PORT=str(free_port()), D_PORT=str(free_port()), PROXY_PORT=str(free_port()),
-        P_CONTROL=str(free_ports(1)), D_CONTROL=str(free_ports(1)),
-        P_CORES=str(cpus[0]), D_CORES=str(cpus[1] if len(cpus) > 1 else cpus[0]))
+    names = ("P_PORT", "D_PORT", "PROXY_PORT", "P_CONTROL", "D_CONTROL")
+    base = free_ports(len(names))   # consecutive free ports below the ephemeral range
+    ports = {name: str(base + i) for i, name in enumerate(names)}
+    env = _environment(MODEL=str(tiny_model_dir(LLAMA_GQA)), P_CORES=str(cpus[0]),
+                       D_CORES=str(cpus[1] if len(cpus) > 1 else cpus[0]), **ports)
     ReadmeBlock = _server_class()
 
-    def block(name: str, port: str) -> object:
+    def block(name: str, port: str):
         return ReadmeBlock(env["MODEL"], name=f"readme-{name}", port=int(port), log_dir=tmp_path,
                            script=blocks[name], script_env=env, startup_timeout_s=240)
 
@@ -106,7 +107,7 @@ def test_the_readme_quickstart_serves_a_completion_with_kv_moved_from_p_to_d(tmp
         d = started[1]
 
         answer = subprocess.run(["bash", "-c", blocks["curl"]], env=env, capture_output=True, text=True,
-                                timeout=120)
+                                timeout=120, check=False)
         assert answer.returncode == 0, answer.stderr
         body = json.loads(answer.stdout)   # an error would be {"error": ...} (the proxy's 4xx/5xx bodies)
         assert body.get("object") == "text_completion", body
