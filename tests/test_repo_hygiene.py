@@ -56,3 +56,63 @@ def test_no_file_or_file_name_carries_a_tracker_number():
     assert found.returncode in (0, 1), found.stderr        # 1: no line matched
     lines = [line[:160] for line in found.stdout.splitlines()]
     assert not bad_names and not lines, "tracker numbers in the repository:\n" + "\n".join(bad_names + lines)
+
+
+# ---------------------------------------------------------------- the documentation
+
+README_MAX_LINES = 250   # the README is for users: what, quickstart, configuration, operations; the rest is in docs/
+MARKDOWN_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def documentation() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md",
+            ROOT / "examples" / "README.md"]
+
+
+def _prose(text: str) -> list[str]:
+    """The lines outside fenced code blocks, inline code removed (neither holds links or headings)."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            lines.append(re.sub(r"`[^`]*`", lambda m: m.group(0).strip("`"), line) if line.startswith("#")
+                         else re.sub(r"`[^`]*`", "", line))
+    return lines
+
+
+def anchors(path: Path) -> set[str]:
+    """GitHub's anchors for the file's headings: lower case, punctuation dropped, spaces to hyphens,
+    repeats numbered."""
+    seen: dict[str, int] = {}
+    out = set()
+    for line in _prose(path.read_text(encoding="utf-8")):
+        heading = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not heading:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", heading.group(1).lower()).replace(" ", "-")
+        out.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+def test_the_readme_is_short():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines < README_MAX_LINES, f"README.md has {lines} lines; move details to docs/"
+
+
+def test_every_relative_link_in_the_documentation_points_at_something_that_exists():
+    broken = []
+    for doc in documentation():
+        for line in _prose(doc.read_text(encoding="utf-8")):
+            for target in MARKDOWN_LINK.findall(line):
+                if re.match(r"[a-z][a-z0-9+.-]*:", target):      # http:, https:, mailto:
+                    continue
+                name, _, anchor = target.partition("#")
+                dest = (doc.parent / name).resolve() if name else doc
+                if not dest.exists():
+                    broken.append(f"{doc.relative_to(ROOT)}: {target} (no such file)")
+                elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                    broken.append(f"{doc.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "broken links:\n" + "\n".join(broken)

@@ -2,7 +2,7 @@
 
 vLLM's ``SpinCondition`` reader ``sched_yield``-spins for 1 s after every message (hard-coded); on cores
 shared by two engines those spinners stalled the other engine's forward (45 s for a request that takes
-0.19 s on one engine, README). ``aiolayer_vllm.spin.cap_spin`` caps it in the connector's processes.
+0.19 s on one engine, docs/results.md). ``aiolayer_vllm.spin.cap_spin`` caps it in the connector's processes.
 These tests drive vLLM's real ``SpinCondition`` in a child process (the cap is process-wide) and check
 the setting at the connector's boundary; the parked-D test (test_parked_decode_cpu.py) measures the
 worker's CPU with the cap in a real engine.

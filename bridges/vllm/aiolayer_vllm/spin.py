@@ -8,7 +8,7 @@ for a second after each prefill. When engines share cores (vLLM's default bindin
 every core to each engine that has a KV connector), those spinners take slices of the cores the other
 engine's forward runs on, and each OpenMP barrier of that forward waits for a slice: on 2 shared
 cores a 2,000-token request took 45 s through the proxy against 0.19 s on one engine; with the spin
-capped at 2 ms, 0.30 s (README, ``make bench-vllm`` unpinned). Past the cap a reader sleeps until
+capped at 2 ms, 0.30 s (docs/results.md, ``make bench-vllm`` unpinned). Past the cap a reader sleeps until
 the writer's notification, vLLM's own idle path; the wake-up costs ~0.1 ms (p50 112 us, p90 215 us
 here, on a loaded box), paid only when two messages are more than the cap apart.
 """
