@@ -62,7 +62,7 @@ def _server_class():
     from e2e.servers import VllmServer
 
     @dataclasses.dataclass(eq=False)
-    class ReadmeBlock(VllmServer):
+    class readme_block(VllmServer):
         """A README block under ``bash -c``, supervised like a vLLM server: its own process group, ready
         when /health and /v1/models answer on ``port``, stopped group-wide with its /dev/shm segments."""
 
@@ -93,10 +93,10 @@ def test_the_readme_quickstart_serves_a_completion_with_kv_moved_from_p_to_d(tmp
     ports = {name: str(base + i) for i, name in enumerate(names)}
     env = _environment(MODEL=str(tiny_model_dir(LLAMA_GQA)), P_CORES=str(cpus[0]),
                        D_CORES=str(cpus[1] if len(cpus) > 1 else cpus[0]), **ports)
-    ReadmeBlock = _server_class()
+    readme_block = _server_class()
 
     def block(name: str, port: str):
-        return ReadmeBlock(env["MODEL"], name=f"readme-{name}", port=int(port), log_dir=tmp_path,
+        return readme_block(env["MODEL"], name=f"readme-{name}", port=int(port), log_dir=tmp_path,
                            script=blocks[name], script_env=env, startup_timeout_s=240)
 
     started, segments = [], set()
