@@ -62,7 +62,7 @@ def _server_class():
     from e2e.servers import VllmServer
 
     @dataclasses.dataclass(eq=False)
-    class readme_block(VllmServer):
+    class ReadmeBlock(VllmServer):
         """A README block under ``bash -c``, supervised like a vLLM server: its own process group, ready
         when /health and /v1/models answer on ``port``, stopped group-wide with its /dev/shm segments."""
 
@@ -97,7 +97,7 @@ def test_the_readme_quickstart_serves_a_completion_with_kv_moved_from_p_to_d(tmp
 
     def block(name: str, port: str):
         return readme_block(env["MODEL"], name=f"readme-{name}", port=int(port), log_dir=tmp_path,
-                           script=blocks[name], script_env=env, startup_timeout_s=240)
+                            script=blocks[name], script_env=env, startup_timeout_s=240)
 
     started, segments = [], set()
     try:
