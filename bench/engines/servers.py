@@ -9,4 +9,4 @@ from .client import (DEFAULT_REQUEST_TIMEOUT_S, KV_USAGE_GAUGE, Completion, Metr
                      unconfirmed_releases, wait_for_metric)
 from .procs import ServerError, die_with_parent, free_port  # noqa: F401
 from .vllm_server import (BASE_ENV, DEFAULT_STARTUP_TIMEOUT_S, DEFAULT_STOP_TIMEOUT_S, VllmServer,  # noqa: F401
-                          running)
+                          running, wait_started)

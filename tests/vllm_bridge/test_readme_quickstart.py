@@ -83,7 +83,7 @@ def _server_class():
 def test_the_readme_quickstart_serves_a_completion_with_kv_moved_from_p_to_d(tmp_path):
     pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
     from e2e.procs import free_ports, shm_in_use
-    from e2e.servers import scrape_metrics
+    from e2e.servers import scrape_metrics, wait_started
     from e2e.tiny_model import LLAMA_GQA, tiny_model_dir
 
     blocks = quickstart_blocks()
@@ -101,9 +101,12 @@ def test_the_readme_quickstart_serves_a_completion_with_kv_moved_from_p_to_d(tmp
 
     started, segments = [], set()
     try:
-        for name, port in (("cpu-p", env["P_PORT"]), ("cpu-d", env["D_PORT"]), ("proxy", env["PROXY_PORT"])):
-            started.append(block(name, port).start())
-            segments |= {n for n in shm_in_use(started[-1].pids()) if n.startswith(SHM_PREFIXES)}
+        # P and D start together (as a user's two terminals would), the proxy once both serve
+        started += [block("cpu-p", env["P_PORT"]).spawn(), block("cpu-d", env["D_PORT"]).spawn()]
+        wait_started(*started)
+        started.append(block("proxy", env["PROXY_PORT"]).start())
+        for server in started:
+            segments |= {n for n in shm_in_use(server.pids()) if n.startswith(SHM_PREFIXES)}
         d = started[1]
 
         answer = subprocess.run(["bash", "-c", blocks["curl"]], env=env, capture_output=True, text=True,
