@@ -15,7 +15,7 @@ BENCH_VLLM_ARGS ?=
 NIXL ?= nixl==1.5.1
 PYTEST_ARGS ?=
 
-.PHONY: setup bench bench-vllm test e2e lint clean
+.PHONY: setup bench bench-vllm test test-fast e2e lint clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,10 @@ bench-vllm: $(STAMP) $(STAMP_VLLM)
 
 test: $(STAMP) $(STAMP_VLLM)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The inner loop: no vLLM engine and no whole-scenario module (tests/conftest.py: SCENARIO_MODULES).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not vllm and not slow" $(PYTEST_ARGS)
 
 # The linter and the type checker, as configured in pyproject.toml (no vLLM needed: it is not followed).
 lint: $(STAMP)

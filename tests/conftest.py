@@ -7,8 +7,24 @@ import pytest
 from aiolayer import DecodeNode, KVShape, NodeConfig, Runtime, Timeouts
 
 
+# Modules whose tests each run a whole scenario (child processes, real Mooncake peers, network namespaces,
+# a wheel build, a benchmark run): marked ``slow``, left out of ``make test-fast`` (``make test`` runs everything).
+SCENARIO_MODULES = frozenset({
+    "test_two_hosts.py", "test_soak.py", "test_packaging.py", "test_scale.py", "test_bench_cli.py",
+    "test_examples.py", "test_faults.py", "test_node_cli.py", "test_mooncake_segment_open.py",
+    "test_mooncake_grouped_writes.py", "test_head_slice_writes.py", "test_mooncake_two_process.py",
+})
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "vllm: starts real vLLM (CPU) servers; slow (tens of seconds)")
+    config.addinivalue_line("markers", "slow: runs a whole scenario (processes, namespaces, wheels); not in test-fast")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SCENARIO_MODULES:
+            item.add_marker(pytest.mark.slow)
 
 
 from helpers_node import SMALL_SHAPE  # one shape for every small test

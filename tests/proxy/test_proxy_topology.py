@@ -93,7 +93,7 @@ def test_the_proxy_given_only_url_and_control_plans_for_a_p_of_two_tp_ranks(engi
 def test_a_control_that_does_not_answer_is_refused_at_start_naming_it(engines):
     d_ranks = engines(StandInRanks, "d", "consumer")
     silent = f"tcp://127.0.0.1:{free_port()}"
-    err = _refused(f"{NOWHERE},{silent}", f"{NOWHERE},{d_ranks.control}", wait_s=2)
+    err = _refused(f"{NOWHERE},{silent}", f"{NOWHERE},{d_ranks.control}", wait_s=1)
     assert f"--prefill {NOWHERE} (control {silent})" in err and "did not answer" in err, err
     assert "--control-wait-s" in err, err
 
@@ -126,7 +126,7 @@ def test_a_rank_missing_by_the_port_rule_is_refused_at_start(engines):
     p_ranks = engines(StandInRanks, "p", "producer", tp=2)
     d_ranks = engines(StandInRanks, "d", "consumer")
     p_ranks.stop(1)
-    err = _refused(f"{NOWHERE},{p_ranks.control}", f"{NOWHERE},{d_ranks.control}", wait_s=2)
+    err = _refused(f"{NOWHERE},{p_ranks.control}", f"{NOWHERE},{d_ranks.control}", wait_s=1)
     assert f"tcp://127.0.0.1:{p_ranks.base + 1} did not answer" in err, err
 
 
@@ -168,7 +168,7 @@ def test_a_backend_whose_control_stops_answering_leaves_rotation_and_says_why(en
     p = engines(FakeEngine, "prefill", "p", hub)
     d = engines(FakeEngine, "decode", "d", hub, control=d_ranks.control)
     with ProxyProcess([f"{p.url},{p.control}"], [f"{d.url},{d.control}"], startup_timeout_s=60,
-                      healthy=(200, 503), extra_args=("--health-interval", "0.2")) as proxy:
+                      healthy=(200, 503), extra_args=("--health-interval", "0.2", "--control-timeout", "1")) as proxy:
         assert _backend(_health(proxy), "decode")["healthy"]
         d_ranks.stop(1)
         down = wait_for(lambda: (lambda b: b if not b["healthy"] else None)(_backend(_health(proxy), "decode")),
