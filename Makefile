@@ -50,8 +50,9 @@ test: $(STAMP) $(STAMP_VLLM)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not vllm and not slow" $(PYTEST_ARGS)
 
-# The linter and the type checker, as configured in pyproject.toml (no vLLM needed: it is not followed).
-lint: $(STAMP)
+# The linter and the type checker, as configured in pyproject.toml; after the vLLM install, which brings
+# the proxy's own dependencies (httpx, fastapi, uvicorn: vLLM itself is not followed).
+lint: $(STAMP) $(STAMP_VLLM)
 	$(BIN)/ruff check
 	$(BIN)/mypy
 

@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,14 @@ def run_node_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProce
     return subprocess.run([sys.executable, "-m", "aiolayer", *args], stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=timeout, env=node_env(),
                           cwd=str(REPO_ROOT))
+
+
+def until_streaming(p, tid: str, limit: float = 5.0) -> None:
+    """Wait until P's transfer has D's layout (it then waits for its layers)."""
+    async def state() -> str:
+        req = p.sender._live.get(tid)
+        return req.state.state.value if req is not None else "gone"
+    end = time.monotonic() + limit
+    while p.loop_thread.call(state(), timeout=2) != "streaming":
+        assert time.monotonic() < end, "P never got D's layout"
+        time.sleep(0.02)

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers_node import SMALL_SHAPE, apply_mc_env, mooncake_p, stoppable_node
+from helpers_node import SMALL_SHAPE, apply_mc_env, mooncake_p, stoppable_node, until_streaming
 
 apply_mc_env()  # before any Mooncake engine exists in this process
 
@@ -228,16 +228,6 @@ def _step_layers(p, step: int) -> float:
     return time.perf_counter()
 
 
-def _until_streaming(p, tid: str, limit: float = 5.0) -> None:
-    async def state() -> str:
-        req = p.sender._live.get(tid)
-        return req.state.state.value if req is not None else "gone"
-    end = time.monotonic() + limit
-    while p.loop_thread.call(state(), timeout=2) != "streaming":
-        assert time.monotonic() < end, "P never got D's layout"
-        time.sleep(0.02)
-
-
 @pytest.mark.timeout(80)
 def test_a_transfer_to_an_open_peer_ends_at_its_deadline_while_another_peer_is_opened():
     """Through P's sender and layer stream: a transfer to B (stopped before its handshake) and one to A
@@ -254,7 +244,7 @@ def test_a_transfer_to_an_open_peer_ends_at_its_deadline_while_another_peer_is_o
             assert p.sender.wait("warm-a", 10).ok
             spec_a, spec_b = _spec(p, a, "to-a", 4), _spec(p, b, "to-b", 4)
             p.sender.begin_step(1, [spec_b])
-            _until_streaming(p, "to-b")   # P has B's layout: its first write will open B's segment
+            until_streaming(p, "to-b")   # P has B's layout: its first write will open B's segment
             stop(b)
             try:
                 t_b = _step_layers(p, 1)

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers_node import SMALL_SHAPE, apply_mc_env, stoppable_node
+from helpers_node import SMALL_SHAPE, apply_mc_env, stoppable_node, until_streaming
 
 apply_mc_env()  # before any Mooncake engine exists in this process
 
@@ -155,17 +155,6 @@ def mooncake_p():
         rt.stop()
 
 
-def _streaming(p, tid: str, limit: float = 5.0) -> None:
-    """Wait until P's transfer has D's layout (it then waits for its layers)."""
-    async def state() -> str:
-        req = p.sender._live.get(tid)
-        return req.state.state.value if req is not None else "gone"
-    end = time.monotonic() + limit
-    while p.loop_thread.call(state(), timeout=2) != "streaming":
-        assert time.monotonic() < end, "P never got D's layout"
-        time.sleep(0.02)
-
-
 def test_first_write_to_a_stopped_peer_stays_fenced_until_its_submit_ends(frozen_d, mooncake_p):
     """The first write to a new target opens its segment in a thread; D is stopped, so that blocks
     past the deadline and the submit happens later. P must keep the source until then."""
@@ -175,7 +164,7 @@ def test_first_write_to_a_stopped_peer_stays_fenced_until_its_submit_ends(frozen
     rep = alloc(p, frozen_d.control, "f2", len(src))
     spec = spec_for(frozen_d.control, "f2", src, rep)
     p.sender.begin_step(0, [spec])
-    _streaming(p, "f2")
+    until_streaming(p, "f2")
     os.kill(frozen_d.pid, signal.SIGSTOP)
     for layer in range(SHAPE.num_layers):
         p.sender.layer_ready(0, layer)
