@@ -13,6 +13,7 @@ import threading
 from importlib.metadata import entry_points
 from typing import Callable, NamedTuple
 
+from . import __version__
 from .config import KVShape, NodeConfig, Timeouts
 from .errors import AiolayerError
 from .transport import PROTOCOLS, Transport
@@ -132,6 +133,7 @@ def run_node(args: argparse.Namespace) -> int:
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     """The ``aiolayer`` parser with every subcommand, and the loaded commands by name."""
     parser = argparse.ArgumentParser(prog="aiolayer", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"aiolayer {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 

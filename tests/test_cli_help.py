@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+import aiolayer
 from aiolayer import cli
 
 
@@ -13,6 +14,12 @@ def _subcommands() -> dict[str, argparse.ArgumentParser]:
     parser, _ = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return dict(sub.choices)
+
+
+def test_version_is_printed_without_a_subcommand(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"aiolayer {aiolayer.__version__}"
 
 
 def test_every_command_is_there():

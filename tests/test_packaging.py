@@ -34,11 +34,16 @@ def packages_under(root: Path, top: str) -> set[str]:
 
 @pytest.mark.parametrize("project, top", [(ROOT / "bridges" / "vllm", "aiolayer_vllm"), (ROOT, "aiolayer")])
 def test_wheel_carries_every_subpackage(tmp_path, project, top):
+    """Every subpackage, the PEP 561 marker (the packages are typed) and the license."""
     wheel = build_wheel(project, tmp_path)
     with zipfile.ZipFile(wheel) as zf:
-        in_wheel = {str(Path(name).parent).replace("/", ".") for name in zf.namelist() if name.endswith("__init__.py")}
+        names = set(zf.namelist())
+    in_wheel = {str(Path(name).parent).replace("/", ".") for name in names if name.endswith("__init__.py")}
     missing = packages_under(project, top) - in_wheel
     assert not missing, f"{wheel.name} lacks {sorted(missing)}"
+    assert f"{top}/py.typed" in names, f"{wheel.name} does not say it is typed (py.typed)"
+    assert any(n.endswith((".dist-info/licenses/LICENSE", ".dist-info/LICENSE")) for n in names), \
+        f"{wheel.name} carries no LICENSE"
 
 
 def test_subcommands_come_from_entry_points_and_the_core_imports_no_bridge():
