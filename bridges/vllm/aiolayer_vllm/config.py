@@ -9,8 +9,9 @@ same keys as ``aiolayer node``'s flags), ``timeouts`` (a dict of ``aiolayer.Time
 ``layerwise_min_tokens`` (shorter prompts go in bulk), ``queue_spin_ms`` (how long vLLM's shared-memory
 message-queue readers in this engine's worker and engine core spin after a message before they
 sleep: 2 by default, vLLM's own is 1000; null leaves vLLM's; ``spin.py`` says why), ``integrity_sample``
-(P: the share of transfers whose bytes D verifies end to end before it reports them, 0.01 by default, 0 =
-off; CPU engines only, where the KV is in host memory: ``aiolayer/runtime/integrity.py``).
+(P: the probability that each layer of a transfer is sampled, its bytes verified end to end by D before
+D reports the transfer; 0.01 by default, 0 = off; CPU engines only, where the KV is in host memory:
+``aiolayer/runtime/integrity.py``).
 
 Test-only switches are not configuration: ``AIOLAYER_DEBUG_ZERO_RECEIVED=1`` and
 ``AIOLAYER_DEBUG_CORRUPT_RECEIVED=1`` in a D engine's environment (``debug.py``).
