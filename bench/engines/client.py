@@ -226,13 +226,14 @@ def kv_cache_usage(server: VllmServer | str) -> float | None:
     return metric_value(scrape_metrics(server), KV_USAGE_GAUGE)
 
 
-UNCONFIRMED_RELEASES = ("vllm:aiolayer_fence_timeouts_total", "vllm:aiolayer_fences_unconfirmed_total")
+UNCONFIRMED_RELEASES = ("vllm:aiolayer_fences_unconfirmed_total",)
 
 
 def unconfirmed_releases(server: VllmServer | str) -> float:
-    """How often the server's aiolayer freed KV not on its writers' word, all ranks: a P write still
-    unresolved after the quarantine, or a D fence that ended on ``fence_grace`` with a writer that never
-    confirmed it stopped. Zero: no write can have landed in blocks released by aiolayer."""
+    """How often the server's aiolayer freed KV not on its writers' word, all ranks: a D fence that ended
+    on ``fence_grace`` with a writer that never confirmed it stopped. (P's ``fence_timeouts`` is no
+    release: P keeps holding a source whose writes are unresolved.) Zero: no write can have landed in
+    blocks released by aiolayer."""
     metrics = scrape_metrics(server)
     return sum(metric_value(metrics, name) or 0.0 for name in UNCONFIRMED_RELEASES)
 
