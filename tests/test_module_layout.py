@@ -121,8 +121,8 @@ def test_child_process_stop_thaws_a_frozen_child_in_its_own_group():
         assert child.read_json(20, require="port") == {"port": 1}
         assert os.getpgid(child.pid) == child.pid
         os.kill(child.pid, signal.SIGSTOP)
-        assert child.stop(timeout=5) == 0
-        assert not child.killed and child.stop_s < 5
+        assert child.stop(timeout=20) == 0   # a loaded box (a whole test run beside it) took over 5 s
+        assert not child.killed and child.stop_s < 20
         assert "sleeper-stderr" in child.stderr_text()
     finally:
         child.close()
