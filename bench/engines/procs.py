@@ -23,9 +23,8 @@ class ServerError(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port for a server started later (see ``free_ports``: never one the kernel may hand out meanwhile)."""
+    return free_ports(1, host)
 
 
 def _ephemeral_low() -> int:

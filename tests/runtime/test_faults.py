@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from aiolayer.bench.engines.procs import free_port
 from helpers_node import apply_mc_env
 
 apply_mc_env()
@@ -106,7 +107,7 @@ def test_restarted_d_on_the_same_port_is_never_written_at_stale_addresses(harnes
     from aiolayer.protocol import messages as m
 
     h = harness
-    port = _free_port()
+    port = free_port()
     first = h.bad_node(port=port)
     try:
         old = h.alloc(first.control, "before-restart")
@@ -131,13 +132,6 @@ def test_restarted_d_on_the_same_port_is_never_written_at_stale_addresses(harnes
         assert (after.crc_k, after.crc_v) == (before.crc_k, before.crc_v)   # not one byte written
     finally:
         second.stop()
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- faults of the network (bench/scenarios/net_faults.py): P and D on two network namespaces -----------

@@ -17,6 +17,7 @@ from aiolayer import NodeConfig, Runtime
 from aiolayer.errors import ControlRejected
 from aiolayer.protocol import messages as m
 
+from e2e.procs import free_port
 from helpers_node import SMALL_SHAPE, apply_mc_env, run_node_cli, spawn_node
 
 apply_mc_env()
@@ -105,9 +106,7 @@ def test_control_socket_binds_loopback_by_default():
 
 @pytest.mark.timeout(60)
 def test_explicit_port_and_engine_id(p_runtime):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with spawn_node("--host", "127.0.0.1", "--port", str(port), "--engine-id", "d-cli") as node:
         assert node.control == f"tcp://127.0.0.1:{port}"
         assert node.info["engine_id"] == "d-cli"
