@@ -26,7 +26,7 @@ from ..node import mooncake_env
 from .client import acompletion
 from .options import engine
 from .procs import free_port
-from .vllm_server import running
+from .startup import running
 
 ROWS = ("mooncake", "nixl")
 SHIMS = "aiolayer.bench.engines.shim"

@@ -29,7 +29,7 @@ from .pd import ProxyProcess, connector
 from .procs import free_port
 from .tiny_model import TinySpec, long_prompt, tiny_model_dir
 from .options import ROWS, engine
-from .vllm_server import running
+from .startup import running
 
 REQUEST_TIMEOUT_S = 300.0   # a 2,000-token prefill takes seconds on one loaded core; a burst queues 8
 

@@ -1,6 +1,6 @@
 """The engine harness under one import (``from aiolayer.bench.engines.servers import VllmServer,
 completion``; tests: ``e2e.servers``): process supervision (``procs``), the vLLM server
-(``vllm_server``) and the client (``client``), re-exported."""
+(``vllm_server``, started by ``startup``) and the client (``client``), re-exported."""
 
 from __future__ import annotations
 
@@ -8,5 +8,5 @@ from .client import (DEFAULT_REQUEST_TIMEOUT_S, KV_USAGE_GAUGE, Completion, Metr
                      completion, completion_body, kv_cache_usage, metric_value, parse_metrics, scrape_metrics,
                      unconfirmed_releases, wait_for_metric)
 from .procs import ServerError, die_with_parent, free_port  # noqa: F401
-from .vllm_server import (BASE_ENV, DEFAULT_STARTUP_TIMEOUT_S, DEFAULT_STOP_TIMEOUT_S, VllmServer,  # noqa: F401
-                          running, wait_started)
+from .startup import running, wait_started  # noqa: F401
+from .vllm_server import BASE_ENV, DEFAULT_STARTUP_TIMEOUT_S, DEFAULT_STOP_TIMEOUT_S, VllmServer  # noqa: F401

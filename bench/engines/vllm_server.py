@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +196,7 @@ class VllmServer:
 
     def start(self) -> VllmServer:
         """Spawn the server and wait (bounded) until it serves; raises ServerError with the log."""
+        from .startup import wait_started   # the start-up loop is shared with ``running``
         return wait_started(self.spawn())[0]
 
     def spawn(self) -> VllmServer:
@@ -363,48 +364,3 @@ def _stop_all() -> None:
     for srv in list(_LIVE):
         with contextlib.suppress(Exception):
             srv.stop(timeout_s=10)
-
-
-def wait_started(*servers: VllmServer) -> tuple[VllmServer, ...]:
-    """Wait (each bounded by its ``startup_timeout_s``) until every spawned server serves; one that dies
-    or is late raises ServerError with its log, and every server still starting is stopped."""
-    waiting = list(servers)
-    try:
-        with httpx.Client(timeout=2.0, trust_env=False) as client:
-            while waiting:
-                waiting = [s for s in waiting if not s.serving_yet(client)]
-                if waiting:
-                    time.sleep(0.25)
-    except BaseException:
-        # Mid-start-up vLLM may sit out SIGTERM (observed: 20 s); nothing there is worth waiting for.
-        for s in waiting:
-            s.stop(timeout_s=min(5.0, s.stop_timeout_s))
-        raise
-    return servers
-
-
-# Servers started at once by ``running``: two tiny engines started together took 39 s on a 2-core box
-# against 68 s one after the other (each start is mostly single-threaded imports and loading).
-START_AT_ONCE = max(1, min(2, os.cpu_count() or 1))
-
-
-@contextlib.contextmanager
-def running(*servers: VllmServer) -> Iterator[tuple[VllmServer, ...]]:
-    """Start several servers, ``START_AT_ONCE`` at a time; stop all on exit."""
-    started: list[VllmServer] = []
-    try:
-        for i in range(0, len(servers), START_AT_ONCE):
-            batch = servers[i:i + START_AT_ONCE]
-            for s in batch:
-                started.append(s.spawn())
-            wait_started(*batch)
-        yield tuple(started)
-    finally:
-        errors = []
-        for s in reversed(started):
-            try:
-                s.stop()
-            except ServerError as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]

@@ -116,58 +116,54 @@ def _running(server) -> float:
     return metric_value(scrape_metrics(server), "vllm:num_requests_running") or 0.0
 
 
-def test_killed_prefill_fails_in_flight_requests_visibly_and_d_frees_its_kv():
-    p, d, p_ctl, d_ctl = _servers()
-    with running(p, d):
-        proxy = start_proxy([f"{p.base_url},{p_ctl}"], [f"{d.base_url},{d_ctl}"])
-        try:
-            prompts = [long_prompt(30 + 7 * i, seed=20 + i) for i in range(10)]
-            baseline = {x: completion(p, x, max_tokens=40).token_ids for x in prompts}
-            pids = p.pids()
+def test_killed_prefill_fails_in_flight_requests_visibly_and_d_frees_its_kv(stack):
+    """Kills the module's P, so it stays this file's last test."""
+    p, d, proxy = stack["p"], stack["d"], stack["proxy"]
+    prompts = [long_prompt(30 + 7 * i, seed=20 + i) for i in range(10)]
+    baseline = {x: completion(p, x, max_tokens=40).token_ids for x in prompts}
+    pids = p.pids()
 
-            async def burst():
-                async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
-                    async def one(i: int):
-                        await asyncio.sleep(0.05 * i)          # requests keep arriving while P dies
-                        t0 = time.monotonic()
-                        try:
-                            out = await acompletion(proxy.url, prompts[i], max_tokens=40, model=p.served_model,
-                                                    client=client, timeout_s=60, stream=bool(i % 2))
-                            return "ok", out.token_ids == baseline[prompts[i]], time.monotonic() - t0
-                        except httpx.HTTPStatusError as exc:
-                            r = exc.response
-                            return r.status_code, "error" in r.json(), time.monotonic() - t0
-                        except StreamError as exc:   # D's stream was already relayed: P's error ends it
-                            return exc.status, "message" in exc.error, time.monotonic() - t0
+    async def burst():
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+            async def one(i: int):
+                await asyncio.sleep(0.05 * i)          # requests keep arriving while P dies
+                t0 = time.monotonic()
+                try:
+                    out = await acompletion(proxy.url, prompts[i], max_tokens=40, model=p.served_model,
+                                            client=client, timeout_s=60, stream=bool(i % 2))
+                    return "ok", out.token_ids == baseline[prompts[i]], time.monotonic() - t0
+                except httpx.HTTPStatusError as exc:
+                    r = exc.response
+                    return r.status_code, "error" in r.json(), time.monotonic() - t0
+                except StreamError as exc:   # D's stream was already relayed: P's error ends it
+                    return exc.status, "message" in exc.error, time.monotonic() - t0
 
-                    async def kill():
-                        await asyncio.sleep(0.2)
-                        for pid in pids:
-                            os.kill(pid, signal.SIGKILL)
+            async def kill():
+                await asyncio.sleep(0.2)
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
 
-                    results = await asyncio.gather(*(one(i) for i in range(len(prompts))), kill())
-                    return results[:-1]
+            results = await asyncio.gather(*(one(i) for i in range(len(prompts))), kill())
+            return results[:-1]
 
-            results = asyncio.run(burst())
-            failed = [r for r in results if r[0] != "ok"]
-            assert failed, f"killing P failed no request: {results}"
-            for status, body_ok, took in failed:   # a clear error, within the prefill/registration deadline
-                assert status in (502, 503, 504) and body_ok and took < 45, results
-            for status, same, _ in results:
-                if status == "ok":
-                    assert same, results               # those P had served still decode correctly
-            deadline = time.monotonic() + 40
-            while ((kv_cache_usage(d) or 0) > 0 or _running(d) > 0) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert (kv_cache_usage(d) or 0) == 0 and _running(d) == 0, "D kept KV of requests whose P died"
-            # the health check (every 2 s, 1 s probe) takes the dead P out: the proxy then refuses at once
-            deadline = time.monotonic() + 10
-            while True:
-                r = httpx.post(proxy.url + "/v1/completions", timeout=10,
-                               json={"model": p.served_model, "prompt": "x", "max_tokens": 2})
-                if r.status_code == 503 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
-            assert r.status_code == 503 and r.json()["error"]["type"] == "no_backend", r.text
-        finally:
-            proxy.stop()
+    results = asyncio.run(burst())
+    failed = [r for r in results if r[0] != "ok"]
+    assert failed, f"killing P failed no request: {results}"
+    for status, body_ok, took in failed:   # a clear error, within the prefill/registration deadline
+        assert status in (502, 503, 504) and body_ok and took < 45, results
+    for status, same, _ in results:
+        if status == "ok":
+            assert same, results               # those P had served still decode correctly
+    deadline = time.monotonic() + 40
+    while ((kv_cache_usage(d) or 0) > 0 or _running(d) > 0) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (kv_cache_usage(d) or 0) == 0 and _running(d) == 0, "D kept KV of requests whose P died"
+    # the health check (every 2 s, 1 s probe) takes the dead P out: the proxy then refuses at once
+    deadline = time.monotonic() + 10
+    while True:
+        r = httpx.post(proxy.url + "/v1/completions", timeout=10,
+                       json={"model": p.served_model, "prompt": "x", "max_tokens": 2})
+        if r.status_code == 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "no_backend", r.text

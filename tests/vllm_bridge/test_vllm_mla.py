@@ -134,10 +134,13 @@ def _through_proxy(p: VllmServer, p_port: int, p_tp: int, d: VllmServer, d_port:
 
 @pytest.fixture(scope="module")
 def mla():
-    """An MLA P and D (TP=1 both), and the aggregated baseline they agree on without any transfer."""
-    p_port, d_port = free_ports(1), free_ports(1)
+    """An MLA P and D (TP=1 both), and the aggregated baseline they agree on without any transfer; a D that
+    zeroes what it receives and a TP=2 P, started with them (the start-ups overlap)."""
+    p_port, d_port, z_port, p2_port = free_ports(1), free_ports(1), free_ports(1), free_ports(2)
     p, d = _engine("mla-p", p_port), _engine("mla-d", d_port)
-    with running(p, d):
+    dz = _engine("mla-dz", z_port, role="kv_consumer", env={DEBUG_ZERO_RECEIVED_ENV: "1"})
+    p2 = _engine("mla-p2", p2_port, role="kv_producer", tp=2)
+    with running(p, d, dz, p2):
         baseline = {}
         for prompt in PROMPTS:
             a, b = _answer(d, prompt), _answer(p, prompt)
@@ -145,7 +148,7 @@ def mla():
             baseline[prompt] = a
         baseline["blocks"] = {prompt: _prompt_blocks(d, prompt) for prompt in PROMPTS}
         assert baseline["blocks"][PROMPTS[-1]] >= 5, baseline["blocks"]
-        yield {"p": (p, p_port), "d": (d, d_port), "baseline": baseline}
+        yield {"p": (p, p_port), "d": (d, d_port), "dz": (dz, z_port), "p2": (p2, p2_port), "baseline": baseline}
 
 
 def _assert_equal(answers: dict, baseline: dict) -> None:
@@ -167,10 +170,8 @@ def test_mla_p_tp1_into_d_tp1_equals_the_aggregated_engine(mla):
 
 def test_mla_zeroed_latent_at_d_changes_the_answer(mla):
     """The negative control: the same flow into a D that zeroes the received latent must not match."""
-    p, p_port = mla["p"]
-    z_port = free_ports(1)
-    with running(_engine("mla-dz", z_port, role="kv_consumer", env={DEBUG_ZERO_RECEIVED_ENV: "1"})) as (dz,):
-        answers = _through_proxy(p, p_port, 1, dz, z_port, mla["baseline"])
+    (p, p_port), (dz, z_port) = mla["p"], mla["dz"]
+    answers = _through_proxy(p, p_port, 1, dz, z_port, mla["baseline"])
     for prompt, (tokens, logprobs) in answers.items():
         want_tokens, want_logprobs = mla["baseline"][prompt]
         moved = max(abs(a - b) for a, b in zip(logprobs, want_logprobs))
@@ -183,12 +184,10 @@ def test_mla_zeroed_latent_at_d_changes_the_answer(mla):
 
 def test_mla_p_tp2_into_d_tp1_one_rank_sends(mla):
     """P with TP=2: one rank writes D's latent, the other finishes the request without sending."""
-    d, d_port = mla["d"]
-    p_port = free_ports(2)
-    with running(_engine("mla-p2", p_port, role="kv_producer", tp=2)) as (p2,):
-        for prompt in PROMPTS:   # P's ranks agree with the TP=1 baseline on their own
-            alone = _answer(p2, prompt)
-            assert alone[0] == mla["baseline"][prompt][0], ("TP=2 disagrees without any transfer", prompt[:40])
-        # sent == received == the prompts' blocks once: had both ranks written, P would have sent twice
-        answers = _through_proxy(p2, p_port, 2, d, d_port, mla["baseline"])
+    (d, d_port), (p2, p_port) = mla["d"], mla["p2"]
+    for prompt in PROMPTS:   # P's ranks agree with the TP=1 baseline on their own
+        alone = _answer(p2, prompt)
+        assert alone[0] == mla["baseline"][prompt][0], ("TP=2 disagrees without any transfer", prompt[:40])
+    # sent == received == the prompts' blocks once: had both ranks written, P would have sent twice
+    answers = _through_proxy(p2, p_port, 2, d, d_port, mla["baseline"])
     _assert_equal(answers, mla["baseline"])
