@@ -1,8 +1,7 @@
 """Real vLLM engines with tensor and data parallelism, through ``aiolayer proxy``: P with TP=2 feeding a
 D with TP=1, P with TP=1 feeding a D with TP=2 (each rank writes exactly its KV heads into each D rank,
-and D finishes a request only once every P rank that writes into it reported), and a P and a D with two
-data-parallel ranks each behind one API server (the D rank that holds the request registers; the P rank
-that runs it writes there).
+and D finishes a request only once every P rank that writes into it reported). P and D with two
+data-parallel ranks each: tests/vllm_bridge/test_vllm_prefill_dp.py.
 
 The proxy is given each engine as ``URL,CONTROL`` only: it learns P's and D's parallel sizes from their
 ranks' control sockets. Every answer through the proxy must equal the aggregated engine's (the same
@@ -20,8 +19,6 @@ Both engines of a pair are ``kv_both``: one pair of processes serves both direct
 
 from __future__ import annotations
 
-import asyncio
-import time
 
 import pytest
 
@@ -29,7 +26,7 @@ pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
 from e2e.pd import ProxyProcess, connector
 from e2e.procs import free_ports
-from e2e.servers import VllmServer, acompletion, completion, running, scrape_metrics, unconfirmed_releases
+from e2e.servers import VllmServer, completion, running, scrape_metrics, unconfirmed_releases
 from e2e.tiny_model import LLAMA_GQA, SAMPLE_PROMPTS, long_prompt, tiny_model_dir
 from helpers_node import MC_ENV
 
@@ -104,33 +101,3 @@ def test_p_tp2_into_d_tp1_equals_the_aggregated_engine(pair):
 def test_p_tp1_into_d_tp2_equals_the_aggregated_engine(pair):
     (p, p_port), (d, d_port) = pair["tp1"], pair["tp2"]
     _through_proxy(p, p_port, d, d_port)
-
-
-def test_p_and_d_with_two_data_parallel_ranks_each_through_the_proxy():
-    """P and D each one server with two DP ranks: vLLM's load balancer picks the P rank that prefills and
-    the D rank that decodes; the D rank holding each request registers it, and the P rank that runs it
-    writes there (D fences against that writer). Both ranks of each side must have moved KV."""
-    p_port, d_port = free_ports(2), free_ports(2)
-    p, d = _engine("dp-p", p_port, dp=2), _engine("dp-d", d_port, dp=2)
-    with running(p, d), ProxyProcess([_backend(p, p_port)], [_backend(d, d_port)],
-                                     extra_args=("--registration-timeout", "90", "--prefill-timeout", "90")) as proxy:
-        alone = [completion(p, prompt, max_tokens=MAX_TOKENS, timeout_s=120).token_ids for prompt in PROMPTS]
-
-        async def all_at_once():
-            return await asyncio.gather(*(acompletion(proxy.url, prompt, max_tokens=MAX_TOKENS, model=p.served_model,
-                                                      timeout_s=240) for prompt in PROMPTS * 2))
-        proxied = asyncio.run(all_at_once())
-        assert [c.token_ids for c in proxied] == alone * 2, proxy.log_text()[-2000:]
-
-        def ranks_that_moved(server: VllmServer, name: str) -> set:
-            return {labels.get("engine") for labels, v in scrape_metrics(server).get(name, []) if v > 0}
-        moved: dict[str, set] = {}
-        deadline = time.monotonic() + 10   # an engine's last step stats reach /metrics after D's answer
-        while time.monotonic() < deadline:
-            moved = {"P": ranks_that_moved(p, "vllm:aiolayer_bytes_sent_total"),
-                     "D": ranks_that_moved(d, "vllm:aiolayer_bytes_received_total")}
-            if all(len(r) == 2 for r in moved.values()):
-                break
-            time.sleep(0.2)
-        assert all(len(r) == 2 for r in moved.values()), ("both DP ranks of P and of D should have moved KV", moved)
-        assert unconfirmed_releases(p) == unconfirmed_releases(d) == 0   # every release on its writers' word

@@ -1,13 +1,14 @@
 """A prefill engine with two data-parallel ranks (one ``--data-parallel-size 2`` server), through ``aiolayer proxy``.
 
 Each worker of P runs its own aiolayer runtime (DP rank d binds CONTROL + d); the proxy names P's CONTROL
-(rank 0's) to D, and vLLM's own load balancer picks the rank that prefills. Three engines, started once:
-P (DP=2), D1 and D2 (DP=1; D2 only for the stall case). (A D with DP=2 too, measured: its start alone
-took 91 s against 36 s, past this file's time budget; the parallel-engine tests run one behind a DP=1 P.)
+(rank 0's) to D, and vLLM's own load balancer picks the rank that prefills and, on D1, the rank that
+decodes (the D rank holding the request registers it; the P rank that runs it writes there, and D fences
+against that writer). Three engines, started once: P (DP=2), D1 (DP=2) and D2 (DP=1; only for the stall
+case).
 
 - Tokens through the proxy equal the aggregated engine's (D1 alone, no transfer) under greedy sampling, for
-  prompts of one to a dozen blocks sent at once, and KV left from both P ranks (per-engine
-  ``vllm:aiolayer_bytes_sent_total``): both ranks' runtimes wrote into D.
+  prompts of one to a dozen blocks sent at once, and KV left from both P ranks and reached both D1 ranks
+  (per-engine ``vllm:aiolayer_bytes_sent_total`` / ``_received_total``): every rank's runtime moved KV.
 - A transfer stalled on one P rank: D2 is stopped (SIGSTOP, the whole server) once the first MiB of a long
   prompt's KV from P's rank 1 reached it (the request pinned to that rank with vLLM's
   ``X-data-parallel-rank`` header by a relay between the proxy and P). Meanwhile requests keep
@@ -74,19 +75,19 @@ def _proxy(p_url: str, p_port: int, d: VllmServer, d_port: int, request_s: float
 
 @pytest.fixture(scope="module")
 def cluster():
-    p_port, d1_port, d2_port = free_ports(2), free_port(), free_port()
+    p_port, d1_port, d2_port = free_ports(2), free_ports(2), free_port()
     # P's ranks on core 0, the D engines on core 1 (one OpenMP thread each). Measured here: with P's ranks on a
     # core each ('0|1') and both busy, P's API server answered /health after 3-14 s and held streamed tokens
     # back 5-19 s (the ranks' own steps stayed short), so the proxies took P for dead; on one core, 10 ms.
     p = _engine("p-dp2", p_port, "kv_producer", P_TIMEOUTS, "0|0", dp=2)
-    d1 = _engine("d1", d1_port, "kv_consumer", D1_TIMEOUTS, "1")
+    d1 = _engine("d1", d1_port, "kv_consumer", D1_TIMEOUTS, "1|1", dp=2)
     d2 = _engine("d2", d2_port, "kv_consumer", D2_TIMEOUTS, "1")
     t0 = time.monotonic()
     with running(p, d1, d2), Relay(p.base_url, rank=1) as relay, \
             _proxy(p.base_url, p_port, d1, d1_port) as proxy_a, \
             _proxy(relay.url, p_port, d2, d2_port, request_s=STALLED_REQUEST_S) as proxy_b, Freezer(d2) as freezer:
-        print(f"\nstarted in {time.monotonic() - t0:.0f} s: P (DP=2) {p.startup_s:.0f} s, D1 {d1.startup_s:.0f} s, "
-              f"D2 {d2.startup_s:.0f} s")
+        print(f"\nstarted in {time.monotonic() - t0:.0f} s: P (DP=2) {p.startup_s:.0f} s, "
+              f"D1 (DP=2) {d1.startup_s:.0f} s, D2 {d2.startup_s:.0f} s")
         yield {"p": p, "d1": d1, "d2": d2, "a": proxy_a, "b": proxy_b, "relay": relay, "freezer": freezer,
                "d2_data": worker_ports(d2, but={d2_port})}
 
@@ -128,22 +129,27 @@ def test_prefill_with_two_dp_ranks_equals_the_aggregated_engine_and_both_ranks_s
     prompts = [SAMPLE_PROMPTS[0], SAMPLE_PROMPTS[3], *(long_prompt(n, seed=40 + n) for n in (300, 700, 1500))]
     alone = _alone(d1, prompts)
     sent0 = _per_rank(p, "vllm:aiolayer_bytes_sent_total")
+    received0 = _per_rank(d1, "vllm:aiolayer_bytes_received_total")
     t0 = time.monotonic()
     proxied = asyncio.run(_through(proxy, p.served_model, prompts * 2))
     took = time.monotonic() - t0
     assert proxied == alone * 2, proxy.log_text()[-2000:]
     sent: dict[str, float] = {}
+    received: dict[str, float] = {}
 
-    def both_sent() -> bool:   # an engine's last step stats reach /metrics after D's answer
+    def every_rank_moved() -> bool:   # an engine's last step stats reach /metrics after D's answer
         sent.update(_per_rank(p, "vllm:aiolayer_bytes_sent_total"))
-        return all(sent[r] > sent0[r] for r in RANKS)
+        received.update(_per_rank(d1, "vllm:aiolayer_bytes_received_total"))
+        return all(sent[r] > sent0[r] and received[r] > received0[r] for r in RANKS)
 
     with contextlib.suppress(AssertionError):
-        _until(both_sent, 10)
+        _until(every_rank_moved, 10)
     print(f"\n{len(prompts) * 2} requests P -> D1 in {took:.1f} s; bytes sent per P rank "
-          f"{ {r: sent[r] - sent0[r] for r in RANKS} }, prompt tokens per P rank "
+          f"{ {r: sent[r] - sent0[r] for r in RANKS} }, received per D1 rank "
+          f"{ {r: received[r] - received0[r] for r in RANKS} }, prompt tokens per P rank "
           f"{_per_rank(p, 'vllm:prompt_tokens_total')}")
-    assert both_sent(), ("both P ranks should have written KV into D", sent0, sent)
+    assert every_rank_moved(), ("both P ranks should have written KV into D1, both D1 ranks received",
+                                sent0, sent, received0, received)
     assert _per_rank(p, "vllm:aiolayer_sends_failed_total") == {r: 0.0 for r in RANKS}
     assert unconfirmed_releases(p) == unconfirmed_releases(d1) == 0
 
