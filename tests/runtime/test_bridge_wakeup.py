@@ -3,8 +3,9 @@
 The race that matters is the consumer deciding to sleep while a producer puts: the consumer finds the
 deque empty, a producer appends and sees nobody asleep (no wake-up), then the consumer goes to sleep
 and that item waits for the next put, which may never come. Here every producer puts one item and
-waits until the loop has it before the next, so a lost wake-up is an item that is never seen; a tiny
-GIL switch interval makes the threads interleave inside the consumer's going-to-sleep steps.
+waits until the loop has it before the next, so a lost wake-up is an item that is never seen; a profile
+hook hands the GIL over at random calls, so the threads interleave inside the consumer's going-to-sleep
+steps (a flag set after the emptiness check, without a re-check, loses a wake-up here within seconds).
 """
 
 from __future__ import annotations
