@@ -14,7 +14,7 @@ import socket
 import time
 
 from .config import KVShape, NodeConfig, Timeouts
-from .doctor import FAIL, PASS, SKIP, Check, Side
+from .doctor_checks import FAIL, PASS, SKIP, Check, Side
 from .errors import AiolayerError, ControlRejected, ControlTimeout, DeadlineExceeded, ProtocolError
 from .protocol import messages as m
 from .protocol.codes import NackCode

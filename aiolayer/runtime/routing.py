@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
 import msgspec
 
 from ..errors import ControlError, ControlRejected, DeadlineExceeded, FrameDropped, RuntimeStateError
+from .. import version
 from ..protocol import messages as m
 from ..protocol.codes import NackCode
 from .integrity import verify_check
@@ -92,12 +93,10 @@ def _published_layout(rt: Host) -> m.LayoutReply:
 
 def _topology(rt: Host) -> m.TopologyReply:
     """Who this runtime is (its embedder's ``Identity``) and its layout's summary, never its addresses."""
-    from .. import __version__   # looked up here: the package finished importing long before
-
     ident, layout, transport = rt.identity, rt.layout_reply, rt.node.transport
     reply = m.TopologyReply(engine_id=rt.node.engine_id, incarnation=rt.incarnation, control=rt.control_endpoint,
                             role=ident.role, tp_rank=ident.tp_rank, tp_size=ident.tp_size, dp_rank=ident.dp_rank,
-                            dp_size=ident.dp_size, model=ident.model, version=__version__,
+                            dp_size=ident.dp_size, model=ident.model, version=version.__version__,
                             session=rt.backend.session, protocol=transport.protocol,
                             device_name=transport.device_name,
                             force_tcp=os.environ.get("MC_FORCE_TCP", "") not in ("", "0"))
