@@ -12,6 +12,7 @@ doctor on P's host. Nothing here imports torch: ``aiolayer doctor --help`` stays
 from __future__ import annotations
 
 import argparse
+import sys
 
 from .config import Timeouts
 from .doctor_checks import (FAIL, PASS, SKIP, Check, Side, check_advertised, check_config, check_layout,
@@ -34,6 +35,9 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_doctor(args: argparse.Namespace) -> int:
+    if args.blocks < 1 or not args.timeout > 0:
+        print("aiolayer doctor: --blocks must be >= 1 and --timeout > 0", file=sys.stderr)
+        return 2
     p, d = Side("P"), Side("D")
     checks: list[Check] = []
     for side, control, config in ((p, args.p_control, args.p_config), (d, args.d_control, args.d_config)):
