@@ -3,8 +3,8 @@ passes every check, and each seeded misconfiguration is flagged by the name of i
 
 One set of processes serves every case (starting a Mooncake node takes seconds): P in namespace A, and
 in B one D node per misconfiguration, plus a peer that speaks another protocol version. The doctor
-runs in A, as on P's host: every case's doctor at once, each test then reads its own output. ``netns.two_hosts`` deletes the namespaces and kills what ran in them on
-exit, also on failure.
+runs in A, as on P's host: every case's doctor at once, each test then reads its own output.
+``netns.two_hosts`` deletes the namespaces and kills what ran in them on exit, also on failure.
 """
 
 from __future__ import annotations
