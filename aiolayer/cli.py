@@ -1,4 +1,5 @@
-"""Command line: ``aiolayer node`` (a standalone D node) and the subcommands other packages register
+"""Command line: ``aiolayer node`` (a standalone D node), ``aiolayer doctor`` (checks a P and a D across
+hosts) and the subcommands other packages register
 (``bench``, the benchmark; ``proxy``, the vLLM bridge's D-first proxy) through ``aiolayer.commands``."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Callable, NamedTuple
 
 from . import __version__
 from .config import KVShape, NodeConfig, Timeouts
+from .doctor import add_doctor_args
 from .errors import AiolayerError
 from .transport import PROTOCOLS, Transport
 
@@ -130,8 +132,12 @@ def run_node(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict]:
-    """The ``aiolayer`` parser with every subcommand, and the loaded commands by name."""
+CORE_COMMANDS = ("node", "doctor")
+
+
+def build_parser(plugins: bool = True) -> tuple[argparse.ArgumentParser, dict]:
+    """The ``aiolayer`` parser with every subcommand, and the loaded commands by name; without ``plugins``
+    the core's only (loading the others imports what they need: the benchmark's torch)."""
     parser = argparse.ArgumentParser(prog="aiolayer", description=__doc__)
     parser.add_argument("--version", action="version", version=f"aiolayer {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
@@ -143,22 +149,31 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                       help="decode: a standalone D node (P runs inside its engine)")
     add_shape_args(node)
     add_node_args(node)
+    doctor = sub.add_parser("doctor", help="check a P and a D (control endpoints or configs) for what is set up "
+                            "wrong across hosts; one OK/FAIL line per check, exit 1 on any FAIL",
+                            formatter_class=HELP_FORMAT)
+    add_doctor_args(doctor)
 
-    commands = {name: add_command(sub, name, found) for name, found in command_plugins().items()}
+    found = command_plugins() if plugins else {}
+    commands = {name: add_command(sub, name, entry) for name, entry in found.items()}
     for name, hint in ELSEWHERE.items():
-        if name not in commands:
+        if plugins and name not in commands:
             commands[name] = add_command(sub, name, (None, ImportError(hint)))
     return parser, commands
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, commands = build_parser()
+    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    parser, commands = build_parser(plugins=not words or words[0] not in CORE_COMMANDS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
         if args.command == "node":
             return run_node(args)
+        if args.command == "doctor":
+            from .doctor import run_doctor
+            return run_doctor(args)
         command, error = commands[args.command]
         if error is not None:
             print(f"aiolayer {args.command} is not available: {error}", file=sys.stderr)

@@ -255,6 +255,12 @@ class TopologyReply(_Msg, tag="topology", frozen=True):
     kv_heads: int = 0
     head_bytes: int = 0
     kv_layout: str = ""
+    # How it was started, so that ``aiolayer doctor`` can compare two hosts ("" / False from an older peer):
+    version: str = ""          # its aiolayer version
+    session: str = ""          # its Mooncake segment name (host:port), where P's writes go
+    protocol: str = ""         # its Mooncake transport as configured (Transport.protocol)
+    device_name: str = ""      # its RDMA NIC(s) as configured ("" = Mooncake picks)
+    force_tcp: bool = False    # MC_FORCE_TCP is set in its environment (Mooncake then uses TCP whatever protocol says)
 
 
 Message = Union[

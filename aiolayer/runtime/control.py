@@ -106,6 +106,11 @@ class ControlServer:
         self._task = spawn(self._serve(), name=f"control-server {self.endpoint}")
         return self.endpoint
 
+    @property
+    def bound(self) -> bool:
+        """Whether the socket is bound and its serving task still runs (one that ended answers nothing)."""
+        return self._sock is not None and self._task is not None and not self._task.done()
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()

@@ -4,12 +4,15 @@
 changes), so a scrape sees one consistent state without locks. Other threads read the copy the
 runtime publishes (``Runtime.published_metrics``), as the vLLM connector's ``KVConnectorStats`` do.
 ``MetricsServer`` is a minimal HTTP/1.0 endpoint on the same loop, owned by the runtime's
-TaskGroup: ``GET /metrics`` only, bounded reads, every connection closed.
+TaskGroup: ``GET /metrics`` and ``GET /health`` only, bounded reads, every connection closed.
+``/health`` is answered on the loop too, so a 200 also says the loop turns; once the runtime stops
+(its loop closing what it holds) or its control socket is gone, it answers 503 with the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
@@ -162,12 +165,22 @@ def render(snap: dict[str, Any]) -> bytes:
     return generate_latest(registry)
 
 
-class MetricsServer:
-    """``GET /metrics`` on ``host:port`` (0 = a free port), served on the runtime's loop."""
+Health = tuple[bool, dict[str, Any]]   # (serving, what /health says: "status", "reason" when not serving)
 
-    def __init__(self, host: str, port: int, scrape: Callable[[], Awaitable[bytes]], read_timeout: float) -> None:
+
+def health_body(health: Health) -> tuple[str, bytes]:
+    ok, body = health
+    return ("200 OK" if ok else "503 Service Unavailable"), (json.dumps(body) + "\n").encode()
+
+
+class MetricsServer:
+    """``GET /metrics`` and ``GET /health`` on ``host:port`` (0 = a free port), served on the runtime's loop."""
+
+    def __init__(self, host: str, port: int, scrape: Callable[[], Awaitable[bytes]], read_timeout: float,
+                 health: Callable[[], Health] | None = None) -> None:
         self.host, self.port = host, port
         self.scrape = scrape              # coroutine function -> bytes, run on the loop
+        self.health = health              # on the loop: (serving, body)
         self.read_timeout = read_timeout
         self.scrapes = 0
         self._server: asyncio.base_events.Server | None = None
@@ -196,8 +209,9 @@ class MetricsServer:
             status, body = await self._answer(head)
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             status, body = "400 Bad Request", b"bad request\n"
+        kind = "application/json" if body.startswith(b"{") else "text/plain; version=0.0.4"
         try:
-            writer.write(f"HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\n"
+            writer.write(f"HTTP/1.0 {status}\r\nContent-Type: {kind}\r\n"
                          f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
             async with compat.timeout(self.read_timeout):
                 await writer.drain()
@@ -211,8 +225,11 @@ class MetricsServer:
             return "431 Request Header Fields Too Large", b"request head too large\n"
         parts = head.split(b"\r\n", 1)[0].split()
         if len(parts) < 2 or parts[0] != b"GET":
-            return "405 Method Not Allowed", b"only GET /metrics\n"
-        if parts[1].split(b"?", 1)[0] != b"/metrics":
-            return "404 Not Found", b"only GET /metrics\n"
+            return "405 Method Not Allowed", b"only GET /metrics or /health\n"
+        path = parts[1].split(b"?", 1)[0]
+        if path == b"/health" and self.health is not None:
+            return health_body(self.health())
+        if path != b"/metrics":
+            return "404 Not Found", b"only GET /metrics or /health\n"
         self.scrapes += 1
         return "200 OK", await self.scrape()

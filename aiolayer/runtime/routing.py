@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
 
 import msgspec
 
 from ..errors import ControlError, ControlRejected, DeadlineExceeded, FrameDropped, RuntimeStateError
+from .. import version
 from ..protocol import messages as m
 from ..protocol.codes import NackCode
 from .integrity import verify_check
 
 if TYPE_CHECKING:
+    from ..backends.base import TransferBackend
     from ..config import NodeConfig, Timeouts
     from .api import Identity
     from .control import ControlPeers
@@ -35,6 +38,7 @@ class Host(Protocol):
 
     _hooks: Hooks
     node: NodeConfig
+    backend: TransferBackend
     timeouts: Timeouts
     incarnation: str
     control_endpoint: str
@@ -89,10 +93,13 @@ def _published_layout(rt: Host) -> m.LayoutReply:
 
 def _topology(rt: Host) -> m.TopologyReply:
     """Who this runtime is (its embedder's ``Identity``) and its layout's summary, never its addresses."""
-    ident, layout = rt.identity, rt.layout_reply
+    ident, layout, transport = rt.identity, rt.layout_reply, rt.node.transport
     reply = m.TopologyReply(engine_id=rt.node.engine_id, incarnation=rt.incarnation, control=rt.control_endpoint,
                             role=ident.role, tp_rank=ident.tp_rank, tp_size=ident.tp_size, dp_rank=ident.dp_rank,
-                            dp_size=ident.dp_size, model=ident.model)
+                            dp_size=ident.dp_size, model=ident.model, version=version.__version__,
+                            session=rt.backend.session, protocol=transport.protocol,
+                            device_name=transport.device_name,
+                            force_tcp=os.environ.get("MC_FORCE_TCP", "") not in ("", "0"))
     if layout is None:
         return reply
     return msgspec.structs.replace(

@@ -121,7 +121,7 @@ class Runtime:
         self.layouts.control, self.layouts.incarnation = self.control_endpoint, self.incarnation
         if self.node.metrics_port >= 0:
             self.metrics_server = MetricsServer(transport.bind_host, self.node.metrics_port, self._scrape,
-                                                self.timeouts.control_call)
+                                                self.timeouts.control_call, health=self._health)
             await self.metrics_server.start()
             self.metrics_url = f"http://{advertised}:{self.metrics_server.port}/metrics"
         self.published_metrics = snapshot(self)
@@ -143,8 +143,6 @@ class Runtime:
         self._closed = True
         cleanup = self.timeouts.cleanup
         steps = []
-        if self.metrics_server is not None:
-            steps.append(self.metrics_server.close())
         if self.server is not None:
             steps.append(self.server.close())
         if self.peers is not None:
@@ -161,6 +159,22 @@ class Runtime:
             await asyncio.wait_for(self.backend.close(), self.timeouts.backend_close)
         except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001
             log.warning("backend close failed: %r", exc)
+        if self.metrics_server is not None:   # last: /health says "stopping" while the rest closes
+            await self.metrics_server.close()
+
+    def _health(self) -> tuple[bool, dict[str, Any]]:
+        """What ``GET /health`` answers (on the loop): serving only while the control socket is bound and
+        the runtime is not stopping."""
+        body: dict[str, Any] = {"status": "ok", "engine_id": self.node.engine_id, "incarnation": self.incarnation,
+                                "control": self.control_endpoint, "backend": self.backend.name}
+        reason = ""
+        if self._closed:
+            reason = "stopping"
+        elif self.server is None or not self.server.bound:
+            reason = "control socket not bound"
+        if reason:
+            body.update(status="unavailable", reason=reason)
+        return not reason, body
 
     def on_stop(self, closer: Callable[[], Awaitable[None]]) -> None:
         """Await ``closer()`` on the loop when the runtime stops, within ``Timeouts.cleanup``: closes what

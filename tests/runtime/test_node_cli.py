@@ -6,14 +6,19 @@ Mooncake backend, as an operator or the benchmark would start it.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 import socket
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from aiolayer import NodeConfig, Runtime
+from aiolayer.backends.memory import MemoryBackend
 from aiolayer.errors import ControlRejected
 from aiolayer.protocol import messages as m
 
@@ -129,6 +134,84 @@ def test_port_in_use_exits_nonzero_with_message():
             assert second.rest_stdout == b"", "a node that failed to start must print no JSON line"
         assert first.proc.poll() is None, "the first node must be unaffected"
         assert first.stop() == 0, first.stderr_text()
+
+
+@pytest.mark.timeout(60)
+def test_health_answers_ok_with_the_nodes_identity(p_runtime):
+    with spawn_node("--metrics-port", "0", "--engine-id", "d-health") as node:
+        url = node.info["metrics"].replace("/metrics", "/health")
+        reply = httpx.get(url, timeout=5)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["content-type"] == "application/json"
+        body = reply.json()
+        assert body["status"] == "ok" and "reason" not in body, body
+        assert body["engine_id"] == "d-health"
+        assert (body["incarnation"], body["control"]) == (node.info["incarnation"], node.control)
+        assert httpx.get(node.info["metrics"], timeout=5).status_code == 200   # /metrics still there
+        assert node.stop() == 0, node.stderr_text()
+
+
+class _SlowClose(MemoryBackend):
+    """Closes only once the test let it: the runtime stays in its stopping phase meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    async def close(self) -> None:
+        deadline = time.monotonic() + 10
+        while not self.release.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await super().close()
+
+
+def _wait_health(url: str, status: int, limit: float = 5.0) -> dict:
+    end = time.monotonic() + limit
+    while True:
+        try:
+            reply = httpx.get(url, timeout=2)
+            if reply.status_code == status:
+                return reply.json()
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < end, f"/health never answered {status}"
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(30)
+def test_health_answers_503_once_the_runtime_is_stopping():
+    backend = _SlowClose()
+    rt = Runtime(NodeConfig(engine_id="h-stop", backend="memory", metrics_port=0), backend=backend).start()
+    url = rt.metrics_url.replace("/metrics", "/health")
+    stopper = threading.Thread(target=rt.stop)
+    try:
+        assert httpx.get(url, timeout=5).json()["status"] == "ok"
+        stopper.start()
+        body = _wait_health(url, 503)
+        assert body["status"] == "unavailable" and body["reason"] == "stopping", body
+        assert body["engine_id"] == "h-stop"
+    finally:
+        backend.release.set()
+        if stopper.ident is not None:
+            stopper.join(15)
+        else:
+            rt.stop()
+    with pytest.raises(httpx.HTTPError):   # once stopped, nothing listens
+        httpx.get(url, timeout=2)
+
+
+@pytest.mark.timeout(30)
+def test_health_answers_503_when_the_control_socket_is_gone():
+    rt = Runtime(NodeConfig(engine_id="h-sock", backend="memory", metrics_port=0)).start()
+    try:
+        url = rt.metrics_url.replace("/metrics", "/health")
+        assert httpx.get(url, timeout=5).status_code == 200
+        rt.loop_thread.call(rt.server.close(), timeout=5)
+        reply = httpx.get(url, timeout=5)
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["reason"] == "control socket not bound"
+    finally:
+        rt.stop()
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,197 @@
+"""``aiolayer doctor``'s checks of what two sides told it (``doctor`` runs them, ``doctor_transfer``
+asks the sides): each returns one ``Check``, OK, FAIL (with how to fix it) or SKIP (with why). No I/O.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .transport import WILDCARDS
+
+PASS, FAIL, SKIP = "OK", "FAIL", "SKIP"
+LAYOUT_FIELDS = ("num_layers", "block_size", "head_bytes", "kv_layout")
+
+
+@dataclass
+class Check:
+    name: str
+    result: str          # PASS, FAIL or SKIP
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        text = f"{self.result:<4}  {self.name:<18} {self.detail}"
+        return text + (f"\n      fix: {self.fix}" if self.result == FAIL and self.fix else "")
+
+
+@dataclass
+class Side:
+    label: str                      # "P" or "D"
+    endpoint: str = ""
+    config: dict[str, Any] | None = None
+    topology: Any = None            # its TopologyReply once it answered
+    rtt_ms: float = 0.0
+    error: str = ""                 # why it did not answer (unreachable, refused)
+    protocol_error: str = ""        # it answered in another protocol version
+
+    @property
+    def host(self) -> str:
+        return host_of(self.endpoint)
+
+
+def host_of(endpoint: str) -> str:
+    """The host of ``tcp://host:port`` (brackets of IPv6 removed); "" if it is not one."""
+    rest = endpoint.split("://", 1)[-1]
+    return rest.rsplit(":", 1)[0].strip("[]") if ":" in rest else ""
+
+
+def is_local(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback or host in WILDCARDS
+    except ValueError:
+        return False
+
+
+def load_config(path: str) -> dict[str, Any]:
+    """The extra config in ``path``: the object itself, or the ``kv_connector_extra_config`` it holds."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a JSON object expected, got {type(data).__name__}")
+    inner = data.get("kv_connector_extra_config")
+    return inner if isinstance(inner, dict) else data
+
+
+def check_config(side: Side) -> Check:
+    """The connector's own validation (``aiolayer_vllm.config``): an unknown key or a bad value, named."""
+    name = f"config {side.label}"
+    try:
+        from aiolayer_vllm.config import ExtraConfig, check_extra_config
+    except ImportError as exc:
+        return Check(name, SKIP, f"the vLLM bridge (aiolayer-vllm) is not installed here: {exc}")
+    import msgspec
+
+    from .errors import ConfigError
+    try:
+        check_extra_config(side.config)
+    except ConfigError as exc:
+        keys = ", ".join(f.name for f in msgspec.structs.fields(ExtraConfig))
+        return Check(name, FAIL, str(exc), f"remove or correct that key; the top-level keys are {keys} "
+                     "(transport and timeouts take their own: docs/vllm.md)")
+    return Check(name, PASS, "kv_connector_extra_config is valid")
+
+
+def endpoint_from_config(config: dict[str, Any]) -> str:
+    """``tcp://advertise_host:control_port`` as the config says ("" when it does not say enough)."""
+    transport = config.get("transport") or {}
+    host = transport.get("advertise_host") or transport.get("bind_host") or "127.0.0.1"
+    port = config.get("control_port") or 0
+    if not port or host in WILDCARDS:
+        return ""
+    return f"tcp://[{host}]:{port}" if ":" in str(host) else f"tcp://{host}:{port}"
+
+
+def check_reach(side: Side, timeout: float) -> Check:
+    name = f"reach {side.label}"
+    if not side.endpoint:
+        return Check(name, FAIL, "no control endpoint: neither given nor known from its config",
+                     f"pass --{side.label.lower()}-control tcp://HOST:PORT, or set control_port (not 0) and "
+                     "transport.advertise_host in its config")
+    if side.topology is not None:
+        return Check(name, PASS, f"{side.endpoint} answered in {side.rtt_ms:.1f} ms "
+                     f"(engine {side.topology.engine_id!r})")
+    if side.protocol_error:
+        return Check(name, PASS, f"{side.endpoint} answers, in another protocol (see protocol)")
+    return Check(name, FAIL, f"{side.endpoint}: {side.error}",
+                 f"check the port (P: control_port of its config; a D node: the \"control\" of its JSON line), "
+                 f"that the engine runs, that it binds an address this host reaches (bind_host 127.0.0.1 is "
+                 f"reachable from its own host only), and firewalls; the call waited at most {timeout:g} s")
+
+
+def check_protocol(p: Side, d: Side) -> Check:
+    from .protocol.messages import PROTOCOL_VERSION
+
+    bad = [s for s in (p, d) if s.protocol_error]
+    if bad:
+        return Check("protocol", FAIL, "; ".join(f"{s.label}: {s.protocol_error}" for s in bad),
+                     f"install the same aiolayer on both hosts (this doctor speaks protocol {PROTOCOL_VERSION})")
+    if p.topology is None or d.topology is None:
+        return Check("protocol", SKIP, "a side did not answer")
+    return Check("protocol", PASS, f"protocol {PROTOCOL_VERSION} on both")
+
+
+def check_version(p: Side, d: Side) -> Check:
+    from .version import __version__
+
+    if p.topology is None or d.topology is None:
+        return Check("version", SKIP, "a side did not answer")
+    pv, dv = p.topology.version or "older than 0.1.0", d.topology.version or "older than 0.1.0"
+    if pv != dv:
+        return Check("version", FAIL, f"P runs aiolayer {pv}, D runs {dv}",
+                     "install the same aiolayer version on both hosts (pip install aiolayer==X on each)")
+    note = "" if pv == __version__ else f" (this doctor is {__version__})"
+    return Check("version", PASS, f"aiolayer {pv} on both{note}")
+
+
+def check_layout(p: Side, d: Side) -> Check:
+    if p.topology is None or d.topology is None:
+        return Check("layout", SKIP, "a side did not answer")
+    pt, dt = p.topology, d.topology
+    missing = [s.label for s, t in ((p, pt), (d, dt)) if not t.block_bytes]
+    if missing:
+        return Check("layout", FAIL, f"{' and '.join(missing)} registered no KV layout yet",
+                     "wait until the engine has loaded its model (its KV cache is registered then), and ask again")
+    diffs = [f"{f}: P {getattr(pt, f)!r}, D {getattr(dt, f)!r}" for f in LAYOUT_FIELDS
+             if getattr(pt, f) != getattr(dt, f)]
+    if pt.kv_heads * pt.tp_size != dt.kv_heads * dt.tp_size:
+        diffs.append(f"KV heads (per rank x TP): P {pt.kv_heads} x {pt.tp_size}, D {dt.kv_heads} x {dt.tp_size}")
+    if pt.model and dt.model and pt.model != dt.model:
+        diffs.append(f"model: P {pt.model!r}, D {dt.model!r}")
+    if diffs:
+        return Check("layout", FAIL, "; ".join(diffs),
+                     "run the same model on both with the same block size (--block-size), KV cache dtype "
+                     "and KV layout; TP sizes may differ, the model's KV heads may not")
+    return Check("layout", PASS, f"{pt.num_layers} layers, {pt.block_size} tokens/block, "
+                 f"{pt.kv_heads * pt.tp_size} KV heads of {pt.head_bytes} B, {pt.kv_layout or 'NHD'} on both")
+
+
+def check_advertised(side: Side, other: Side) -> Check:
+    """What it tells peers to dial (control, Mooncake session) must be routable from the other host."""
+    name = f"advertise {side.label}"
+    if side.topology is None:
+        return Check(name, SKIP, "it did not answer")
+    across = not (is_local(side.host) and is_local(other.host)) and side.host != other.host
+    told = {"control at": host_of(side.topology.control),
+            "Mooncake session at": host_of(f"x://{side.topology.session}")}
+    bad = [f"{what} {host}" for what, host in told.items() if host and (host in WILDCARDS or
+                                                                       (across and is_local(host)))]
+    if bad:
+        return Check(name, FAIL, f"{side.label} advertises {', '.join(bad)} while P and D are on different "
+                     f"hosts (dialled at {side.host}): its peer would dial its own machine",
+                     "start it with --advertise-host <an address the other host routes to> (vLLM: "
+                     "transport.advertise_host), and bind_host that address or 0.0.0.0")
+    return Check(name, PASS, f"control at {told['control at']}, Mooncake session at {side.topology.session or '-'}")
+
+
+def check_mooncake(p: Side, d: Side) -> Check:
+    if p.topology is None or d.topology is None:
+        return Check("mooncake transport", SKIP, "a side did not answer")
+
+    def said(t: Any) -> str:
+        forced = ", MC_FORCE_TCP set" if t.force_tcp else ""
+        return f"{t.protocol or '?'}{(' on ' + t.device_name) if t.device_name else ''}{forced}"
+    pt, dt = p.topology, d.topology
+    problems = []
+    if pt.force_tcp != dt.force_tcp:
+        problems.append(f"MC_FORCE_TCP is set on {'P' if pt.force_tcp else 'D'} only")
+    effective = ["tcp" if t.force_tcp else t.protocol for t in (pt, dt)]
+    if effective[0] != effective[1]:
+        problems.append(f"P uses {effective[0]}, D uses {effective[1]}")
+    if problems:
+        return Check("mooncake transport", FAIL, f"{'; '.join(problems)} (P: {said(pt)}; D: {said(dt)})",
+                     "configure both alike: MC_FORCE_TCP=1 in both engines' environment for TCP, or unset on "
+                     "both with transport.protocol rdma (--protocol rdma) and each host's device_name")
+    return Check("mooncake transport", PASS, f"P: {said(pt)}; D: {said(dt)}")

@@ -1,0 +1,196 @@
+"""``aiolayer doctor`` across two "hosts" (network namespaces joined by a veth pair): the healthy pair
+passes every check, and each seeded misconfiguration is flagged by the name of its check, with a fix.
+
+One set of processes serves every case (starting a Mooncake node takes seconds): P in namespace A, and
+in B one D node per misconfiguration, plus a peer that speaks another protocol version. The doctor
+runs in A, as on P's host: every case's doctor at once, each test then reads its own output.
+``netns.two_hosts`` deletes the namespaces and kills what ran in them on exit, also on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import select
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from aiolayer.bench import netns
+
+from e2e.procs import free_port
+from helpers_node import SMALL_SHAPE, node_env, shape_args
+
+needs_netns = pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "available")
+pytestmark = pytest.mark.timeout(120)
+
+START_LIMIT_S = 40.0
+DOCTOR_LIMIT_S = 30.0
+# An aiolayer of another protocol version: every request is answered with a Nack of its version.
+OTHER_PROTOCOL_PEER = """
+import sys, msgspec, zmq
+sock = zmq.Context().socket(zmq.ROUTER)
+port = sock.bind_to_random_port("tcp://" + sys.argv[1])
+print('{"control": "tcp://%s:%d"}' % (sys.argv[1], port), flush=True)
+nack = msgspec.msgpack.encode({"type": "nack", "v": 2, "code": "version",
+                               "reason": "protocol version 1 unsupported; this side speaks 2"})
+while True:
+    frames = sock.recv_multipart()
+    sock.send_multipart(frames[:-1] + [nack])
+"""
+# A node of another aiolayer release (the version it reports is all that differs).
+OTHER_VERSION_NODE = ("import sys, aiolayer.version; aiolayer.version.__version__ = '9.9.9'; "
+                      "from aiolayer.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+@dataclass
+class Lab:
+    hosts: netns.Hosts
+    controls: dict[str, str]
+
+
+def _node(hosts: netns.Host, host: netns.Host, *flags: str, env: dict | None = None,
+          code: str = "") -> subprocess.Popen:
+    head = [sys.executable, "-c", code] if code else [sys.executable, "-m", "aiolayer"]
+    argv = [*head, "node", *shape_args(SMALL_SHAPE), *flags]
+    return hosts.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                       env=env or node_env())
+
+
+def _controls(procs: dict[str, subprocess.Popen]) -> dict[str, str]:
+    """Each process's control endpoint, from its JSON line (all started at once, read as they come)."""
+    out: dict[str, str] = {}
+    end = time.monotonic() + START_LIMIT_S
+    while len(out) < len(procs):
+        waiting = {p.stdout: name for name, p in procs.items() if name not in out}
+        ready, _, _ = select.select(list(waiting), [], [], max(0.0, end - time.monotonic()))
+        assert ready, f"not ready within {START_LIMIT_S} s: {sorted(waiting.values())}"
+        for stream in ready:
+            line = stream.readline()
+            assert line, f"{waiting[stream]} exited: {procs[waiting[stream]].poll()}"
+            out[waiting[stream]] = json.loads(line)["control"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def lab():
+    with netns.two_hosts() as hosts:
+        a, b = hosts.a.address, hosts.b.address
+        no_force_tcp = {k: v for k, v in node_env().items() if k != "MC_FORCE_TCP"}
+        procs = {
+            "p": _node(hosts, hosts.a, "--bind-host", a),
+            "d": _node(hosts, hosts.b, "--bind-host", b),
+            "d_loopback": _node(hosts, hosts.b, "--bind-host", "0.0.0.0", "--advertise-host", "127.0.0.1"),
+            "d_block_size": _node(hosts, hosts.b, "--bind-host", b, "--block-size", "32"),
+            "d_no_force_tcp": _node(hosts, hosts.b, "--bind-host", b, env=no_force_tcp),
+            "d_other_version": _node(hosts, hosts.b, "--bind-host", b, code=OTHER_VERSION_NODE),
+            "d_other_protocol": hosts.popen(hosts.b, [sys.executable, "-c", OTHER_PROTOCOL_PEER, b],
+                                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                            env=node_env()),
+        }
+        controls = _controls(procs)
+        # it tells peers 127.0.0.1; whoever runs the doctor knows which machine D is
+        controls["d_loopback"] = controls["d_loopback"].replace("127.0.0.1", b)
+        controls["wrong_port"] = f"tcp://{b}:{free_port()}"   # nothing listens there
+        yield Lab(hosts, controls)
+
+
+CASES = {   # name -> D's process, and the doctor's own flags
+    "healthy": ("d", ()),
+    "d-advertises-loopback": ("d_loopback", ("--no-transfer",)),
+    "block-size": ("d_block_size", ("--no-transfer",)),
+    "mc-force-tcp": ("d_no_force_tcp", ("--no-transfer",)),
+    "aiolayer-version": ("d_other_version", ("--no-transfer",)),
+    "protocol-version": ("d_other_protocol", ("--no-transfer",)),
+}
+
+
+@dataclass
+class Run:
+    rc: int
+    out: str
+    seconds: float
+
+
+@pytest.fixture(scope="module")
+def runs(lab, tmp_path_factory) -> dict[str, Run]:
+    """Every case's doctor, all run at once in A (each its own process): name -> its exit and output."""
+    config = tmp_path_factory.mktemp("doctor") / "p.json"
+    config.write_text(json.dumps({"kv_connector_extra_config": {
+        "control_port": int(lab.controls["p"].rsplit(":", 1)[1]),
+        "transport": {"bind_host": lab.hosts.a.address, "advertise_hots": "x"}}}))
+    argv = {name: ["--p-control", lab.controls["p"], "--d-control", lab.controls[d], *flags]
+            for name, (d, flags) in CASES.items()}
+    argv["wrong-port"] = ["--p-control", lab.controls["p"], "--d-control", lab.controls["wrong_port"]]
+    argv["unknown-key"] = ["--p-config", str(config), "--d-control", lab.controls["d"], "--no-transfer"]
+    started = time.monotonic()
+    procs = {name: lab.hosts.popen(lab.hosts.a, [sys.executable, "-m", "aiolayer", "doctor", "--timeout", "1",
+                                                 *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env=node_env())
+             for name, args in argv.items()}
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=DOCTOR_LIMIT_S)
+        assert "Traceback" not in stderr, f"{name}: {stderr}"
+        out[name] = Run(proc.returncode, stdout, time.monotonic() - started)
+    return out
+
+
+def result(runs: dict[str, Run], name: str) -> Run:
+    run = runs[name]
+    print(run.out)   # shown with the failure
+    return run
+
+
+def failed(out: str) -> set[str]:
+    return {m.group(1).strip() for m in re.finditer(r"^FAIL  (.{18})", out, re.M)}
+
+
+@needs_netns
+def test_a_healthy_pair_across_hosts_passes_every_check(runs):
+    run = result(runs, "healthy")
+    assert run.rc == 0 and failed(run.out) == set(), run.out
+    assert re.search(r"^OK    data path .* MB/s\), control round trip .* verified byte for byte$", run.out, re.M)
+    assert "all checks passed" in run.out
+
+
+@needs_netns
+@pytest.mark.parametrize("name, check, needle", [
+    ("d-advertises-loopback", "advertise D", "D advertises control at 127.0.0.1, Mooncake session at 127.0.0.1"),
+    ("block-size", "layout", "block_size: P 16, D 32"),
+    ("mc-force-tcp", "mooncake transport", "MC_FORCE_TCP is set on P only"),
+    ("aiolayer-version", "version", "P runs aiolayer 0.1.0, D runs 9.9.9"),
+    ("protocol-version", "protocol", "protocol version 2 unsupported; this side speaks 1"),
+], ids=["d-advertises-loopback", "block-size", "mc-force-tcp", "aiolayer-version", "protocol-version"])
+def test_a_seeded_misconfiguration_is_flagged_by_name_with_a_fix(runs, name, check, needle):
+    run = result(runs, name)
+    assert run.rc == 1 and failed(run.out) == {check}, run.out
+    line = re.search(rf"^FAIL  {re.escape(check)} .*\n      fix: .+$", run.out, re.M)
+    assert line and needle in line.group(0), run.out
+
+
+@needs_netns
+def test_a_wrong_control_port_is_unreachable_within_the_deadline(lab, runs):
+    run = result(runs, "wrong-port")
+    assert run.rc == 1 and failed(run.out) == {"reach D"}, run.out
+    assert f"FAIL  reach D            {lab.controls['wrong_port']}: no answer within 1 s" in run.out
+    assert run.seconds < DOCTOR_LIMIT_S
+
+
+@needs_netns
+def test_an_unknown_config_key_is_refused_by_name(lab, runs):
+    run = result(runs, "unknown-key")
+    assert run.rc == 1 and failed(run.out) == {"config P"}, run.out
+    assert re.search(r"^FAIL  config P .*advertise_hots.*\n      fix: remove or correct that key", run.out, re.M)
+    assert f"OK    reach P            {lab.controls['p']}" in run.out   # the endpoint came from the config
+
+
+def test_doctor_help_does_not_import_torch():
+    code = ("import sys\nfrom aiolayer.cli import main\ntry:\n    main(['doctor', '--help'])\n"
+            "except SystemExit:\n    pass\nprint('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=node_env())
+    assert done.returncode == 0, done.stderr
+    assert "--d-control" in done.stdout and done.stdout.strip().splitlines()[-1] == "False", done.stdout
