@@ -1,18 +1,21 @@
 """One proxied request, D first: D registers and POSTs its blocks, then P prefills and pushes the KV.
 
-Each step has its own deadline (``ProxyTimeouts``); every failure ends in a JSON error for the
-client and, where D already holds blocks, an ``AbortRequest`` to D so it frees them only once P is
-quiet. Closing an HTTP call to vLLM aborts that request inside vLLM, so cancelling the exchange
-(client gone, deadline) drops the request on both engines. The exchange leases its P until P's
-prefill answered and its D until ``close``, which its owner runs in a ``finally``. P's call runs in
-its own task: D's answer is relayed as soon as D has one, and P failing meanwhile still aborts D and
-ends the client's answer with P's error. Each exchange keeps a timeline of its stages (``stamps``,
-logged at debug level when it closes: ``--log-level debug``).
+Each step has its own deadline (``ProxyTimeouts``). A backend's 4xx (the request's own fault) goes to
+the client unchanged; every other failure ends in an OpenAI-shaped JSON error that says which backend
+did what (refused the connection, timed out, answered an error) and, where D already holds blocks, an
+``AbortRequest`` to D so it frees them only once P is quiet. Closing an HTTP call to vLLM aborts that
+request inside vLLM, so cancelling the exchange (client gone, deadline) drops the request on both
+engines. The exchange leases its P until P's prefill answered and its D until ``close``, which its
+owner runs in a ``finally``. P's call runs in its own task: D's tokens are relayed as soon as D has
+them, and P failing meanwhile still aborts D and ends the client's answer with P's error. Each
+exchange keeps a timeline of its stages (``stamps``: the stage histograms of ``/metrics``, and one
+debug line when it closes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
@@ -58,12 +61,45 @@ class ProxyTimeouts:
 
 
 class ExchangeError(Exception):
-    def __init__(self, status: int, kind: str, message: str) -> None:
+    """How a request failed, as the client gets it: the proxy's OpenAI-shaped JSON error, or (``raw``)
+    a backend's own 4xx answer, passed on with its status and body unchanged."""
+
+    def __init__(self, status: int, kind: str, message: str, raw: bytes | None = None,
+                 media_type: str = "application/json") -> None:
         super().__init__(message)
         self.status, self.kind, self.message = status, kind, message
+        self.raw, self.media_type = raw, media_type
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
+
+    def payload(self) -> bytes:
+        """What the client gets: the backend's body as it sent it, else the proxy's JSON error."""
+        return self.raw if self.raw is not None else json.dumps(self.body()).encode()
+
+
+def call_failed(exc: BaseException, who: str, url: str, limit_s: float) -> ExchangeError:
+    """A call to P or D that got no answer, said as what happened: refused, timed out, or broken."""
+    role = "prefill" if who == "P" else "decode"
+    if isinstance(exc, httpx.ConnectTimeout):
+        return ExchangeError(504, f"{role}_timeout", f"{who} ({url}) did not accept the connection in time")
+    if isinstance(exc, httpx.ConnectError):
+        return ExchangeError(502, f"{role}_unreachable", f"could not connect to {who} ({url}): {exc}")
+    if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
+        return ExchangeError(504, f"{role}_timeout", f"{who} ({url}) did not answer within {limit_s:g}s")
+    return ExchangeError(502, f"{role}_error", f"{who} ({url}) failed: {type(exc).__name__}: {exc}")
+
+
+def answered_error(who: str, url: str, status: int, content: bytes, media_type: str,
+                   what: str = "") -> ExchangeError:
+    """P or D answered with an error: a 4xx (the request's own fault, e.g. an unknown model) goes to the
+    client unchanged; anything else is that backend's failure, a 502 that quotes it."""
+    role = "prefill" if who == "P" else "decode"
+    if 400 <= status < 500:
+        return ExchangeError(status, f"{role}_rejected", f"{who} answered HTTP {status}", raw=content,
+                             media_type=media_type)
+    text = content[:300].decode(errors="replace")
+    return ExchangeError(502, f"{role}_error", f"{who} ({url}) answered HTTP {status}{what}: {text}")
 
 
 def check_body(body) -> None:
@@ -101,6 +137,7 @@ class Exchange:
         self.p_controls = prefill.controls   # P's TP ranks as learned now: D's and P's plans must agree
         self.p_lease, self.d_lease = Lease(prefill), Lease(decode)
         self.transfer_id = uuid.uuid4().hex
+        self.request_id = self.headers.get("x-request-id") or self.transfer_id   # what its log lines name
         self.token = secrets.token_hex(16)   # only this transfer's D and P learn it
         self.stream = body.get("stream") is True
         self.registered: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -178,12 +215,12 @@ class Exchange:
             done, _ = await asyncio.wait(waiting, timeout=max(0.0, end - loop.time()),
                                          return_when=asyncio.FIRST_COMPLETED)
             if not done:
-                raise ExchangeError(504, "registration_timeout",
-                                    f"D did not register the transfer within {t.registration_s:g}s")
+                raise ExchangeError(504, "registration_timeout", f"D ({self.decode.url}) did not register "
+                                    f"the transfer within {t.registration_s:g}s")
             if self.d_task in done and not self.registered.done():
                 # a streaming D answers its headers at once; anything else before the registration is an error
                 if self.d_task.exception() is not None or self.d_task.result().status_code != 200 or not self.stream:
-                    raise await self._decode_error("D answered before registering the transfer")
+                    raise await self._decode_error()
                 waiting = {self.registered}
         self.stamp("registered")
         # P runs in its own task: D's answer is relayed as soon as D has one, not after P's whole reply
@@ -196,10 +233,8 @@ class Exchange:
                     self.raise_if_prefill_failed()
                 await self.prefill_failure_first()
                 self.d_response = self.d_task.result()
-        except TimeoutError:
-            raise ExchangeError(504, "decode_timeout", f"D did not answer within {t.request_s:g}s") from None
-        except httpx.HTTPError as exc:
-            raise ExchangeError(502, "decode_error", f"D failed: {type(exc).__name__}: {exc}") from None
+        except (TimeoutError, httpx.HTTPError) as exc:
+            raise call_failed(exc, "D", self.decode.url, t.request_s) from None
         self.stamp("d_answered")
         return self.d_response
 
@@ -245,6 +280,7 @@ class Exchange:
     def stamp(self, stage: str) -> None:
         """The request's timeline (ms since the proxy took it), logged at debug when the exchange closes."""
         self.stamps[stage] = round((time.perf_counter() - self.started) * 1e3, 1)
+        self.state.metrics.stage(stage, self.stamps[stage] / 1e3)
 
     async def _prefill(self, regs: list[dict]) -> None:
         client, t = self.state.client, self.state.timeouts
@@ -256,23 +292,30 @@ class Exchange:
                 # e.g. httpcore/anyio raising AttributeError when P dies mid-connect
                 log.warning("transfer %s: the HTTP client failed unexpectedly calling P: %r", self.transfer_id, exc)
             await self.abort_decode(f"prefill failed: {type(exc).__name__}")
-            raise ExchangeError(502, "prefill_error", f"P failed: {type(exc).__name__}: {exc}") from None
+            raise call_failed(exc, "P", self.prefill.url, t.prefill_s) from None
         finally:
             self.p_lease.release()   # P's part of the request ends with its answer
             self.stamp("p_answered")
         if reply.status_code != 200:
             await self.abort_decode(f"prefill answered HTTP {reply.status_code}")
-            raise ExchangeError(502, "prefill_error", f"P answered HTTP {reply.status_code}: {reply.text[:300]}")
+            raise answered_error("P", self.prefill.url, reply.status_code, reply.content,
+                                 reply.headers.get("content-type", "application/json"))
+        self.state.metrics.prefill.observe((self.stamps["p_answered"] - self.stamps["registered"]) / 1e3)
 
-    async def _decode_error(self, what: str) -> ExchangeError:
-        if self.d_task is None:
-            return ExchangeError(502, "decode_error", f"{what}: D was never called")
+    async def _decode_error(self) -> ExchangeError:
+        """D answered before it registered the transfer: its own error (a 4xx goes to the client as is)."""
+        assert self.d_task is not None
         try:
             resp = self.d_task.result()
-        except (httpx.HTTPError, Exception) as exc:  # noqa: BLE001 - reported to the client
-            return ExchangeError(502, "decode_error", f"{what}: {type(exc).__name__}: {exc}")
-        text = (await resp.aread()).decode(errors="replace")[:300] if self.stream else resp.text[:300]
-        return ExchangeError(502, "decode_error", f"{what}: HTTP {resp.status_code}: {text}")
+        except Exception as exc:  # noqa: BLE001 - reported to the client
+            return call_failed(exc, "D", self.decode.url, self.state.timeouts.request_s)
+        content = await resp.aread()
+        if resp.status_code == 200:   # a whole answer with no transfer: D is not running the connector
+            text = content[:300].decode(errors="replace")
+            return ExchangeError(502, "decode_error", f"D ({self.decode.url}) answered without registering the "
+                                 f"transfer (is its kv connector aiolayer's?): {text}")
+        return answered_error("D", self.decode.url, resp.status_code, content,
+                              resp.headers.get("content-type", "application/json"), " before registering the transfer")
 
     async def abort_decode(self, reason: str) -> None:
         """Tell each of D's ranks to give the transfer up (bounded, at once); D keeps the blocks until P is quiet."""
