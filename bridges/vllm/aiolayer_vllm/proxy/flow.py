@@ -84,10 +84,21 @@ def call_failed(exc: BaseException, who: str, url: str, limit_s: float) -> Excha
     if isinstance(exc, httpx.ConnectTimeout):
         return ExchangeError(504, f"{role}_timeout", f"{who} ({url}) did not accept the connection in time")
     if isinstance(exc, httpx.ConnectError):
-        return ExchangeError(502, f"{role}_unreachable", f"could not connect to {who} ({url}): {exc}")
+        why = "connection refused" if _refused(exc) else str(exc)
+        return ExchangeError(502, f"{role}_unreachable", f"could not connect to {who} ({url}): {why}")
     if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
         return ExchangeError(504, f"{role}_timeout", f"{who} ({url}) did not answer within {limit_s:g}s")
     return ExchangeError(502, f"{role}_error", f"{who} ({url}) failed: {type(exc).__name__}: {exc}")
+
+
+def _refused(exc: BaseException | None, depth: int = 0) -> bool:
+    """Whether a connect failure was a refusal (anyio hides it in a group under "All connection attempts failed")."""
+    if exc is None or depth > 8:
+        return False
+    if isinstance(exc, ConnectionRefusedError):
+        return True
+    inner = list(getattr(exc, "exceptions", ()))   # an ExceptionGroup's
+    return any(_refused(e, depth + 1) for e in [exc.__cause__, exc.__context__, *inner])
 
 
 def answered_error(who: str, url: str, status: int, content: bytes, media_type: str,

@@ -7,13 +7,14 @@ the proxy's state when scraped.
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 # from a local CPU engine's milliseconds to a queued long prompt's minutes
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-CONTENT_TYPE = CONTENT_TYPE_LATEST
+# the classic text format every Prometheus reads (the newest client's default names 1.0.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class _StateGauges(Collector):
