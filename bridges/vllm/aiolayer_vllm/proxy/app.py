@@ -168,7 +168,7 @@ class ProxyState:
                             media_type=d_resp.headers.get("content-type", "application/json"))
         except ExchangeError as exc:
             await exchange.abort_decode(exc.kind)
-            return self._error(exc, exchange.request_id, exchange)
+            return self._error(exc, exchange.request_id)
         except ClientGone:
             self.metrics.requests.labels(exchange.outcome or "client_disconnect").inc()
             if exchange.outcome != "ok":
@@ -185,10 +185,9 @@ class ProxyState:
             log.exception("request %s: proxy failure", exchange.request_id,
                           extra={"request_id": exchange.request_id, "stage": "proxy", "error_type": "internal_error"})
             await exchange.abort_decode("proxy failure")
-            if exchange.relaying:   # the status line is out: the client sees the stream end early
-                self.metrics.requests.labels("internal_error").inc()
-                return None
             self.metrics.requests.labels("internal_error").inc()
+            if exchange.relaying:   # the status line is out: the client sees the stream end early
+                return None
             return error_response(500, "internal_error", f"proxy failure: {type(exc).__name__}: {exc}")
 
     async def _relay(self, exchange: Exchange, d_resp: httpx.Response, send) -> str:
@@ -263,7 +262,7 @@ class ProxyState:
         except OSError:   # the client is gone; the outcome is already counted
             pass
 
-    def _error(self, exc: ExchangeError, request_id: str | None, exchange: Exchange | None = None) -> Response:
+    def _error(self, exc: ExchangeError, request_id: str | None) -> Response:
         """The client's answer to a failed request (counted and logged): a backend's 4xx as it was, or the
         proxy's OpenAI-shaped error."""
         self.metrics.requests.labels(exc.kind).inc()
