@@ -23,8 +23,8 @@ from aiolayer.config import Timeouts
 from aiolayer.protocol import messages as m
 from aiolayer import ControlPeers, RuntimeStateError
 
-from .flow import (Exchange, ExchangeError, ProxyTimeouts, answered_error, call_failed, check_body,
-                   forwarded_headers)
+from .failures import ExchangeError, answered_error, call_failed
+from .flow import Exchange, ProxyTimeouts, check_body, forwarded_headers
 from .metrics import CONTENT_TYPE, ProxyMetrics
 from .pool import NoBackend, Pool
 
