@@ -21,7 +21,7 @@ import time
 import httpx
 import uvicorn
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from aiolayer import Identity, NodeConfig, Runtime
@@ -129,8 +129,11 @@ class FakeEngine:
             await asyncio.sleep(fake.get("p_reply_after_s", 0))   # P's own first token comes later
             self.hub.event("p replied " + params["transfer_id"]).set()
             if fake.get("p_status"):
-                return JSONResponse({"error": {"message": "P failed"}}, fake["p_status"])
+                return Response(fake.get("p_body", '{"error": {"message": "P failed"}}'), fake["p_status"],
+                                media_type="application/json")
             return JSONResponse({"choices": [{"text": "p"}], "usage": {"completion_tokens": 1}})
+        if fake.get("d_status"):   # vLLM's OpenAI server refuses the request before its engine sees it
+            return Response(fake["d_body"], fake["d_status"], media_type="application/json")
         if fake.get("register", True):   # the connector's worker POSTs it while the request is parked
             task = asyncio.get_running_loop().create_task(self._register(params))
             self._tasks.add(task)

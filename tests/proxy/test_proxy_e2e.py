@@ -94,6 +94,22 @@ def test_unknown_transfer_registration_is_a_404_with_a_json_error(stack):
     assert models.status_code == 200 and models.json()["data"]
 
 
+def test_vllms_4xx_reach_the_client_through_the_proxy_unchanged(stack):
+    """An unknown model (404) and a prompt past max_model_len (400): vLLM's own answers, byte for byte."""
+    d, proxy = stack["d"], stack["proxy"]
+    too_long = long_prompt(600, seed=3)   # past the 512 tokens of max_model_len
+    cases = [({"model": "no-such-model", "prompt": "hello", "max_tokens": 2}, 404),
+             ({"model": d.served_model, "prompt": too_long, "max_tokens": 2}, 400)]
+    with httpx.Client(timeout=30, trust_env=False) as client:
+        for body, status in cases:
+            direct = client.post(d.base_url + "/v1/completions", json=body)
+            assert direct.status_code == status, direct.text
+            for stream in (False, True):
+                through = client.post(proxy.url + "/v1/completions", json={**body, "stream": stream})
+                assert (through.status_code, through.content) == (status, direct.content), (stream, through.text)
+    assert "aiolayer_proxy_pending_transfers 0" in httpx.get(proxy.url + "/metrics", timeout=5).text
+
+
 def test_client_disconnect_mid_stream_drops_the_request_on_d(stack):
     d, proxy, p = stack["d"], stack["proxy"], stack["p"]
     body = {"model": p.served_model, "prompt": long_prompt(60, seed=9), "max_tokens": 400, "temperature": 0,

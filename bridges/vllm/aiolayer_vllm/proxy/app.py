@@ -2,27 +2,30 @@
 
 The app owns its tasks (health watcher, each decode call) and closes them at shutdown. Each OpenAI
 request is one ASGI call that owns its exchange from the pick to the last byte relayed, so its
-``finally`` frees the request table, the backend leases and D's call whichever way it ends.
+``finally`` frees the request table, the backend leases and D's call whichever way it ends. A
+stream's status line waits for D's first token, so a request failing before it gets an HTTP error;
+after it, only an SSE error event can end the stream. Each failed request is one log line.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import json
 import logging
+import time
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from aiolayer.config import Timeouts
 from aiolayer.protocol import messages as m
 from aiolayer import ControlPeers, RuntimeStateError
 
-from .flow import Exchange, ExchangeError, ProxyTimeouts, check_body, forwarded_headers
+from .failures import ExchangeError, answered_error, call_failed
+from .flow import Exchange, ProxyTimeouts, check_body, forwarded_headers
+from .metrics import CONTENT_TYPE, ProxyMetrics
 from .pool import NoBackend, Pool
 
 log = logging.getLogger(__name__)
@@ -33,14 +36,28 @@ class ClientGone(Exception):
     """The client closed its connection before the answer was complete."""
 
 
+def error_response(status: int, kind: str, message: str) -> JSONResponse:
+    """An error the proxy itself answers, in OpenAI's shape."""
+    return JSONResponse(ExchangeError(status, kind, message).body(), status)
+
+
+def _stage(kind: str, relaying: bool) -> str:
+    """Where a request failed, by its error type: the proxy's checks, the pick, or a backend's part."""
+    if relaying:
+        return "relay"
+    for prefix in ("registration", "prefill", "decode"):
+        if kind.startswith(prefix):
+            return prefix
+    return {"no_backend": "pick", "invalid_request": "request"}.get(kind, "proxy")
+
+
 class ProxyState:
     def __init__(self, pool: Pool, public_url: str, timeouts: ProxyTimeouts) -> None:
         self.pool = pool
         self.timeouts = timeouts
         self.notify_url = public_url.rstrip("/") + REGISTER_PATH
         self.pending: dict[str, Exchange] = {}
-        self.outcomes: collections.Counter = collections.Counter()
-        self.rejected_registrations = 0
+        self.metrics = ProxyMetrics(self)
         self.client: httpx.AsyncClient | None = None
         self.peers: ControlPeers | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -82,17 +99,17 @@ class ProxyState:
         tid = body.get("transfer_id") if isinstance(body, dict) else None
         needed = ("block_ids", "incarnation", "decode_control")
         if not isinstance(tid, str) or not all(k in body for k in needed):
-            return JSONResponse({"error": {"message": f"need transfer_id and {', '.join(needed)}"}}, 400)
+            return error_response(400, "invalid_registration", f"need transfer_id and {', '.join(needed)}")
         exchange = self.pending.get(tid)
         if exchange is None:
-            return JSONResponse({"error": {"message": f"unknown transfer {tid}", "type": "unknown_transfer"}}, 404)
+            return error_response(404, "unknown_transfer", f"unknown transfer {tid}")
         token = body.get("token")
         if not isinstance(token, str) or not m.same_token(token, exchange.token):
-            self.rejected_registrations += 1   # only the D we sent the token to may redirect P's writes
-            return JSONResponse({"error": {"message": f"wrong token for transfer {tid}", "type": "auth"}}, 403)
+            self.metrics.rejected_registrations.inc()   # only the D we sent the token to may redirect P's writes
+            return error_response(403, "auth", f"wrong token for transfer {tid}")
         problem = exchange.add_registration(body)
         if problem:
-            return JSONResponse({"error": {"message": problem, "type": "invalid_registration"}}, 409)
+            return error_response(409, "invalid_registration", problem)
         return JSONResponse({"accepted": tid}, 202)   # answered at once; P is dispatched by the exchange
 
     # --- the OpenAI routes ------------------------------------------------------------------------
@@ -100,22 +117,29 @@ class ProxyState:
     async def serve(self, scope, receive, send, path: str) -> None:
         """One OpenAI request, served as a plain ASGI app so that one frame owns the whole exchange:
         its ``finally`` closes it (table entry, leases, D's call) however the request ends."""
+        started = time.perf_counter()
+        try:
+            await self._serve(scope, receive, send, path)
+        finally:
+            self.metrics.request.observe(time.perf_counter() - started)
+
+    async def _serve(self, scope, receive, send, path: str) -> None:
+        headers = forwarded_headers(scope["headers"])
         try:
             body = await Request(scope, receive).json()
         except ClientDisconnect:
-            self.outcomes["client_disconnect"] += 1
+            self.metrics.requests.labels("client_disconnect").inc()
             return
         except ValueError:   # not JSON, not UTF-8
-            return await self._answer(self._error(ExchangeError(400, "invalid_request", "body is not JSON")),
-                                      scope, receive, send)
+            error = self._error(ExchangeError(400, "invalid_request", "body is not JSON"), headers.get("x-request-id"))
+            return await self._answer(error, scope, receive, send)
         try:
             check_body(body)
             prefill, decode = self.pool.pick("prefill"), self.pool.pick("decode")
-        except ExchangeError as exc:
-            return await self._answer(self._error(exc), scope, receive, send)
-        except NoBackend as exc:
-            return await self._answer(self._error(ExchangeError(503, "no_backend", str(exc))), scope, receive, send)
-        exchange = Exchange(self, path, body, prefill, decode, forwarded_headers(scope["headers"]))   # leases both
+        except (ExchangeError, NoBackend) as exc:
+            failed = exc if isinstance(exc, ExchangeError) else ExchangeError(503, "no_backend", str(exc))
+            return await self._answer(self._error(failed, headers.get("x-request-id")), scope, receive, send)
+        exchange = Exchange(self, path, body, prefill, decode, headers)   # leases both
         try:
             self.pending[exchange.transfer_id] = exchange
             response = await self._exchange(exchange, receive, send)
@@ -130,65 +154,86 @@ class ProxyState:
             d_resp = await self._unless_disconnected(receive, exchange.run_until_decode())
             if exchange.stream and d_resp.status_code == 200:
                 outcome = await self._unless_disconnected(receive, self._relay(exchange, d_resp, send))
-                self.outcomes[outcome] += 1
+                self.metrics.requests.labels(outcome).inc()
                 if outcome != "ok":
                     await exchange.abort_decode(outcome)
                 return None
             content = await d_resp.aread()
-            if d_resp.status_code >= 500:   # D failed (e.g. its KV never arrived): a backend's failure
-                raise ExchangeError(502, "decode_error", f"D failed the request: HTTP {d_resp.status_code}: "
-                                    f"{content[:300].decode(errors='replace')}")
-            if d_resp.status_code == 200:
-                exchange.outcome = "ok"
-            self.outcomes["ok" if d_resp.status_code == 200 else "decode_http_error"] += 1
+            if d_resp.status_code != 200:   # e.g. its KV never arrived (5xx), or the request's fault (4xx)
+                raise answered_error("D", exchange.decode.url, d_resp.status_code, content,
+                                     d_resp.headers.get("content-type", "application/json"))
+            exchange.outcome = "ok"
+            self.metrics.requests.labels("ok").inc()
             return Response(content, status_code=d_resp.status_code,
                             media_type=d_resp.headers.get("content-type", "application/json"))
         except ExchangeError as exc:
             await exchange.abort_decode(exc.kind)
-            return self._error(exc)
+            return self._error(exc, exchange.request_id)
         except ClientGone:
-            self.outcomes[exchange.outcome or "client_disconnect"] += 1
+            self.metrics.requests.labels(exchange.outcome or "client_disconnect").inc()
             if exchange.outcome != "ok":
+                log.info("request %s: the client left before its answer was complete", exchange.request_id,
+                         extra={"request_id": exchange.request_id, "stage": "relay" if exchange.relaying else "wait",
+                                "error_type": "client_disconnect"})
                 await exchange.abort_decode("client disconnected")
             return None
         except asyncio.CancelledError:   # the server is stopping
-            self.outcomes["cancelled"] += 1
+            self.metrics.requests.labels("cancelled").inc()
             await asyncio.shield(self.spawn(exchange.abort_decode("proxy stopping"), f"abort {exchange.transfer_id}"))
             raise
         except Exception as exc:  # a bug still ends in a JSON error and frees D's blocks
-            log.exception("transfer %s: proxy failure", exchange.transfer_id)
+            log.exception("request %s: proxy failure", exchange.request_id,
+                          extra={"request_id": exchange.request_id, "stage": "proxy", "error_type": "internal_error"})
             await exchange.abort_decode("proxy failure")
+            self.metrics.requests.labels("internal_error").inc()
             if exchange.relaying:   # the status line is out: the client sees the stream end early
-                self.outcomes["internal_error"] += 1
                 return None
-            return self._error(ExchangeError(500, "internal_error", f"proxy failure: {type(exc).__name__}: {exc}"))
+            return error_response(500, "internal_error", f"proxy failure: {type(exc).__name__}: {exc}")
 
     async def _relay(self, exchange: Exchange, d_resp: httpx.Response, send) -> str:
-        """Stream D's answer; D failing after the status line is an SSE error event. Returns the outcome."""
+        """Stream D's answer from its first token on (a failure before it raises ``ExchangeError``: an
+        HTTP error for the client); a failure after it is an SSE error event. Returns the outcome."""
         ctype = d_resp.headers.get("content-type", "text/event-stream").encode("latin-1")
+        chunks = exchange.decoded_chunks(d_resp)
+        try:
+            first = await anext(chunks, None)
+        except httpx.HTTPError as exc:
+            raise call_failed(exc, "D", exchange.decode.url, self.timeouts.request_s) from None
         try:
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype)]})
             exchange.relaying = True
+            relayed = time.perf_counter()
             tail, outcome = b"", "ok"
             try:
-                async for chunk in exchange.decoded_chunks(d_resp):
+                chunk = first
+                while chunk is not None:
                     if b"data: [DONE]" in chunk:
                         exchange.outcome = "ok"   # the client may close as soon as it has the end marker
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    chunk = await anext(chunks, None)
             except OSError:
                 raise
-            except ExchangeError as exc:   # P failed while D streamed (D was told to abort)
-                outcome, tail = exc.kind, b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
-            except Exception as exc:  # D (or a proxy bug) failed after the status line
-                outcome = "decode_error" if isinstance(exc, httpx.HTTPError) else "internal_error"
-                if outcome == "internal_error":
-                    log.exception("transfer %s: proxy failure mid-stream", exchange.transfer_id)
-                error = ExchangeError(502, outcome, f"D's stream failed: {type(exc).__name__}: {exc}")
-                tail = b"data: " + json.dumps(error.body()).encode() + b"\n\n"   # what vLLM sends mid-stream
+            except Exception as exc:  # noqa: BLE001 - P failed while D streamed (D was told to abort), D or a bug
+                error = self._stream_error(exchange, exc)
+                outcome, tail = error.kind, b"data: " + error.payload() + b"\n\n"   # what vLLM sends mid-stream
             await send({"type": "http.response.body", "body": tail, "more_body": False})
+            self.metrics.relay.observe(time.perf_counter() - relayed)
             return outcome
         except OSError:   # the server could not write to the client: it is gone
             raise ClientGone() from None
+
+    def _stream_error(self, exchange: Exchange, exc: Exception) -> ExchangeError:
+        """A failure after the first token: the error the stream's last event carries, logged."""
+        if isinstance(exc, ExchangeError):
+            error = exc
+        elif isinstance(exc, httpx.HTTPError):
+            error = call_failed(exc, "D", exchange.decode.url, self.timeouts.request_s)
+            error.message = f"D's stream failed: {error.message}"
+        else:
+            log.exception("request %s: proxy failure mid-stream", exchange.request_id)
+            error = ExchangeError(502, "internal_error", f"the proxy failed mid-stream: {type(exc).__name__}: {exc}")
+        self._log_failure(error, exchange.request_id, "relay")
+        return error
 
     async def _unless_disconnected(self, receive, work):
         """Run ``work``; if the client disconnects first, cancel it (and so the engines' requests)."""
@@ -217,23 +262,20 @@ class ProxyState:
         except OSError:   # the client is gone; the outcome is already counted
             pass
 
-    def _error(self, exc: ExchangeError) -> JSONResponse:
-        self.outcomes[exc.kind] += 1
-        return JSONResponse(exc.body(), status_code=exc.status)
+    def _error(self, exc: ExchangeError, request_id: str | None) -> Response:
+        """The client's answer to a failed request (counted and logged): a backend's 4xx as it was, or the
+        proxy's OpenAI-shaped error."""
+        self.metrics.requests.labels(exc.kind).inc()
+        self._log_failure(exc, request_id or "-", _stage(exc.kind, False))
+        return Response(exc.payload(), status_code=exc.status, media_type=exc.media_type)
 
-    def metrics(self) -> str:
-        lines = ["# TYPE aiolayer_proxy_requests_total counter"]
-        lines += [f'aiolayer_proxy_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self.outcomes.items())]
-        lines += ["# TYPE aiolayer_proxy_rejected_registrations_total counter",
-                  f"aiolayer_proxy_rejected_registrations_total {self.rejected_registrations}"]
-        lines += ["# TYPE aiolayer_proxy_pending_transfers gauge",
-                  f"aiolayer_proxy_pending_transfers {len(self.pending)}",
-                  "# TYPE aiolayer_proxy_backend_outstanding gauge", "# TYPE aiolayer_proxy_backend_healthy gauge"]
-        for b in self.pool.all:
-            labels = f'role="{b.role}",url="{b.url}"'
-            lines.append(f"aiolayer_proxy_backend_outstanding{{{labels}}} {b.outstanding}")
-            lines.append(f"aiolayer_proxy_backend_healthy{{{labels}}} {int(b.healthy)}")
-        return "\n".join(lines) + "\n"
+    @staticmethod
+    def _log_failure(exc: ExchangeError, request_id: str, stage: str) -> None:
+        # a backend's 4xx is the request's own fault: info; the rest is a failure of the deployment
+        level = logging.INFO if exc.raw is not None or exc.status < 500 else logging.WARNING
+        log.log(level, "request %s failed at %s: HTTP %d %s: %s", request_id, stage, exc.status, exc.kind,
+                exc.message, extra={"request_id": request_id, "stage": stage, "status": exc.status,
+                                    "error_type": exc.kind})
 
 
 class _OpenAIRoute:
@@ -269,7 +311,7 @@ def create_app(pool: Pool, public_url: str, timeouts: ProxyTimeouts | None = Non
         try:
             body = await request.json()
         except ValueError:
-            return JSONResponse({"error": {"message": "body is not JSON"}}, 400)
+            return error_response(400, "invalid_request", "body is not JSON")
         return state.registered(body)
 
     @app.get("/v1/models")
@@ -278,8 +320,11 @@ def create_app(pool: Pool, public_url: str, timeouts: ProxyTimeouts | None = Non
             backend = state.pool.pick("decode")
             reply = await state.http.get(backend.url + "/v1/models", timeout=5.0,
                                            headers=forwarded_headers(request.scope["headers"]))
-        except (NoBackend, httpx.HTTPError) as exc:
-            return JSONResponse({"error": {"message": f"no decode backend answered: {exc}"}}, 503)
+        except NoBackend as exc:
+            return error_response(503, "no_backend", str(exc))
+        except httpx.HTTPError as exc:
+            error = call_failed(exc, "D", backend.url, 5.0)
+            return error_response(error.status, error.kind, error.message)
         return Response(reply.content, status_code=reply.status_code, media_type="application/json")
 
     @app.get("/health")
@@ -291,7 +336,7 @@ def create_app(pool: Pool, public_url: str, timeouts: ProxyTimeouts | None = Non
             for b in state.pool.all]}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(state.metrics())
+    async def metrics() -> Response:
+        return Response(state.metrics.text(), media_type=CONTENT_TYPE)
 
     return app

@@ -1,13 +1,15 @@
 """One proxied request, D first: D registers and POSTs its blocks, then P prefills and pushes the KV.
 
-Each step has its own deadline (``ProxyTimeouts``); every failure ends in a JSON error for the
-client and, where D already holds blocks, an ``AbortRequest`` to D so it frees them only once P is
-quiet. Closing an HTTP call to vLLM aborts that request inside vLLM, so cancelling the exchange
-(client gone, deadline) drops the request on both engines. The exchange leases its P until P's
-prefill answered and its D until ``close``, which its owner runs in a ``finally``. P's call runs in
-its own task: D's answer is relayed as soon as D has one, and P failing meanwhile still aborts D and
-ends the client's answer with P's error. Each exchange keeps a timeline of its stages (``stamps``,
-logged at debug level when it closes: ``--log-level debug``).
+Each step has its own deadline (``ProxyTimeouts``). A backend's 4xx (the request's own fault) goes to
+the client unchanged; every other failure ends in an OpenAI-shaped JSON error that says which backend
+did what (refused the connection, timed out, answered an error) and, where D already holds blocks, an
+``AbortRequest`` to D so it frees them only once P is quiet. Closing an HTTP call to vLLM aborts that
+request inside vLLM, so cancelling the exchange (client gone, deadline) drops the request on both
+engines. The exchange leases its P until P's prefill answered and its D until ``close``, which its
+owner runs in a ``finally``. P's call runs in its own task: D's tokens are relayed as soon as D has
+them, and P failing meanwhile still aborts D and ends the client's answer with P's error. Each
+exchange keeps a timeline of its stages (``stamps``: the stage histograms of ``/metrics``, and one
+debug line when it closes).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from aiolayer.protocol.codes import NackCode
 
 from ..params import check_endpoint
 from ..ranks import rank_transfer_id
+from .failures import ExchangeError, answered_error, call_failed
 from .pool import Backend, Lease
 
 log = logging.getLogger(__name__)
@@ -55,15 +58,6 @@ class ProxyTimeouts:
     prefill_s: float = 120.0       # P's prefill request (one token)
     request_s: float = 600.0       # D's whole generation
     abort_s: float = 2.0           # telling D to give a transfer up
-
-
-class ExchangeError(Exception):
-    def __init__(self, status: int, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.message = status, kind, message
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
 
 
 def check_body(body) -> None:
@@ -101,6 +95,7 @@ class Exchange:
         self.p_controls = prefill.controls   # P's TP ranks as learned now: D's and P's plans must agree
         self.p_lease, self.d_lease = Lease(prefill), Lease(decode)
         self.transfer_id = uuid.uuid4().hex
+        self.request_id = self.headers.get("x-request-id") or self.transfer_id   # what its log lines name
         self.token = secrets.token_hex(16)   # only this transfer's D and P learn it
         self.stream = body.get("stream") is True
         self.registered: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -178,12 +173,12 @@ class Exchange:
             done, _ = await asyncio.wait(waiting, timeout=max(0.0, end - loop.time()),
                                          return_when=asyncio.FIRST_COMPLETED)
             if not done:
-                raise ExchangeError(504, "registration_timeout",
-                                    f"D did not register the transfer within {t.registration_s:g}s")
+                raise ExchangeError(504, "registration_timeout", f"D ({self.decode.url}) did not register "
+                                    f"the transfer within {t.registration_s:g}s")
             if self.d_task in done and not self.registered.done():
                 # a streaming D answers its headers at once; anything else before the registration is an error
                 if self.d_task.exception() is not None or self.d_task.result().status_code != 200 or not self.stream:
-                    raise await self._decode_error("D answered before registering the transfer")
+                    raise await self._decode_error()
                 waiting = {self.registered}
         self.stamp("registered")
         # P runs in its own task: D's answer is relayed as soon as D has one, not after P's whole reply
@@ -196,10 +191,8 @@ class Exchange:
                     self.raise_if_prefill_failed()
                 await self.prefill_failure_first()
                 self.d_response = self.d_task.result()
-        except TimeoutError:
-            raise ExchangeError(504, "decode_timeout", f"D did not answer within {t.request_s:g}s") from None
-        except httpx.HTTPError as exc:
-            raise ExchangeError(502, "decode_error", f"D failed: {type(exc).__name__}: {exc}") from None
+        except (TimeoutError, httpx.HTTPError) as exc:
+            raise call_failed(exc, "D", self.decode.url, t.request_s) from None
         self.stamp("d_answered")
         return self.d_response
 
@@ -245,6 +238,7 @@ class Exchange:
     def stamp(self, stage: str) -> None:
         """The request's timeline (ms since the proxy took it), logged at debug when the exchange closes."""
         self.stamps[stage] = round((time.perf_counter() - self.started) * 1e3, 1)
+        self.state.metrics.stage(stage, self.stamps[stage] / 1e3)
 
     async def _prefill(self, regs: list[dict]) -> None:
         client, t = self.state.client, self.state.timeouts
@@ -256,23 +250,30 @@ class Exchange:
                 # e.g. httpcore/anyio raising AttributeError when P dies mid-connect
                 log.warning("transfer %s: the HTTP client failed unexpectedly calling P: %r", self.transfer_id, exc)
             await self.abort_decode(f"prefill failed: {type(exc).__name__}")
-            raise ExchangeError(502, "prefill_error", f"P failed: {type(exc).__name__}: {exc}") from None
+            raise call_failed(exc, "P", self.prefill.url, t.prefill_s) from None
         finally:
             self.p_lease.release()   # P's part of the request ends with its answer
             self.stamp("p_answered")
         if reply.status_code != 200:
             await self.abort_decode(f"prefill answered HTTP {reply.status_code}")
-            raise ExchangeError(502, "prefill_error", f"P answered HTTP {reply.status_code}: {reply.text[:300]}")
+            raise answered_error("P", self.prefill.url, reply.status_code, reply.content,
+                                 reply.headers.get("content-type", "application/json"))
+        self.state.metrics.prefill.observe((self.stamps["p_answered"] - self.stamps["registered"]) / 1e3)
 
-    async def _decode_error(self, what: str) -> ExchangeError:
-        if self.d_task is None:
-            return ExchangeError(502, "decode_error", f"{what}: D was never called")
+    async def _decode_error(self) -> ExchangeError:
+        """D answered before it registered the transfer: its own error (a 4xx goes to the client as is)."""
+        assert self.d_task is not None
         try:
             resp = self.d_task.result()
-        except (httpx.HTTPError, Exception) as exc:  # noqa: BLE001 - reported to the client
-            return ExchangeError(502, "decode_error", f"{what}: {type(exc).__name__}: {exc}")
-        text = (await resp.aread()).decode(errors="replace")[:300] if self.stream else resp.text[:300]
-        return ExchangeError(502, "decode_error", f"{what}: HTTP {resp.status_code}: {text}")
+        except Exception as exc:  # noqa: BLE001 - reported to the client
+            return call_failed(exc, "D", self.decode.url, self.state.timeouts.request_s)
+        content = await resp.aread()
+        if resp.status_code == 200:   # a whole answer with no transfer: D is not running the connector
+            text = content[:300].decode(errors="replace")
+            return ExchangeError(502, "decode_error", f"D ({self.decode.url}) answered without registering the "
+                                 f"transfer (is its kv connector aiolayer's?): {text}")
+        return answered_error("D", self.decode.url, resp.status_code, content,
+                              resp.headers.get("content-type", "application/json"), " before registering the transfer")
 
     async def abort_decode(self, reason: str) -> None:
         """Tell each of D's ranks to give the transfer up (bounded, at once); D keeps the blocks until P is quiet."""

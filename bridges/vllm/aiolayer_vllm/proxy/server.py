@@ -11,6 +11,7 @@ from aiolayer import ControlPeers, Timeouts
 from aiolayer.cli import Command
 from aiolayer.transport import url_host
 
+from . import logs
 from .flow import ProxyTimeouts
 from .pool import Backend, Pool
 from .topology import learn_pool
@@ -45,7 +46,12 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
                    help="seconds for D's whole generation")
     p.add_argument("--health-interval", type=float, default=2.0,
                    help="seconds between health checks of each server (HTTP /health and its ranks' topology)")
-    p.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="the proxy's and uvicorn's log level")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                   help="the proxy's log level (info: its start-up line and one line per failed request; "
+                        "uvicorn's own lines and access log show at debug)")
+    p.add_argument("--log-format", default="text", choices=logs.FORMATS,
+                   help="text lines, or one JSON object per line (time, level, logger, message, and for a "
+                        "request's lines request_id, stage, status, error_type)")
 
 
 def public_url(host: str, port: int, given: str) -> str:
@@ -63,12 +69,8 @@ def run_proxy(args: argparse.Namespace) -> int:
 
     from .app import create_app
 
-    logger = logging.getLogger("aiolayer_vllm")
-    logger.setLevel(args.log_level.upper())
-    if not logger.handlers and not logging.getLogger().handlers:   # uvicorn configures only its own loggers
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        logger.addHandler(handler)
+    logs.configure(args.log_level, args.log_format)
+    logger = logging.getLogger("aiolayer_vllm.proxy")
     try:
         pool = Pool([Backend.parse("prefill", s) for s in args.prefill],
                     [Backend.parse("decode", s) for s in args.decode], health_interval_s=args.health_interval,
@@ -83,16 +85,21 @@ def run_proxy(args: argparse.Namespace) -> int:
     if problems:
         print("aiolayer proxy: refused to start:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 1
-    for b in pool.all:
-        learned = b.topology   # every backend's: learn_pool found no problem
-        if learned is not None:
-            logger.info("%s: engine %s, tp %d, dp %d, role %s, model %s", b.name, learned.engine_id,
-                        learned.tp, learned.dp, learned.role, learned.model)
     timeouts = ProxyTimeouts(registration_s=args.registration_timeout, prefill_s=args.prefill_timeout,
                              request_s=args.request_timeout)
     app = create_app(pool, url, timeouts)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    logger.info("aiolayer proxy listening on http://%s:%d (D registers at %s), model %s; %s", url_host(args.host),
+                args.port, url, pool.model, "; ".join(_described(b) for b in pool.all))
+    # log_config=None: uvicorn keeps the handler set above (its own config would replace it)
+    uvicorn.run(app, host=args.host, port=args.port, log_config=None, log_level=logs.uvicorn_level(args.log_level),
+                access_log=args.log_level == "debug", timeout_graceful_shutdown=5)
     return 0
+
+
+def _described(b: Backend) -> str:
+    learned = b.topology   # every backend's: learn_pool found no problem
+    engine = f"engine {learned.engine_id}, tp {learned.tp}, dp {learned.dp}" if learned else "not learned"
+    return f"{b.role} {b.url} (control {b.control}, {engine})"
 
 
 async def _learn(pool: Pool, wait_s: float) -> list[str]:
