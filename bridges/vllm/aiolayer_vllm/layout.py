@@ -96,7 +96,8 @@ def describe(kv_caches: Mapping, num_blocks: int, block_size: int, head_size: in
     if logical not in (None, "NHD", "HND"):
         raise ConfigError(f"logical must be 'NHD', 'HND' or None, got {logical!r}")
     order = layer_order(kv_caches)
-    first, sharers = None, {}   # the planes' addresses -> (name, planes) of the layers using them, in order
+    first = None
+    sharers: dict[tuple[int, ...], list[tuple[str, tuple]]] = {}   # the planes' addresses -> the layers on them
     for name in order:
         planes = _planes(name, kv_caches[name], num_blocks, use_mla)
         found = _analyse(name, kv_caches[name], planes, num_blocks, block_size, head_size, local_kv_heads,

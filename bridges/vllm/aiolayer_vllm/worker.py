@@ -15,7 +15,7 @@ import collections
 import functools
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -182,16 +182,11 @@ class WorkerSide:
             if send.prefill_tp and send.prefill_tp != self.topology.tp_size:
                 reason = (f"P has tensor-parallel size {self.topology.tp_size} but the request was planned for "
                           f"tensor-parallel size {send.prefill_tp} (prefill_tp): not sent")
-                self._refuse_send(send, reason, refused_d_ranks(self.topology, send.prefill_tp, len(send.d_ranks)))
+                self._refuse_send(send, reason, functools.partial(refused_d_ranks, self.topology, send.prefill_tp,
+                                                                  len(send.d_ranks)))
                 continue
-            if send.refused:
-                try:
-                    mine = [route.d_rank for route in routes_for_p(self.topology, len(send.d_ranks))]
-                except Exception:  # no route either: D's own deadline ends it
-                    log.exception("request %s: transfer %s not sent: %s", send.req_id, send.transfer_id, send.refused)
-                    self._released.add(send.req_id)
-                    continue
-                self._refuse_send(send, send.refused, mine)
+            if send.refused:   # e.g. P's and D's KV cache groups disagree
+                self._refuse_send(send, send.refused, functools.partial(self._d_ranks_written, len(send.d_ranks)))
                 continue
             try:
                 mine = self._rank_specs(send)
@@ -215,16 +210,19 @@ class WorkerSide:
             for spec in specs:
                 self._send_quiet(spec.transfer_id)
 
-    def _refuse_send(self, send: SendReq, reason: str, refused: Iterable[int]) -> None:
+    def _d_ranks_written(self, d_tp: int) -> list[int]:
+        return [route.d_rank for route in routes_for_p(self.topology, d_tp)]
+
+    def _refuse_send(self, send: SendReq, reason: str, refused: Callable[[], list[int]]) -> None:
         """P: nothing of the request can be written, e.g. it was planned for a P of another
         tensor-parallel size (the proxy's view of us is stale: writing would leave D with heads nobody
         wrote, or waiting for ranks that do not exist), or P's and D's KV cache groups disagree. Each D
-        rank in ``refused`` (those waiting for this rank's word) gets FAILED with the reason."""
+        rank ``refused()`` lists (those waiting for this rank's word) gets FAILED with the reason."""
         d_ranks = send.d_ranks
         log.error("request %s: transfer %s: %s", send.req_id, send.transfer_id, reason)
         specs = []
         try:
-            for d_rank in refused:
+            for d_rank in refused():
                 tid = rank_transfer_id(send.transfer_id, d_rank, len(d_ranks))
                 control, incarnation = d_ranks[d_rank]
                 if tid not in self._req_of:   # else another request's live send: its outcome is its own
