@@ -16,6 +16,7 @@ import torch
 
 from aiolayer import ConfigError, Timeouts
 from aiolayer_vllm.config import from_extra_config
+from aiolayer_vllm.identity import fingerprint
 from vllm_sched import BLOCK_SIZE, LAYERS, vllm_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -74,8 +75,10 @@ def _groups(second: str = "window"):
 
 def _start(role: str, kv_cache_config):
     from aiolayer_vllm.connector import AiolayerConnector
+    from aiolayer_vllm.plugin import register
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+    register()   # vLLM's plugin loader does it in an engine
     config = vllm_config("kv_both", {"backend": "memory"})
     config.cache_config.num_gpu_blocks = 64
     return AiolayerConnector(config, KVConnectorRole[role], kv_cache_config)
@@ -96,8 +99,11 @@ def test_full_attention_and_sliding_window_groups_start_and_enter_the_fingerprin
     connector = _start(role, _groups())
     try:
         if role == "WORKER":
-            assert connector._worker.model_facts["kv_cache_groups"] == \
-                f"FullAttentionSpecx1;SlidingWindowSpec(128)x{len(LAYERS) - 1}"
+            facts = connector._worker.model_facts
+            assert facts["kv_cache_groups"] == f"FullAttentionSpecx1;SlidingWindowSpec(128)x{len(LAYERS) - 1}"
+            hybrid, plain = fingerprint(facts), fingerprint({k: v for k, v in facts.items() if k != "kv_cache_groups"})
+            assert hybrid.split("/")[0] == f"{facts['model']} (hybrid KV cache: 2 groups)", hybrid
+            assert hybrid.split("/")[1] != plain.split("/")[1]
     finally:
         connector.shutdown()
 
