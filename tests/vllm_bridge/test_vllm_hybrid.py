@@ -44,7 +44,10 @@ MAX_TOKENS = 8
 BLOCK = 128                       # vLLM CPU's default block size
 WINDOW = LLAMA_SLIDING.sliding_window
 LONG = long_prompt(1500, seed=3)  # 1501 tokens: 12 blocks, 2 of them inside the window at D
-PROMPTS = [SAMPLE_PROMPTS[0], long_prompt(300, seed=5), LONG]
+# 2601 tokens: two chunks at P (vLLM's 2048-token step budget), whose sliding-window groups free the
+# blocks outside the window before the last chunk: P still holds every block D's window needs
+CHUNKED = long_prompt(2600, seed=5)
+PROMPTS = [SAMPLE_PROMPTS[0], LONG, CHUNKED]
 TIMEOUTS = {"receive": 90.0, "fence_grace": 10.0, "layout_fetch": 30.0, "control_call": 5.0}
 PROXY_ARGS = ("--registration-timeout", "90", "--prefill-timeout", "90")
 LOGPROB_TOL = 1e-2                # D decodes over received KV, the aggregated engine over its own prefill
@@ -172,8 +175,8 @@ def test_sliding_window_groups_send_only_what_d_holds(hybrid):
         assert sent == got == tensors * moved * block_bytes, (n, sent, got, tensors, moved, block_bytes)
         if n > WINDOW + BLOCK:
             assert sent < full, (n, sent, full)
-    n = hybrid["answers"][LONG][2]
-    assert _expected_blocks(n) == (12 + 2 * 2, 12), n   # 1501 tokens: 16 block copies per tensor, not 36
+    assert hybrid["answers"][LONG][2] == 1501 and _expected_blocks(1501) == (12 + 2 * 2, 12)   # not 3 * 12
+    assert hybrid["answers"][CHUNKED][2] == 2601 and _expected_blocks(2601) == (21 + 2 * 2, 21)
 
 
 def test_hybrid_zeroed_kv_at_d_changes_the_answer(hybrid):
