@@ -72,7 +72,9 @@ def _logging_config() -> str:
 
 def _engine(name: str, control_port: int, role: str, env: dict | None = None, **kw) -> VllmServer:
     return VllmServer(tiny_model_dir(LLAMA_SLIDING), name=name, enforce_eager=True, dtype="float32", **kw,
-                      omp_bind="nobind", kv_transfer_config=connector(role, name, control_port, timeouts=TIMEOUTS),
+                      omp_bind="nobind",
+                      # integrity_sample 1: D checks every layer's bytes against P's CRC32 (host memory)
+                      kv_transfer_config=connector(role, name, control_port, timeouts=TIMEOUTS, integrity_sample=1.0),
                       env=MC_ENV | {"VLLM_LOGGING_CONFIG_PATH": _logging_config()} | (env or {}),
                       startup_timeout_s=500)
 
@@ -134,8 +136,11 @@ def hybrid():
     with running(p, d, a):
         baseline = {prompt: _answer(a, prompt) for prompt in PROMPTS}
         answers, moved = _through_proxy(p, p_port, d, d_port)
+        integrity = (_total(d, "vllm:aiolayer_integrity_verified_total"),
+                     _total(d, "vllm:aiolayer_integrity_mismatch_total"))
         zeroed, _ = _through_proxy(p, p_port, a, a_port)
-        yield {"p": p, "d": d, "a": a, "baseline": baseline, "answers": answers, "moved": moved, "zeroed": zeroed}
+        yield {"p": p, "d": d, "a": a, "baseline": baseline, "answers": answers, "moved": moved, "zeroed": zeroed,
+               "integrity": integrity}
 
 
 def test_hybrid_manager_stays_on_and_groups_share_tensors(hybrid):
@@ -147,6 +152,8 @@ def test_hybrid_manager_stays_on_and_groups_share_tensors(hybrid):
 
 
 def test_hybrid_p_to_d_equals_the_aggregated_engine(hybrid):
+    verified, mismatched = hybrid["integrity"]   # D checked the landed bytes of every layer against P's
+    assert verified >= len(PROMPTS) and mismatched == 0, hybrid["integrity"]
     for prompt, (tokens, logprobs, n) in hybrid["answers"].items():
         want_tokens, want_logprobs, _ = hybrid["baseline"][prompt]
         print(f"{n} tokens: largest logprob change vs aggregated "
