@@ -47,20 +47,26 @@ def vllm_config(role: str, extra: dict, policy: str = "fail", max_batched: int =
 
 class Engine:
     def __init__(self, role: str, extra: dict, policy: str = "fail", max_batched: int = 1024,
-                 layout: str = "cpu", num_blocks: int = NUM_BLOCKS, asynchronous: bool = False) -> None:
+                 layout: str = "cpu", num_blocks: int = NUM_BLOCKS, asynchronous: bool = False,
+                 window: int = 0) -> None:
         from aiolayer_vllm.connector import AiolayerConnector
         from aiolayer_vllm.plugin import register
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
         from vllm.v1.structured_output import StructuredOutputManager
 
         register()
         self.config = vllm_config(role, extra, policy, max_batched)
-        kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-            KVCacheGroupSpec(LAYERS, FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64,
-                                                       dtype=torch.float32))])
+        full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float32)
+        # window: vLLM's hybrid KV cache manager, layer 0 full attention and layer 1 a sliding window of
+        # that many tokens, in two KV cache groups overlaid on one tensor (as vLLM allocates them)
+        groups = [KVCacheGroupSpec(LAYERS, full)] if not window else [
+            KVCacheGroupSpec(LAYERS[:1], full),
+            KVCacheGroupSpec(LAYERS[1:], SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64,
+                                                           dtype=torch.float32, sliding_window=window))]
+        kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.config.cache_config.num_gpu_blocks = num_blocks
         # asynchronous: vLLM's AsyncScheduler (async scheduling, vLLM's default where supported): the
         # next step may be scheduled before this one's output is in; see ``run`` and ``land``
@@ -73,7 +79,8 @@ class Engine:
         # each block); "split": [2, num_blocks, block_size, kv_heads, head_size] (flash on CUDA)
         shape = (num_blocks, 1, BLOCK_SIZE, 128) if layout == "cpu" else (2, num_blocks, BLOCK_SIZE, 1, 64)
         self.layout = layout
-        self.kv = {name: torch.zeros(shape) for name in LAYERS}
+        shared = torch.zeros(shape)
+        self.kv = {name: shared if window else torch.zeros(shape) for name in LAYERS}
         self.worker.register_kv_caches(self.kv)
         self.outputs = []
         self.reports = []          # per step: (transfer results, connector stats), as vLLM collects them
@@ -149,8 +156,8 @@ class Engine:
         t = self.kv[name]
         return t if self.layout == "cpu" else t.transpose(0, 1)
 
-    def blocks_of(self, req_id: str) -> list[int]:
-        mgr = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    def blocks_of(self, req_id: str, group: int = 0) -> list[int]:
+        mgr = self.scheduler.kv_cache_manager.coordinator.single_type_managers[group]
         return [b.block_id for b in mgr.req_to_blocks.get(req_id, [])]
 
     def close(self) -> None:

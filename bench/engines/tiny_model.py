@@ -74,6 +74,10 @@ class TinySpec:
     qk_rope_head_dim: int = 64
     qk_nope_head_dim: int = 64
     v_head_dim: int = 64
+    # Sliding-window attention (Llama only; vLLM reads ``layer_types`` per layer): the layers listed
+    # attend to the last ``sliding_window`` tokens, the others to all. () = every layer full attention.
+    sliding_layers: tuple[int, ...] = ()
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -82,12 +86,17 @@ class TinySpec:
             raise ValueError("Qwen2 always has q/k/v biases: set attention_bias=True")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.sliding_layers and (self.architecture != "llama" or self.sliding_window < 1
+                                    or not all(0 <= i < self.num_layers for i in self.sliding_layers)):
+            raise ValueError("sliding_layers: Llama layers below num_layers, with sliding_window >= 1")
 
     def key(self) -> str:
         fields = dataclasses.asdict(self)
         if self.architecture not in MLA_ARCHITECTURES:
             for name in _MLA_FIELDS:
                 del fields[name]
+        if not self.sliding_layers:   # models cached before the field existed keep their key
+            del fields["sliding_layers"], fields["sliding_window"]
         blob = json.dumps({**fields, "v": BUILD_VERSION, "vocab": VOCAB_SIZE}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -101,6 +110,10 @@ QWEN2_BIAS = TinySpec(architecture="qwen2", attention_bias=True, num_layers=4, h
 # head size 576). Init 0.02: with larger weights CPU_MLA's prefill and decode paths disagree
 # (docs/vllm.md), so aggregated and P/D answers would differ even with a right transfer.
 DEEPSEEK_V2_MLA = TinySpec(architecture="deepseek_v2", num_kv_heads=2, init_std=0.02)
+# Gemma-2/3-style hybrid attention: 6 layers, 4 of them with a 128-token sliding window, 2 full attention
+# (vLLM's hybrid KV cache manager: one full-attention KV cache group and two sliding-window groups).
+LLAMA_SLIDING = TinySpec(num_layers=6, sliding_layers=(0, 1, 3, 4), sliding_window=128,
+                         max_position_embeddings=4096)
 
 
 def vocabulary() -> list[str]:
@@ -193,6 +206,13 @@ def _config(spec: TinySpec):
         return DeepseekV2Config(**common, first_k_dense_replace=spec.num_layers, q_lora_rank=None,
                                 kv_lora_rank=spec.kv_lora_rank, qk_rope_head_dim=spec.qk_rope_head_dim,
                                 qk_nope_head_dim=spec.qk_nope_head_dim, v_head_dim=spec.v_head_dim)
+    if spec.sliding_layers:
+        # transformers' Llama ignores these (the weights do not depend on them); vLLM's Llama gives each
+        # "sliding_attention" layer a sliding-window KV cache spec, so the hybrid KV cache manager
+        # makes a KV cache group per window kind
+        types = ["sliding_attention" if i in spec.sliding_layers else "full_attention" for i in range(spec.num_layers)]
+        return LlamaConfig(**common, attention_bias=spec.attention_bias, layer_types=types,
+                           sliding_window=spec.sliding_window)
     return LlamaConfig(**common, attention_bias=spec.attention_bias)
 
 

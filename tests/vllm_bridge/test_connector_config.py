@@ -1,7 +1,7 @@
 """The vLLM connector's configuration is strict and checked early: a misspelt key anywhere in
 ``kv_connector_extra_config`` is refused with the key named, while vLLM builds its engine config
-(before any engine process or model load), and a KV cache the bridge cannot map (several groups) is
-refused when the connector starts."""
+(before any engine process or model load), and a KV cache the bridge cannot move (a group of SSM
+state beside attention groups) is refused when the connector starts."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 
 from aiolayer import ConfigError, Timeouts
 from aiolayer_vllm.config import from_extra_config
+from aiolayer_vllm.identity import fingerprint
 from vllm_sched import BLOCK_SIZE, LAYERS, vllm_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,31 +61,57 @@ def test_the_cuda_graph_question_checks_the_settings_too():
     assert AiolayerConnector.requires_piecewise_for_cudagraph({"backend": "memory"}) is True
 
 
-def _two_groups():
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+def _groups(second: str = "window"):
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
+                                            SlidingWindowSpec)
 
     full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float32)
-    window = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float32,
-                               sliding_window=128)
+    other = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float32,
+                              sliding_window=128) if second == "window" else \
+        MambaSpec(block_size=BLOCK_SIZE, shapes=((4, 64),), dtypes=(torch.float32,))
     return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(LAYERS[:1], full), KVCacheGroupSpec(LAYERS[1:], window)])
+        KVCacheGroupSpec(LAYERS[:1], full), KVCacheGroupSpec(LAYERS[1:], other)])
+
+
+def _start(role: str, kv_cache_config):
+    from aiolayer_vllm.connector import AiolayerConnector
+    from aiolayer_vllm.plugin import register
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    register()   # vLLM's plugin loader does it in an engine
+    config = vllm_config("kv_both", {"backend": "memory"})
+    config.cache_config.num_gpu_blocks = 64
+    return AiolayerConnector(config, KVConnectorRole[role], kv_cache_config)
+
+
+def test_the_connector_supports_the_hybrid_kv_cache_manager():
+    """vLLM keeps its hybrid KV cache manager on only for a connector class that subclasses SupportsHMA."""
+    from aiolayer_vllm.connector import AiolayerConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    assert supports_hma(AiolayerConnector)
 
 
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
-def test_a_kv_cache_of_several_groups_is_refused_at_start(role):
-    from aiolayer_vllm.connector import AiolayerConnector
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-    config = vllm_config("kv_both", {"backend": "memory"})
-    config.cache_config.num_gpu_blocks = 64
+def test_full_attention_and_sliding_window_groups_start_and_enter_the_fingerprint(role):
+    """Several groups of attention KV start; the worker's fingerprint names them, so that a P and a D
+    whose groups differ (one with the hybrid manager off) are refused at the proxy's handshake."""
+    connector = _start(role, _groups())
     try:
-        connector = AiolayerConnector(config, KVConnectorRole[role], _two_groups())
-    except ConfigError as exc:
-        message = str(exc)
-    else:
+        if role == "WORKER":
+            facts = connector._worker.model_facts
+            assert facts["kv_cache_groups"] == f"FullAttentionSpecx1;SlidingWindowSpec(128)x{len(LAYERS) - 1}"
+            hybrid, plain = fingerprint(facts), fingerprint({k: v for k, v in facts.items() if k != "kv_cache_groups"})
+            assert hybrid.split("/")[0] == f"{facts['model']} (hybrid KV cache: 2 groups)", hybrid
+            assert hybrid.split("/")[1] != plain.split("/")[1]
+    finally:
         connector.shutdown()
-        message = ""
-    assert "one KV cache group, vLLM gave 2" in message and "--disable-hybrid-kv-cache-manager" in message
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_an_ssm_state_group_is_refused_at_start(role):
+    with pytest.raises(ConfigError, match="2 groups, one of them MambaSpec"):
+        _start(role, _groups("mamba")).shutdown()
 
 
 @pytest.mark.vllm

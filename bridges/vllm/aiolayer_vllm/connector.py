@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorRole,
-                                                                KVConnectorTransferResults)
+                                                                KVConnectorTransferResults, SupportsHMA)
 
 from aiolayer.errors import ConfigError, RuntimeStateError
 
@@ -37,24 +37,37 @@ def _configure_logging() -> None:
             logger.addHandler(handler)
 
 
-def check_one_kv_cache_group(kv_cache_config) -> None:
-    """Refuse a KV cache of several groups (both roles, at start): the bridge maps every layer onto
-    group 0's block ids, so another group's layers would be read from and written into blocks that
-    are not theirs."""
+# Group kinds whose blocks hold plain attention KV (a block id per block_size tokens, one layout for
+# every layer): P's blocks of each group copy into D's. Others (SSM state, chunked-local attention,
+# ring buffers...) keep state the bridge does not know how to move.
+MOVABLE_GROUPS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec")
+
+
+def kv_cache_groups(kv_cache_config) -> list[str]:
+    """Each KV cache group's kind (with its sliding window) and layer count, in vLLM's group order;
+    refuses (both roles, at start) a group of several whose kind the bridge cannot move."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    if len(groups) > 1:
-        kinds = ", ".join(sorted({type(group.kv_cache_spec).__name__ for group in groups}))
-        raise ConfigError(f"aiolayer supports one KV cache group, vLLM gave {len(groups)} ({kinds}): hybrid "
-                          "and sliding-window KV cache groups are not supported yet; start vLLM with "
-                          "--disable-hybrid-kv-cache-manager (sliding-window layers then share the full-attention "
-                          "group), or use a model whose attention layers all have one KV shape")
+    kinds = []
+    for group in groups:
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        if len(groups) > 1 and kind not in MOVABLE_GROUPS:
+            raise ConfigError(f"aiolayer moves the KV cache groups {', '.join(MOVABLE_GROUPS)}; vLLM gave "
+                              f"{len(groups)} groups, one of them {kind} (its layers {list(group.layer_names)[:3]}"
+                              "...): not supported yet")
+        window = getattr(spec, "sliding_window", None)
+        kinds.append(f"{kind}{f'({window})' if window else ''}x{len(group.layer_names)}")
+    return kinds
 
 
-class AiolayerConnector(KVConnectorBase_V1):
+class AiolayerConnector(KVConnectorBase_V1, SupportsHMA):
+    """Every KV cache group's blocks move (``SupportsHMA``: vLLM keeps its hybrid KV cache manager on),
+    see ``scheduler`` (block ids per group) and ``layout`` (the groups' shared tensors)."""
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _configure_logging()
-        check_one_kv_cache_group(kv_cache_config)
+        groups = kv_cache_groups(kv_cache_config)
         ktc = self._kv_transfer_config
         engine_id = getattr(ktc, "engine_id", None) or "vllm"
         self.config = from_extra_config(ktc.kv_connector_extra_config, str(engine_id))
@@ -71,7 +84,10 @@ class AiolayerConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(self.config, producer, consumer, kv_cache_config.num_blocks,
                                       ranks.from_vllm(vllm_config), block_size=vllm_config.cache_config.block_size,
                                       head_size=vllm_config.model_config.get_head_size(),
-                                      engine_core_pid=engine_core_pid(executor), model_facts=model_facts(vllm_config))
+                                      engine_core_pid=engine_core_pid(executor),
+                                      # P and D must agree on the groups: the fingerprint covers them
+                                      model_facts=model_facts(vllm_config) | (
+                                          {"kv_cache_groups": ";".join(groups)} if len(groups) > 1 else {}))
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -163,4 +179,8 @@ class AiolayerConnector(KVConnectorBase_V1):
         self._scheduler_side.update_connector_output(connector_output)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler_side.request_finished(request, block_ids)
+        return self._scheduler_side.request_finished(request)
+
+    def request_finished_all_groups(self, request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side.request_finished(request)   # held or freed: every group's blocks alike

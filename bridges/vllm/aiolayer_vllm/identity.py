@@ -4,8 +4,9 @@ and a fingerprint of everything that must match between P and D for a transfer t
 The proxy learns each engine's parallel layout from these answers and refuses P and D whose
 fingerprints differ. The fingerprint is ``<model name>/<12 hex digits>``: the name (the last part of
 the model's path or Hugging Face id, so that the same model under two paths on two hosts still
-matches) for people, and a hash of the name, dtypes, layers, total KV heads, head size, block size
-and MLA flag, which any byte-for-byte copy between the two engines depends on.
+matches) for people, and a hash of the name, dtypes, layers, total KV heads, head size, block size,
+MLA flag and (several of them) the KV cache groups, which any byte-for-byte copy between the two engines
+depends on; a hybrid KV cache's group count is named in the readable part too.
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ def model_facts(vllm_config) -> dict[str, str]:
 
 def fingerprint(facts: dict[str, object]) -> str:
     text = ";".join(f"{key}={facts[key]}" for key in sorted(facts))
-    return f"{facts.get('model') or 'model'}/{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    name = str(facts.get("model") or "model")
+    groups = str(facts.get("kv_cache_groups") or "")
+    if groups:   # named, so that a P and a D differing only there see why the proxy refuses them
+        name += f" (hybrid KV cache: {groups.count(';') + 1} groups)"
+    return f"{name}/{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
 def role_of(is_producer: bool, is_consumer: bool) -> str:

@@ -49,7 +49,9 @@ def layer_order(names) -> list[str]:
 class KVLayout:
     """One worker's KV caches as the runtime sees them; the same for every layer."""
 
-    names: tuple[str, ...]              # model order; index = the layer index the runtime uses
+    # model order; index = the layer index the runtime uses. Layers sharing one tensor (the hybrid KV
+    # cache manager's groups) are one entry, named after the last of them
+    names: tuple[str, ...]
     k_base: tuple[int, ...]
     v_base: tuple[int, ...]             # 0 where K and V share one plane
     block_bytes: int                    # bytes of one block of one plane
@@ -93,9 +95,10 @@ def describe(kv_caches: Mapping, num_blocks: int, block_size: int, head_size: in
             raise ConfigError(f"{label} must be a positive integer, got {value!r}")
     if logical not in (None, "NHD", "HND"):
         raise ConfigError(f"logical must be 'NHD', 'HND' or None, got {logical!r}")
-    names = layer_order(kv_caches)
-    k_base, v_base, views, first = [], [], {}, None
-    for name in names:
+    order = layer_order(kv_caches)
+    first = None
+    sharers: dict[tuple[int, ...], list[tuple[str, tuple]]] = {}   # the planes' addresses -> the layers on them
+    for name in order:
         planes = _planes(name, kv_caches[name], num_blocks, use_mla)
         found = _analyse(name, kv_caches[name], planes, num_blocks, block_size, head_size, local_kv_heads,
                          use_mla, logical)
@@ -103,13 +106,21 @@ def describe(kv_caches: Mapping, num_blocks: int, block_size: int, head_size: in
             first = (name, found)
         elif found != first[1]:
             raise ConfigError(f"layers differ: {first[0]} is {first[1]}, {name} is {found}")
-        k_base.append(planes[0].data_ptr())
-        v_base.append(planes[1].data_ptr() if len(planes) == 2 else 0)
-        views[name] = planes
+        sharers.setdefault(tuple(p.data_ptr() for p in planes), []).append((name, planes))
     if first is None:
         raise ConfigError("vLLM gave no KV cache layers")
+    # The hybrid KV cache manager lays its groups over each other: layer i of every group uses the same
+    # tensor, and a block id belongs to one group at a time. One such tensor is one runtime layer, final
+    # once the last layer using it has run (so it is named after that layer, the one the worker hands
+    # over), and each of its blocks holds the KV of the group owning it: moving every group's blocks of
+    # every tensor moves each layer's KV exactly once.
+    last = sorted((layers[-1] for layers in sharers.values()), key=lambda item: order.index(item[0]))
+    names = tuple(name for name, _ in last)
+    views = {name: planes for name, planes in last}
+    k_base = [planes[0].data_ptr() for _, planes in last]
+    v_base = [planes[1].data_ptr() if len(planes) == 2 else 0 for _, planes in last]
     found = first[1]
-    return KVLayout(names=tuple(names), k_base=tuple(k_base), v_base=tuple(v_base),
+    return KVLayout(names=names, k_base=tuple(k_base), v_base=tuple(v_base),
                     block_bytes=found.block_bytes, num_blocks=num_blocks, views=MappingProxyType(views),
                     kv_heads=found.kv_heads if found.geometry is not None else 0, geometry=found.geometry,
                     kind=found.kind)

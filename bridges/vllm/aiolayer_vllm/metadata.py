@@ -19,6 +19,13 @@ class RecvReq:
     notify_url: str = ""
     token: str = ""
     prefill_controls: tuple[str, ...] = ()   # P's TP ranks when it has several (then prefill_control is "")
+    # block_ids holds every KV cache group's, group after group, with vLLM's null block where a sliding
+    # window needs none: these are the blocks the transfer actually writes (None: all of block_ids)
+    own_blocks: list[int] | None = None
+
+    @property
+    def written(self) -> list[int]:
+        return self.block_ids if self.own_blocks is None else self.own_blocks
 
     @property
     def prefill_ranks(self) -> list[str]:
@@ -39,6 +46,7 @@ class SendReq:
     token: str = ""
     decode_ranks: tuple[tuple[str, str], ...] = ()   # (control, incarnation) per D TP rank when several
     prefill_tp: int = 0                              # P's TP size the plan assumed (0: not said)
+    refused: str = ""                                # why nothing can be sent (D is told); "" = send
 
     @property
     def d_ranks(self) -> list[tuple[str, str]]:

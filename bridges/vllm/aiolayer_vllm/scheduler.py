@@ -9,6 +9,10 @@ allocated, listed for registration. P: a request is listed for sending in the st
 completes (with chunked prefill, earlier chunks' KV is final by then, so every block goes out layer
 by layer in that step), and its blocks are held until the worker reports the sends finished.
 
+Every KV cache group's blocks go (``SupportsHMA``): D registers its groups' block ids one group after
+the other, P pairs them with its own group by group, and a block D's sliding-window group has already
+replaced with vLLM's null block (outside the window at D's first decode step) is not moved.
+
 Each request uses its parameters once: vLLM asks ``get_num_new_matched_tokens`` again whenever a
 waiting request has no computed token (after a preemption, or after the load of a 1-token prompt,
 whose last token vLLM recomputes); that request is then computed locally, as vLLM expects. And each
@@ -36,6 +40,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_CLAIMS = 1 << 16      # transfer ids remembered after their request, to refuse a late duplicate
+
+
+def pair_groups(groups: list[list[int]], dst_blocks: list[int], null: int) -> tuple[list[int], list[int], str]:
+    """P: (source, destination, refusal) for one request: D registered its blocks group after group,
+    each group as long as ours; a pair where D holds the null block is one D does not need (outside its
+    sliding window), so it is not moved. A refusal ("" = none) says why nothing can be moved."""
+    size = sum(len(ids) for ids in groups)
+    if len(dst_blocks) != size:
+        return [], [], (f"D registered {len(dst_blocks)} blocks, P holds {size} in {len(groups)} KV cache "
+                        f"group(s) of {[len(ids) for ids in groups]}: P and D do not agree on the KV cache groups")
+    src, dst, at = [], [], 0
+    for group, ids in enumerate(groups):
+        for s, d in zip(ids, dst_blocks[at:at + len(ids)]):
+            if d == null:
+                continue
+            if s == null:
+                return [], [], (f"KV cache group {group}: D needs a block P already freed (outside its sliding "
+                                "window): P and D do not agree on the KV cache groups")
+            src.append(s)
+            dst.append(d)
+        at += len(ids)
+    return src, dst, ""
 
 
 class SchedulerSide:
@@ -119,22 +145,29 @@ class SchedulerSide:
                 self._consumed.add(req_id)    # from its first allocation on, the parameters are spent
             if parked is not None and num_external_tokens > 0:
                 recv, computed = parked
-                all_blocks = self._block_ids(req_id)
                 first = computed // self.block_size
+                groups = [ids[first:] for ids in self._block_ids(req_id)]
+                flat = [b for ids in groups for b in ids]
                 self._receiving[req_id] = recv.transfer_id
-                self._meta.recvs.append(RecvReq(req_id, recv.transfer_id, list(all_blocks[first:]),
-                                                first, recv.prefill_control, recv.notify_url, token=recv.token,
-                                                prefill_controls=tuple(recv.prefill_controls)))
+                self._meta.recvs.append(RecvReq(req_id, recv.transfer_id, flat, first, recv.prefill_control,
+                                                recv.notify_url, token=recv.token,
+                                                prefill_controls=tuple(recv.prefill_controls),
+                                                own_blocks=[b for b in flat if b != self._null_block()]))
         if self.is_producer and req_id not in self._sent:
             send = self._read(request)
             if isinstance(send, SendParams):
                 self._to_send[req_id] = (request, send)
 
-    def _block_ids(self, req_id: str) -> list[int]:
-        """The request's blocks (of the one KV cache group the bridge allows)."""
+    def _block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        """The request's block ids, one list per KV cache group (vLLM's group order)."""
         if self.kv_cache_manager is None:
             raise RuntimeStateError("aiolayer: vLLM has not bound its KV cache manager")
-        return self.kv_cache_manager.get_block_ids(req_id)[0]
+        return tuple(self.kv_cache_manager.get_block_ids(req_id))
+
+    def _null_block(self) -> int:
+        """vLLM's placeholder for a block a sliding window no longer needs (id 0: the block pool's first)."""
+        pool = getattr(self.kv_cache_manager, "block_pool", None)
+        return int(getattr(getattr(pool, "null_block", None), "block_id", 0))
 
     # --- P -------------------------------------------------------------------------------------
 
@@ -146,12 +179,12 @@ class SchedulerSide:
             if n == 0 or request.num_computed_tokens + n < request.num_prompt_tokens:
                 continue  # not scheduled, or an earlier chunk: the whole KV is final only at the last one
             del self._to_send[req_id]
-            blocks = self._block_ids(req_id)
             needed = math.ceil(request.num_prompt_tokens / self.block_size)
-            src = list(blocks[send.first_block:needed])
+            groups = [ids[send.first_block:needed] for ids in self._block_ids(req_id)]
+            src, dst, refused = pair_groups(groups, send.dst_blocks, self._null_block())
             self._sent[req_id] = send.transfer_id
-            out.append(SendReq(req_id, send.transfer_id, src, send.decode_control, send.dst_blocks,
-                               send.dst_incarnation,
+            out.append(SendReq(req_id, send.transfer_id, src, send.decode_control, dst,
+                               send.dst_incarnation, refused=refused,
                                layerwise=use_layerwise(request.num_prompt_tokens, self.config.layerwise_min_tokens),
                                token=send.token,
                                decode_ranks=tuple((r.decode_control, r.dst_incarnation) for r in send.decode_ranks),
@@ -198,7 +231,7 @@ class SchedulerSide:
         for req_id in connector_output.finished_recving or ():
             self._receiving.pop(req_id, None)
 
-    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._parked.pop(req_id, None)
         self._to_send.pop(req_id, None)

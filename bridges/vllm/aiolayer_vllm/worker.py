@@ -15,7 +15,7 @@ import collections
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -169,9 +169,9 @@ class WorkerSide:
         other = self._recv_of.get(tid)
         if other is not None:
             reason = f"transfer {tid} is already received by request {other[0]}"
-            self._recv_failures.append((tid, reason, (recv.req_id, recv.block_ids)))
+            self._recv_failures.append((tid, reason, (recv.req_id, recv.written)))
             return False
-        self._recv_of[tid] = (recv.req_id, recv.block_ids)
+        self._recv_of[tid] = (recv.req_id, recv.written)
         return True
 
     def _begin_sends(self, sends) -> None:
@@ -180,7 +180,13 @@ class WorkerSide:
         for send in sends:
             self._sending.add(send.req_id)
             if send.prefill_tp and send.prefill_tp != self.topology.tp_size:
-                self._refuse_send(send)
+                reason = (f"P has tensor-parallel size {self.topology.tp_size} but the request was planned for "
+                          f"tensor-parallel size {send.prefill_tp} (prefill_tp): not sent")
+                self._refuse_send(send, reason, functools.partial(refused_d_ranks, self.topology, send.prefill_tp,
+                                                                  len(send.d_ranks)))
+                continue
+            if send.refused:   # e.g. P's and D's KV cache groups disagree
+                self._refuse_send(send, send.refused, functools.partial(self._d_ranks_written, len(send.d_ranks)))
                 continue
             try:
                 mine = self._rank_specs(send)
@@ -204,17 +210,19 @@ class WorkerSide:
             for spec in specs:
                 self._send_quiet(spec.transfer_id)
 
-    def _refuse_send(self, send: SendReq) -> None:
-        """P: the request was planned for a P of another tensor-parallel size (the proxy's view of us is
-        stale): writing would leave D with heads nobody wrote, or waiting for ranks that do not exist.
-        Nothing is written; each D rank waiting for this rank's word gets FAILED naming both sizes."""
+    def _d_ranks_written(self, d_tp: int) -> list[int]:
+        return [route.d_rank for route in routes_for_p(self.topology, d_tp)]
+
+    def _refuse_send(self, send: SendReq, reason: str, refused: Callable[[], list[int]]) -> None:
+        """P: nothing of the request can be written, e.g. it was planned for a P of another
+        tensor-parallel size (the proxy's view of us is stale: writing would leave D with heads nobody
+        wrote, or waiting for ranks that do not exist), or P's and D's KV cache groups disagree. Each D
+        rank ``refused()`` lists (those waiting for this rank's word) gets FAILED with the reason."""
         d_ranks = send.d_ranks
-        reason = (f"P has tensor-parallel size {self.topology.tp_size} but the request was planned for "
-                  f"tensor-parallel size {send.prefill_tp} (prefill_tp): not sent")
         log.error("request %s: transfer %s: %s", send.req_id, send.transfer_id, reason)
         specs = []
         try:
-            for d_rank in refused_d_ranks(self.topology, send.prefill_tp, len(d_ranks)):
+            for d_rank in refused():
                 tid = rank_transfer_id(send.transfer_id, d_rank, len(d_ranks))
                 control, incarnation = d_ranks[d_rank]
                 if tid not in self._req_of:   # else another request's live send: its outcome is its own

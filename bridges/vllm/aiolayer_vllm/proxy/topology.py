@@ -159,7 +159,8 @@ async def learn_pool(pool, peers: ControlPeers, wait_s: float, call_s: float) ->
     models = {b.topology.model for b in pool.all}
     if len(models) > 1:
         listed = "; ".join(f"{b.name}: {b.topology.model!r}" for b in pool.all)
-        return [f"model fingerprints differ (P and D must run one model, dtype and KV geometry): {listed}"]
+        return ["model fingerprints differ (P and D must run one model, dtype, KV geometry and KV cache "
+                f"groups): {listed}"]
     pool.model = models.pop()
     return []
 

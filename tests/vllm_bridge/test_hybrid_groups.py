@@ -1,0 +1,110 @@
+"""Several KV cache groups (vLLM's hybrid KV cache manager): how P pairs its groups' blocks with D's, how
+the groups' shared tensors become the runtime's layers, and a transfer through vLLM's real Scheduler
+(in-process P and D, ``vllm_sched``) with a full-attention and a sliding-window group."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
+
+import torch
+
+from aiolayer_vllm.layout import describe
+from aiolayer_vllm.scheduler import pair_groups
+from vllm_sched import LAYERS, engines_fixture, lookup, send_params, steps_until, tok
+
+NULL = 0
+WINDOW = 32     # one block
+engines = pytest.fixture(engines_fixture, name="engines")
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_blocks_pair_group_by_group_and_d_null_blocks_are_not_moved():
+    # full attention: 3 blocks; sliding window: D holds only the last one, P still all three
+    p_groups = [[11, 12, 13], [21, 22, 23]]
+    d_flat = [31, 32, 33] + [NULL, NULL, 43]
+    assert pair_groups(p_groups, d_flat, NULL) == ([11, 12, 13, 23], [31, 32, 33, 43], "")
+
+
+def test_groups_of_other_sizes_are_refused_naming_them():
+    src, dst, refused = pair_groups([[11, 12], [21, 22]], [31, 32, 33], NULL)
+    assert (src, dst) == ([], []) and "D registered 3 blocks, P holds 4 in 2 KV cache group(s)" in refused
+
+
+def test_a_block_d_needs_but_p_freed_is_refused():
+    src, dst, refused = pair_groups([[11, 12], [NULL, 22]], [31, 32, 41, 42], NULL)
+    assert (src, dst) == ([], []) and "group 1: D needs a block P already freed" in refused
+
+
+def test_one_group_pairs_as_before():
+    assert pair_groups([[5, 6, 7]], [8, 9, 10], NULL) == ([5, 6, 7], [8, 9, 10], "")
+
+
+def test_layers_overlaid_on_one_tensor_are_one_runtime_layer_named_after_the_last():
+    """vLLM's hybrid manager: layer i of each group uses the same tensor (a block id belongs to one
+    group at a time), so the runtime moves each tensor once, after its last layer has run."""
+    blocks, block_size, heads, head = 8, 32, 1, 64
+    tensors = [torch.zeros(blocks, heads, block_size, 2 * head) for _ in range(2)]
+    # 6 layers in 3 groups of 2: layers 0, 2, 3 on tensor 0 and 1, 4, 5 on tensor 1
+    on = {0: 0, 1: 1, 2: 0, 3: 0, 4: 1, 5: 1}
+    caches = {f"model.layers.{i}.self_attn.attn": tensors[t] for i, t in on.items()}
+    layout = describe(caches, blocks, block_size, head, heads, use_mla=False)
+    assert layout.names == ("model.layers.3.self_attn.attn", "model.layers.5.self_attn.attn")
+    assert layout.k_base == (tensors[0].data_ptr(), tensors[1].data_ptr())
+    assert layout.block_bytes == heads * block_size * 2 * head * 4
+
+
+def test_separate_tensors_stay_separate_layers():
+    blocks, block_size, head = 8, 32, 64
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(blocks, 1, block_size, 2 * head) for i in range(3)}
+    layout = describe(caches, blocks, block_size, head, 1, use_mla=False)
+    assert layout.names == tuple(f"model.layers.{i}.self_attn.attn" for i in range(3))
+
+
+def _recv(p, tid: str) -> dict:
+    return {"aiolayer": {"transfer_id": tid, "token": tok(tid), "prefill_control": p.runtime.control_endpoint}}
+
+
+def test_each_group_lands_in_its_own_blocks_and_blocks_outside_d_window_are_not_sent(engines):
+    from vllm.v1.request import RequestStatus
+
+    d = engines("kv_consumer", "d-hyb", window=WINDOW)
+    p = engines("kv_producer", "p-hyb", window=WINDOW)
+    prompt = list(range(3, 153))          # 150 tokens: 5 blocks
+    d.add("d-h", prompt, 3, _recv(p, "th"))
+    d.step()
+    full, window = d.blocks_of("d-h", 0), d.blocks_of("d-h", 1)
+    # D's window at its first decode step starts at token 150 - 32 + 1 = 119: blocks 3 and 4 only
+    assert len(full) == len(window) == 5 and window[:3] == [NULL] * 3 and NULL not in window[3:] + full
+    reg = lookup(p, d, "th")
+    assert reg.block_ids == full + window
+    p.add("p-th", prompt, 1, send_params(d, "th", reg))
+
+    def forward(name: str) -> None:      # each layer writes its own group's blocks of the one tensor
+        group = LAYERS.index(name)
+        assert NULL not in p.blocks_of("p-th", group)
+        p.kv_blocks(name)[p.blocks_of("p-th", group)] = float(group + 1)
+
+    p.step(before_save=forward)
+    steps_until(lambda: d.status("d-h") in (RequestStatus.RUNNING, None), d, p)
+    kv = d.kv_blocks(LAYERS[0])           # both layers' view of the one tensor
+    assert (kv[full] == 1.0).all() and (kv[window[3:]] == 2.0).all()
+    assert (kv[NULL] == 0.0).all(), "a block outside D's window was written (into vLLM's null block)"
+
+
+def test_a_d_with_other_kv_cache_groups_gets_failed_not_a_wrong_cache(engines, caplog):
+    """P with a sliding-window group, D without (one group): P refuses to send and D's request fails
+    at once, naming the groups, instead of waiting for its deadline or decoding over half a cache."""
+    d = engines("kv_consumer", "d-one")
+    p = engines("kv_producer", "p-two", window=WINDOW)
+    prompt = list(range(3, 103))
+    d.add("d-o", prompt, 3, _recv(p, "to"))
+    d.step()
+    p.add("p-to", prompt, 1, send_params(d, "to", lookup(p, d, "to")))
+    p.step()
+    seconds = steps_until(lambda: "d-o" not in d.scheduler.requests, d, p)
+    assert seconds < 5.0, seconds
+    finished = d.finished("d-o")
+    assert finished and "error" in str(finished[-1].finish_reason).lower(), finished
+    assert "P and D do not agree on the KV cache groups" in caplog.text

@@ -1,0 +1,196 @@
+"""Real vLLM engines serving a hybrid-attention model (a tiny Llama with Gemma-2/3-style layers: a
+128-token sliding window on 4 of 6 layers, full attention on the other 2) at vLLM's defaults: the hybrid
+KV cache manager on (one full-attention KV cache group, two sliding-window groups, overlaid on the same
+tensors), prefix caching and chunked prefill as vLLM sets them, block size 128. float32 (bf16 would blur
+the logprob comparison), eager (no ~40 s compile per start).
+
+- P -> D through ``aiolayer proxy`` answers equal the aggregated engine's (the same prompt on one engine,
+  no transfer) under greedy sampling, and neither P nor D turned the hybrid manager off.
+- Bytes: a sliding-window group sends only the blocks D's group holds (its window at D's first decode
+  step), so a long prompt moves far less than full attention would (every block of every layer); the
+  exact count follows from vLLM's window rule and is asserted.
+- Negative control: the same flow into a D that zeroes whatever KV it received
+  (``AIOLAYER_DEBUG_ZERO_RECEIVED=1``) answers differently.
+
+Three engines, started once: P, D, and the aggregated engine, which answers the baseline on its own (a
+request without aiolayer parameters moves nothing) and is the zeroing D of the negative control.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import math
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
+
+from e2e.pd import ProxyProcess, connector
+from e2e.procs import free_ports
+from e2e.servers import VllmServer, completion, running, scrape_metrics
+from e2e.tiny_model import LLAMA_SLIDING, SAMPLE_PROMPTS, long_prompt, tiny_model_dir
+from helpers_node import MC_ENV
+
+from aiolayer_vllm.config import DEBUG_ZERO_RECEIVED_ENV
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+MAX_TOKENS = 8
+BLOCK = 128                       # vLLM CPU's default block size
+WINDOW = LLAMA_SLIDING.sliding_window
+LONG = long_prompt(1500, seed=3)  # 1501 tokens: 12 blocks, 2 of them inside the window at D
+# 2601 tokens: two chunks at P (vLLM's 2048-token step budget), whose sliding-window groups free the
+# blocks outside the window before the last chunk: P still holds every block D's window needs
+CHUNKED = long_prompt(2600, seed=5)
+PROMPTS = [SAMPLE_PROMPTS[0], LONG, CHUNKED]
+TIMEOUTS = {"receive": 90.0, "fence_grace": 10.0, "layout_fetch": 30.0, "control_call": 5.0}
+PROXY_ARGS = ("--registration-timeout", "90", "--prefill-timeout", "90")
+LOGPROB_TOL = 1e-2                # D decodes over received KV, the aggregated engine over its own prefill
+ZEROED_MIN_DIFF = 10 * LOGPROB_TOL
+HMA_OFF = "Turning off hybrid kv cache manager"
+
+
+@functools.cache
+def _logging_config() -> str:
+    """vLLM's logger as usual plus the bridge's INFO lines (the layout each worker registered)."""
+    handler = {"class": "logging.StreamHandler", "formatter": "plain", "stream": "ext://sys.stdout"}
+    config = {"version": 1, "disable_existing_loggers": False,
+              "formatters": {"plain": {"format": "%(levelname)s %(asctime)s [%(name)s] %(message)s"}},
+              "handlers": {"plain": handler},
+              "loggers": {name: {"handlers": ["plain"], "level": "INFO", "propagate": False}
+                          for name in ("vllm", "aiolayer_vllm")}}
+    with tempfile.NamedTemporaryFile("w", prefix="aiolayer-hybrid-logging-", suffix=".json", delete=False) as f:
+        json.dump(config, f)
+    atexit.register(Path(f.name).unlink, missing_ok=True)
+    return f.name
+
+
+def _engine(name: str, control_port: int, role: str, env: dict | None = None, **kw) -> VllmServer:
+    return VllmServer(tiny_model_dir(LLAMA_SLIDING), name=name, enforce_eager=True, dtype="float32", **kw,
+                      omp_bind="nobind",
+                      # integrity_sample 1: D checks every layer's bytes against P's CRC32 (host memory)
+                      kv_transfer_config=connector(role, name, control_port, timeouts=TIMEOUTS, integrity_sample=1.0),
+                      env=MC_ENV | {"VLLM_LOGGING_CONFIG_PATH": _logging_config()} | (env or {}),
+                      startup_timeout_s=500)
+
+
+def _backend(server: VllmServer, control_port: int) -> str:
+    return f"{server.base_url},tcp://127.0.0.1:{control_port}"
+
+
+def _total(server: VllmServer, name: str) -> float:
+    return sum(v for _, v in scrape_metrics(server).get(name, []))
+
+
+def _moved(p: VllmServer, d: VllmServer) -> tuple[float, float]:
+    return _total(p, "vllm:aiolayer_bytes_sent_total"), _total(d, "vllm:aiolayer_bytes_received_total")
+
+
+def _answer(target, prompt: str, model: str | None = None) -> tuple[list[int], list[float], int]:
+    """Greedy tokens, the chosen tokens' logprobs, and the prompt's token count."""
+    out = completion(target, prompt, max_tokens=MAX_TOKENS, model=model, timeout_s=240, logprobs=1)
+    return out.token_ids, list(out.raw["choices"][0]["logprobs"]["token_logprobs"]), len(out.prompt_token_ids or ())
+
+
+def _layout(server: VllmServer) -> tuple[int, int]:
+    """(runtime layers, bytes of one block of one of them), from the layout the worker logged."""
+    found = re.search(r"aiolayer \S+: (\d+) layers, \d+ blocks of (\d+) bytes", server.log_text())
+    assert found, ("no layout logged", server.log_tail(3000))
+    return int(found.group(1)), int(found.group(2))
+
+
+def _through_proxy(p, p_port, d, d_port) -> tuple[dict, dict]:
+    """Each prompt through a proxy from P to D: prompt -> answer, and prompt -> (sent, received) bytes."""
+    answers, moved = {}, {}
+    with ProxyProcess([_backend(p, p_port)], [_backend(d, d_port)], extra_args=PROXY_ARGS) as proxy:
+        for prompt in PROMPTS:
+            sent0, got0 = _moved(p, d)
+            answers[prompt] = _answer(proxy.url, prompt, model=p.served_model)
+            moved[prompt] = _settled(p, d, sent0, got0)
+    return answers, moved
+
+
+def _settled(p, d, sent0: float, got0: float, wait_s: float = 10.0) -> tuple[float, float]:
+    """(sent, received) bytes since the given totals, once both engines reported them (each reports
+    its counters after a step, so the last one can come a moment after the answer)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        sent, got = (now - before for now, before in zip(_moved(p, d), (sent0, got0)))
+        if (sent == got and sent > 0) or time.monotonic() > deadline:
+            return sent, got
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    p_port, d_port, a_port = free_ports(1), free_ports(1), free_ports(1)
+    p, d = _engine("hyb-p", p_port, "kv_producer"), _engine("hyb-d", d_port, "kv_consumer")
+    # no prefix caching on the aggregated engine alone: as the negative control's D it must neither take
+    # the prompts' KV from its own baseline runs nor keep the zeroed KV for later ones
+    a = _engine("hyb-a", a_port, "kv_both", env={DEBUG_ZERO_RECEIVED_ENV: "1"}, prefix_caching=False)
+    with running(p, d, a):
+        baseline = {prompt: _answer(a, prompt) for prompt in PROMPTS}
+        answers, moved = _through_proxy(p, p_port, d, d_port)
+        integrity = (_total(d, "vllm:aiolayer_integrity_verified_total"),
+                     _total(d, "vllm:aiolayer_integrity_mismatch_total"))
+        zeroed, _ = _through_proxy(p, p_port, a, a_port)
+        yield {"p": p, "d": d, "a": a, "baseline": baseline, "answers": answers, "moved": moved, "zeroed": zeroed,
+               "integrity": integrity}
+
+
+def test_hybrid_manager_stays_on_and_groups_share_tensors(hybrid):
+    for server in (hybrid["p"], hybrid["d"], hybrid["a"]):
+        log = server.log_text()
+        assert HMA_OFF not in log, (server.name, log[log.index(HMA_OFF) - 200:][:600])
+        # 6 model layers in 3 groups of 2 overlaid on 2 tensors: the runtime moves 2 "layers"
+        assert _layout(server)[0] == 2, server.log_tail(3000)
+
+
+def test_hybrid_p_to_d_equals_the_aggregated_engine(hybrid):
+    verified, mismatched = hybrid["integrity"]   # D checked the landed bytes of every layer against P's
+    assert verified >= len(PROMPTS) and mismatched == 0, hybrid["integrity"]
+    for prompt, (tokens, logprobs, n) in hybrid["answers"].items():
+        want_tokens, want_logprobs, _ = hybrid["baseline"][prompt]
+        print(f"{n} tokens: largest logprob change vs aggregated "
+              f"{max(abs(a - b) for a, b in zip(logprobs, want_logprobs)):.5f}")
+        assert tokens == want_tokens, (n, tokens, want_tokens)
+        assert all(math.isclose(a, b, abs_tol=LOGPROB_TOL) for a, b in zip(logprobs, want_logprobs)), \
+            (n, logprobs, want_logprobs)
+
+
+def _expected_blocks(n: int) -> tuple[int, int]:
+    """(blocks moved per tensor, blocks a full-attention model would move per layer) for an n-token
+    prompt: D's sliding-window groups hold the blocks of tokens from n - WINDOW + 1 on (vLLM's
+    ``get_num_skipped_tokens`` at n computed tokens), its full-attention group all of them."""
+    blocks = math.ceil(n / BLOCK)
+    in_window = blocks - max(0, n - WINDOW + 1) // BLOCK
+    return blocks + 2 * in_window, blocks
+
+
+def test_sliding_window_groups_send_only_what_d_holds(hybrid):
+    tensors, block_bytes = _layout(hybrid["d"])
+    for prompt, (sent, got) in hybrid["moved"].items():
+        n = hybrid["answers"][prompt][2]
+        moved, blocks = _expected_blocks(n)
+        full = LLAMA_SLIDING.num_layers * blocks * block_bytes   # every block of every layer
+        print(f"{n} tokens: sent {sent:.0f} bytes, full attention would send {full} ({sent / full:.2f})")
+        assert sent == got == tensors * moved * block_bytes, (n, sent, got, tensors, moved, block_bytes)
+        if n > WINDOW + BLOCK:
+            assert sent < full, (n, sent, full)
+    assert hybrid["answers"][LONG][2] == 1501 and _expected_blocks(1501) == (12 + 2 * 2, 12)   # not 3 * 12
+    assert hybrid["answers"][CHUNKED][2] == 2601 and _expected_blocks(2601) == (21 + 2 * 2, 21)
+
+
+def test_hybrid_zeroed_kv_at_d_changes_the_answer(hybrid):
+    """The negative control: D zeroing what it received must not match the aggregated answer."""
+    for prompt, (tokens, logprobs, n) in hybrid["zeroed"].items():
+        want_tokens, want_logprobs, _ = hybrid["baseline"][prompt]
+        change = max(abs(a - b) for a, b in zip(logprobs, want_logprobs))
+        print(f"zeroed, {n} tokens: tokens {'differ' if tokens != want_tokens else 'equal'}, "
+              f"largest logprob change {change:.4f}")
+        assert tokens != want_tokens or change > ZEROED_MIN_DIFF, (n, tokens, want_tokens, logprobs)
