@@ -12,7 +12,7 @@ from aiolayer import DecodeNode, KVShape, NodeConfig, Runtime, Timeouts
 SCENARIO_MODULES = frozenset({
     "test_two_hosts.py", "test_soak.py", "test_packaging.py", "test_scale.py", "test_bench_cli.py",
     "test_examples.py", "test_faults.py", "test_node_cli.py", "test_mooncake_segment_open.py",
-    "test_mooncake_grouped_writes.py", "test_head_slice_writes.py", "test_mooncake_two_process.py",
+    "test_mooncake_grouped_writes.py", "test_head_slice_writes.py", "test_mooncake_two_process.py", "test_doctor.py",
 })
 
 

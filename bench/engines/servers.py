@@ -8,5 +8,6 @@ from .client import (DEFAULT_REQUEST_TIMEOUT_S, KV_USAGE_GAUGE, Completion, Metr
                      completion, completion_body, kv_cache_usage, metric_value, parse_metrics, scrape_metrics,
                      unconfirmed_releases, wait_for_metric)
 from .procs import ServerError, die_with_parent, free_port  # noqa: F401
-from .startup import running, wait_started  # noqa: F401
-from .vllm_server import BASE_ENV, DEFAULT_STARTUP_TIMEOUT_S, DEFAULT_STOP_TIMEOUT_S, VllmServer  # noqa: F401
+from .startup import running  # noqa: F401
+from .vllm_server import (BASE_ENV, DEFAULT_STARTUP_TIMEOUT_S, DEFAULT_STOP_TIMEOUT_S, VllmServer,  # noqa: F401
+                          wait_started)

@@ -1,5 +1,5 @@
-"""Starting several vLLM servers at once, bounded: ``running`` (a context manager that stops them all on
-exit) and ``wait_started`` (for servers already spawned)."""
+"""Starting several vLLM servers at once, bounded: ``running``, a context manager that stops them all on
+exit (``vllm_server.wait_started`` waits for servers already spawned)."""
 
 from __future__ import annotations
 
@@ -7,32 +7,11 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import httpx
 
 from .procs import ServerError
-
-if TYPE_CHECKING:
-    from .vllm_server import VllmServer
-
-
-def wait_started(*servers: VllmServer) -> tuple[VllmServer, ...]:
-    """Wait (each bounded by its ``startup_timeout_s``) until every spawned server serves; one that dies
-    or is late raises ServerError with its log, and every server still starting is stopped."""
-    waiting = list(servers)
-    try:
-        with httpx.Client(timeout=2.0, trust_env=False) as client:
-            while waiting:
-                waiting = [s for s in waiting if not s.serving_yet(client)]
-                if waiting:
-                    time.sleep(0.25)
-    except BaseException:
-        # Mid-start-up vLLM may sit out SIGTERM (observed: 20 s); nothing there is worth waiting for.
-        for s in waiting:
-            s.stop(timeout_s=min(5.0, s.stop_timeout_s))
-        raise
-    return servers
+from .vllm_server import VllmServer
 
 
 # Servers started at once by ``running``: two tiny engines started together took 39 s on a 2-core box

@@ -196,7 +196,6 @@ class VllmServer:
 
     def start(self) -> VllmServer:
         """Spawn the server and wait (bounded) until it serves; raises ServerError with the log."""
-        from .startup import wait_started   # the start-up loop is shared with ``running``
         return wait_started(self.spawn())[0]
 
     def spawn(self) -> VllmServer:
@@ -364,3 +363,21 @@ def _stop_all() -> None:
     for srv in list(_LIVE):
         with contextlib.suppress(Exception):
             srv.stop(timeout_s=10)
+
+
+def wait_started(*servers: VllmServer) -> tuple[VllmServer, ...]:
+    """Wait (each bounded by its ``startup_timeout_s``) until every spawned server serves; one that dies
+    or is late raises ServerError with its log, and every server still starting is stopped."""
+    waiting = list(servers)
+    try:
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while waiting:
+                waiting = [s for s in waiting if not s.serving_yet(client)]
+                if waiting:
+                    time.sleep(0.25)
+    except BaseException:
+        # Mid-start-up vLLM may sit out SIGTERM (observed: 20 s); nothing there is worth waiting for.
+        for s in waiting:
+            s.stop(timeout_s=min(5.0, s.stop_timeout_s))
+        raise
+    return servers
