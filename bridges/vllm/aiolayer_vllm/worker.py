@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 def stage(transfer_id: str, name: str, at: float | None = None) -> None:
     """Debug timeline: one line per stage of a transfer, in ``time.perf_counter`` seconds
     (CLOCK_MONOTONIC on Linux: comparable across P, D and the proxy on one host), so that the time a
-    stage aiolayer owns takes can be read off the logs (tests/vllm_bridge/test_stage_timeline.py does)."""
+    stage aiolayer owns takes can be read off the logs (tests/vllm_bridge/one_pair/test_stage_timeline.py does)."""
     if log.isEnabledFor(logging.DEBUG):
         log.debug("timeline %s %s %.6f", transfer_id, name, time.perf_counter() if at is None else at)
 

@@ -1,15 +1,16 @@
 """The D-first proxy in front of real vLLM CPU engines, end to end.
 
-One P, one D (vLLM with AiolayerConnector) and ``aiolayer proxy`` as a real process. Requests
-through the proxy must give the same tokens as the aggregated engine (P answering on its own);
-killing P fails the affected requests with a clear error in bounded time and D's KV usage goes
-back to idle; a client that disconnects mid-stream makes D and P drop the request.
+One P, one D (vLLM with AiolayerConnector) and ``aiolayer proxy`` as a real process (the folder's shared
+pair, conftest.py). Requests through the proxy must give the same tokens as the aggregated engine (P
+answering on its own); killing P fails the affected requests with a clear error in bounded time and D's
+KV usage goes back to idle; a client that disconnects mid-stream makes D and P drop the request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 
@@ -19,56 +20,18 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
 from e2e.client import StreamError
-from e2e.pd import ProxyProcess
-from e2e.servers import (VllmServer, acompletion, completion, free_port, kv_cache_usage,
-                         metric_value, running, scrape_metrics)
-from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir
-from helpers_node import MC_ENV
+from e2e.servers import acompletion, completion, kv_cache_usage, metric_value, scrape_metrics
+from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.vllm]
 MAX_TOKENS = 10
-
-
-def _connector(role: str, engine_id: str, port: int) -> dict:
-    return {"kv_connector": "AiolayerConnector", "kv_role": role, "kv_load_failure_policy": "fail",
-            "kv_connector_extra_config": {"engine_id": engine_id, "control_port": port,
-                                          "timeouts": {"receive": 20.0, "fence_grace": 8.0}}}
-
-
-def start_proxy(prefill: list[str], decode: list[str]) -> ProxyProcess:
-    return ProxyProcess(prefill, decode, healthy=(200, 503), extra_args=(
-        "--health-interval", "0.5", "--prefill-timeout", "20", "--registration-timeout", "20",
-        "--request-timeout", "60")).start()
-
-
-def _servers():
-    model = tiny_model_dir()
-    p_ctl, d_ctl = free_port(), free_port()
-    # The configuration this file was written for, pinned against the e2e harness's vLLM defaults (the
-    # matrix, tests/vllm_bridge/test_vllm_matrix.py, covers those): float32, block size 32, 512 tokens, eager
-    # (no ~40 s torch.compile per engine), prefix caching off.
-    common = {"env": MC_ENV, "prefix_caching": False, "omp_bind": "nobind", "dtype": "float32", "block_size": 32,
-              "max_model_len": 512, "enforce_eager": True}
-    p = VllmServer(model, name="prefill", kv_transfer_config=_connector("kv_producer", "p", p_ctl), **common)
-    d = VllmServer(model, name="decode", kv_transfer_config=_connector("kv_consumer", "d", d_ctl), **common)
-    return p, d, f"tcp://127.0.0.1:{p_ctl}", f"tcp://127.0.0.1:{d_ctl}"
-
-
-@pytest.fixture(scope="module")
-def stack():
-    p, d, p_ctl, d_ctl = _servers()
-    with running(p, d):
-        proxy = start_proxy([f"{p.base_url},{p_ctl}"], [f"{d.base_url},{d_ctl}"])
-        try:
-            yield {"p": p, "d": d, "proxy": proxy}
-        finally:
-            proxy.stop()
 
 
 def test_concurrent_requests_through_the_proxy_equal_the_aggregated_engine(stack):
     p, proxy = stack["p"], stack["proxy"]
     prompts = [*SAMPLE_PROMPTS, *(long_prompt(20 + 13 * i, seed=i) for i in range(4))]
     baseline = {prompt: completion(p, prompt, max_tokens=MAX_TOKENS).token_ids for prompt in prompts}
+    ok_before = _proxy_ok(proxy)
 
     async def burst():
         async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
@@ -80,8 +43,15 @@ def test_concurrent_requests_through_the_proxy_equal_the_aggregated_engine(stack
     for i, out in enumerate(outs):
         assert out.token_ids == baseline[prompts[i % len(prompts)]], (i, out)
     metrics = httpx.get(proxy.url + "/metrics", timeout=5).text
-    assert 'aiolayer_proxy_requests_total{outcome="ok"} 20' in metrics, metrics
+    assert _proxy_ok(proxy) - ok_before == 20, metrics
     assert "aiolayer_proxy_pending_transfers 0" in metrics
+
+
+def _proxy_ok(proxy) -> float:
+    """The proxy's count of requests that ended ok (the pair's proxy is shared: compare before and after)."""
+    text = httpx.get(proxy.url + "/metrics", timeout=5).text
+    found = re.search(r'^aiolayer_proxy_requests_total\{outcome="ok"\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
 
 
 def test_unknown_transfer_registration_is_a_404_with_a_json_error(stack):
@@ -132,8 +102,9 @@ def _running(server) -> float:
     return metric_value(scrape_metrics(server), "vllm:num_requests_running") or 0.0
 
 
+@pytest.mark.ends_pair
 def test_killed_prefill_fails_in_flight_requests_visibly_and_d_frees_its_kv(stack):
-    """Kills the module's P, so it stays this file's last test."""
+    """Kills the shared P (marked ``ends_pair``: it runs after every other test of the pair)."""
     p, d, proxy = stack["p"], stack["d"], stack["proxy"]
     prompts = [long_prompt(30 + 7 * i, seed=20 + i) for i in range(10)]
     baseline = {x: completion(p, x, max_tokens=40).token_ids for x in prompts}

@@ -1,6 +1,7 @@
 """A regression guard on latency: the stages aiolayer owns in a proxied request stay near their floor.
 
-Real vLLM CPU P and D engines with AiolayerConnector and ``aiolayer proxy``, all logging at debug:
+Real vLLM CPU P and D engines with AiolayerConnector (the folder's shared pair, conftest.py) and an
+``aiolayer proxy`` of its own, all logging at debug:
 the engines write one ``timeline TRANSFER STAGE SECONDS`` line per stage (``aiolayer_vllm.worker.stage``,
 ``time.perf_counter``, one clock for every process on the host) and the proxy one line per request with
 its own stamps. A few requests go through the proxy after a warm-up; the median of each stage that
@@ -31,10 +32,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.pd import ProxyProcess, backend, connector
-from e2e.servers import VllmServer, completion, free_port, running
-from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir
-from helpers_node import MC_ENV
+from e2e.pd import ProxyProcess
+from e2e.servers import completion
+from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm]
 BOUND_MS = 250.0
@@ -68,15 +68,11 @@ def _stages(engine: dict[str, float], proxy: dict[str, float], stream: bool) -> 
     return out
 
 
-def test_stages_aiolayer_owns_stay_near_their_floor():
-    model = tiny_model_dir()
-    p_ctl, d_ctl = free_port(), free_port()
-    common = {"env": MC_ENV | {"AIOLAYER_LOG_LEVEL": "DEBUG"}, "prefix_caching": False, "omp_bind": "nobind",
-              "dtype": "float32", "block_size": 32, "max_model_len": 512, "enforce_eager": True}
-    p = VllmServer(model, name="prefill", kv_transfer_config=connector("kv_producer", "p", p_ctl), **common)
-    d = VllmServer(model, name="decode", kv_transfer_config=connector("kv_consumer", "d", d_ctl), **common)
-    with running(p, d), ProxyProcess([backend(p, p_ctl)], [backend(d, d_ctl)],
-                                     extra_args=("--log-level", "debug")) as proxy:
+def test_stages_aiolayer_owns_stay_near_their_floor(stack):
+    p, d = stack["p"], stack["d"]
+    # a proxy of its own at debug (its per-request timeline lines), in front of the folder's shared pair
+    with ProxyProcess([f"{p.base_url},{stack['p_ctl']}"], [f"{d.base_url},{stack['d_ctl']}"],
+                      extra_args=("--log-level", "debug")) as proxy:
         prompts = [SAMPLE_PROMPTS[0], SAMPLE_PROMPTS[1], *(long_prompt(40 + 25 * i, seed=i) for i in range(ROUNDS))]
         for i, prompt in enumerate(prompts):   # the first two warm up (connections, layouts, first compile)
             out = completion(proxy.url, prompt, max_tokens=4, stream=bool(i % 2), model=p.served_model,

@@ -1,9 +1,9 @@
-"""Real vLLM (CPU) on the tiny offline model, no connector: the e2e harness itself works.
+"""Real vLLM (CPU) on the tiny offline model: the e2e harness itself works.
 
-One server for the module (start-up is most of the ~40 s this file takes on 2 idle cores). Checks
-that the model serves, greedy decoding is deterministic and prompt-dependent (including on earlier
-tokens, which is what makes a KV-transfer test meaningful), matches a transformers reference, that
-the KV usage gauge is exported, and that stop() leaves no process or port behind.
+P of the folder's shared pair (conftest.py), asked without ``kv_transfer_params``, so no transfer: the
+model serves, greedy decoding is deterministic and prompt-dependent (including on earlier tokens, which
+is what makes a KV-transfer test meaningful), matches a transformers reference, the KV usage gauge is
+exported, and stop() leaves no process or port behind (checked last, on both engines).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ if importlib.util.find_spec("vllm") is None:
 
 from e2e.servers import (
     KV_USAGE_GAUGE,
-    VllmServer,
     acompletion,
     completion,
     metric_value,
@@ -40,17 +39,10 @@ def model_dir():
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    # Opt-outs of vLLM's defaults: float32 (bf16 by default), because the transformers reference is
-    # float32 and must match exactly; block size 32 (128 by default), so a 70-token prompt fills two
-    # blocks and its repeat is a prefix-cache hit; eager, to skip a ~40 s torch.compile at start-up.
-    srv = VllmServer(model_dir, name="smoke", log_dir=tmp_path_factory.mktemp("vllm-smoke"),
-                     dtype="float32", block_size=32, enforce_eager=True)
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(stack):
+    # float32 (bf16 by default), because the transformers reference is float32 and must match exactly;
+    # block size 32 (128 by default), so a 70-token prompt spans three blocks
+    return stack["p"]
 
 
 def test_tiny_model_serves(server):
@@ -58,7 +50,7 @@ def test_tiny_model_serves(server):
     assert len(c.token_ids) == MAX_TOKENS, c.raw
     assert c.finish_reason == "length"
     assert c.prompt_token_ids and c.prompt_token_ids[0] == 1          # BOS from the tokenizer
-    assert c.kv_transfer_params is None                                # no connector configured
+    assert c.kv_transfer_params is None                                # none asked for: no transfer
     print(f"startup_s={server.startup_s:.1f} rss_mib="
           f"{ {server.processes().get(p, p): r >> 20 for p, r in server.rss_bytes().items()} }")
 
@@ -66,7 +58,7 @@ def test_tiny_model_serves(server):
 def test_greedy_is_deterministic(server):
     prompt = long_prompt(70, seed=1)                                   # spans 3 KV blocks of 32
     a = completion(server, prompt, max_tokens=MAX_TOKENS)
-    b = completion(server, prompt, max_tokens=MAX_TOKENS)              # a prefix-cache hit this time
+    b = completion(server, prompt, max_tokens=MAX_TOKENS)
     s = completion(server, prompt, max_tokens=MAX_TOKENS, stream=True)
     assert a.token_ids == b.token_ids == s.token_ids, (a.token_ids, b.token_ids, s.token_ids)
     assert s.ttft_s is not None and s.ttft_s <= s.elapsed_s
@@ -102,17 +94,21 @@ def test_metrics_export_kv_usage_gauge(server):
     assert wait_for_metric(server, KV_USAGE_GAUGE, lambda v: v == 0.0) == 0.0   # all requests freed
 
 
-def test_stop_leaves_nothing_behind(server):
-    pids = server.pids()
-    names = set(server.processes().values())
-    assert {"VLLM::EngineCore", "VLLM::Worker"} <= names, names        # the tree we must clean up
-    t0 = time.monotonic()
-    server.stop()
-    assert time.monotonic() - t0 < server.stop_timeout_s + 6
-    assert not server.alive()
-    assert server.pids() == set(), server.pids()
-    assert not any(_alive(p) for p in pids)
-    assert not server.port_open()
+@pytest.mark.ends_pair
+def test_stop_leaves_nothing_behind(stack):
+    """Stops both engines of the pair (P may already be dead: the proxy tests kill it)."""
+    for server in (stack["d"], stack["p"]):
+        pids = server.pids()
+        if server.alive():
+            names = set(server.processes().values())
+            assert {"VLLM::EngineCore", "VLLM::Worker"} <= names, names        # the tree we must clean up
+        t0 = time.monotonic()
+        server.stop()
+        assert time.monotonic() - t0 < server.stop_timeout_s + 6
+        assert not server.alive()
+        assert server.pids() == set(), server.pids()
+        assert not any(_alive(p) for p in pids)
+        assert not server.port_open()
 
 
 def _alive(pid: int) -> bool:
