@@ -58,7 +58,7 @@ lint: $(STAMP) $(STAMP_VLLM)
 
 # The end-to-end tests alone: real vLLM CPU engines with the connector, and the proxy in front of them.
 e2e: $(STAMP) $(STAMP_VLLM)
-	$(BIN)/python -m pytest -q tests/vllm_bridge/test_vllm_e2e.py tests/vllm_bridge/one_pair/test_proxy_e2e.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q tests/vllm_bridge/one_pair $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) bench/results .pytest_cache .hypothesis

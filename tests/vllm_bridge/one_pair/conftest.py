@@ -17,16 +17,10 @@ pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 from e2e.pd import ProxyProcess, backend
 from e2e.servers import VllmServer, free_port, running
 from e2e.tiny_model import tiny_model_dir
-from helpers_node import MC_ENV
+from helpers_pair import pair_connector, pair_settings
 
 HERE = __file__.rsplit("/", 1)[0]
 _OPEN: list[contextlib.ExitStack] = []
-
-
-def _connector(role: str, engine_id: str, port: int) -> dict:
-    return {"kv_connector": "AiolayerConnector", "kv_role": role, "kv_load_failure_policy": "fail",
-            "kv_connector_extra_config": {"engine_id": engine_id, "control_port": port,
-                                          "timeouts": {"receive": 20.0, "fence_grace": 8.0}}}
 
 
 def pytest_configure(config):
@@ -52,16 +46,15 @@ def pytest_runtest_teardown(item, nextitem):
 
 @pytest.fixture(scope="session")
 def stack():
-    """P and D at the e2e harness's pinned settings (float32, block size 32, 512 tokens, eager: no ~40 s
-    torch.compile per start, prefix caching off; the matrix, tests/vllm_bridge/test_vllm_matrix.py, covers
-    vLLM's defaults), logging at debug (the stage timeline reads the engines' timeline lines), and a proxy
-    that checks health every 0.5 s."""
+    """P and D at ``pair_settings()``, and a proxy that checks health every 0.5 s. P checks every layer of
+    every transfer end to end (integrity_sample 1.0): D verifies vLLM's real cache layout against P's
+    CRCs before it reports the KV, so every answer in this folder passed that check."""
     model = tiny_model_dir()
     p_ctl, d_ctl = free_port(), free_port()
-    common = {"env": MC_ENV | {"AIOLAYER_LOG_LEVEL": "DEBUG"}, "prefix_caching": False, "omp_bind": "nobind",
-              "dtype": "float32", "block_size": 32, "max_model_len": 512, "enforce_eager": True}
-    p = VllmServer(model, name="prefill", kv_transfer_config=_connector("kv_producer", "p", p_ctl), **common)
-    d = VllmServer(model, name="decode", kv_transfer_config=_connector("kv_consumer", "d", d_ctl), **common)
+    p = VllmServer(model, name="prefill", **pair_settings(),
+                   kv_transfer_config=pair_connector("kv_producer", "p", p_ctl, integrity_sample=1.0))
+    d = VllmServer(model, name="decode", kv_transfer_config=pair_connector("kv_consumer", "d", d_ctl),
+                   **pair_settings())
     with contextlib.ExitStack() as resources:
         _OPEN.append(resources)
         resources.enter_context(running(p, d))

@@ -1,10 +1,10 @@
 """The real-engine test: two vLLM CPU engines with AiolayerConnector, P pushes KV to D.
 
-P prefills and streams every layer through aiolayer (Mooncake over TCP) into D's paged cache; D
-decodes from it. The generated tokens must equal P's own no-transfer generation (the aggregated
-baseline), and a negative control, a D that zeroes whatever KV arrived, must change them: the
-tokens depend on the transferred KV, not on anything D computed itself. The test plays the proxy:
-D first, D's registration from its control socket, then P with D's block ids.
+P prefills and streams every layer through aiolayer (Mooncake over TCP) into D's paged cache (P and D
+are the folder's shared pair, conftest.py); D decodes from it. The generated tokens must equal P's own
+no-transfer generation (the aggregated baseline), and a negative control, a D that zeroes whatever KV
+arrived, must change them: the tokens depend on the transferred KV, not on anything D computed itself.
+The test plays the proxy: D first, D's registration from its control socket, then P with D's block ids.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
 from e2e.servers import VllmServer, completion, free_port, running, scrape_metrics
 from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir
-from helpers_node import MC_ENV
+from helpers_pair import pair_connector, pair_settings
 
 from aiolayer import NodeConfig, Runtime
 from aiolayer.protocol import messages as m
@@ -30,39 +30,22 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.vllm]
 MAX_TOKENS = 12
 
 
-def _connector(role: str, engine_id: str, port: int, policy: str = "fail", **extra) -> dict:
-    return {"kv_connector": "AiolayerConnector", "kv_role": role, "kv_load_failure_policy": policy,
-            "kv_connector_extra_config": {"engine_id": engine_id, "control_port": port, **extra}}
-
-
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(stack):
+    """The folder's shared P and D, and two more Ds of the same settings: one zeroes whatever KV arrived
+    (the negative control), one changes bytes after they landed (the integrity check must catch every
+    one, and vLLM's "recompute" policy then prefills the request at D)."""
     model = tiny_model_dir()
-    p_ctl, d_ctl, z_ctl, c_ctl = free_port(), free_port(), free_port(), free_port()
-    # vLLM's default OMP binding pins every server's worker to core 0; their busy loops then starve
-    # each other's sockets for seconds on this 2-core box. Let the kernel place them.
-    # The configuration this file was written for, pinned against the e2e harness's vLLM defaults (the
-    # matrix, tests/vllm_bridge/test_vllm_matrix.py, covers those): float32, block size 32, 512 tokens, eager
-    # (no ~40 s torch.compile per engine), prefix caching off.
-    common = {"env": MC_ENV, "prefix_caching": False, "omp_bind": "nobind", "dtype": "float32", "block_size": 32,
-              "max_model_len": 512, "enforce_eager": True}
-    # P checks every layer of every transfer end to end (integrity_sample 1.0): D verifies vLLM's real
-    # cache layout against P's CRCs before it reports the KV, so every answer below passed that check
-    servers = (VllmServer(model, name="prefill", kv_transfer_config=_connector("kv_producer", "p", p_ctl,
-                                                                               integrity_sample=1.0), **common),
-               VllmServer(model, name="decode", kv_transfer_config=_connector("kv_consumer", "d", d_ctl), **common),
-               VllmServer(model, name="decode-zeroing", **common | {"env": MC_ENV | {DEBUG_ZERO_RECEIVED_ENV: "1"}},
-                          kv_transfer_config=_connector("kv_consumer", "dz", z_ctl)),
-               # bytes changed after they landed: the integrity check must catch every one, and vLLM's
-               # "recompute" policy then prefills the request at D
-               VllmServer(model, name="decode-corrupting",
-                          **common | {"env": MC_ENV | {DEBUG_CORRUPT_RECEIVED_ENV: "1"}},
-                          kv_transfer_config=_connector("kv_consumer", "dc", c_ctl, policy="recompute")))
+    z_ctl, c_ctl = free_port(), free_port()
+    dz = VllmServer(model, name="decode-zeroing", **pair_settings(**{DEBUG_ZERO_RECEIVED_ENV: "1"}),
+                    kv_transfer_config=pair_connector("kv_consumer", "dz", z_ctl))
+    dc = VllmServer(model, name="decode-corrupting", **pair_settings(**{DEBUG_CORRUPT_RECEIVED_ENV: "1"}),
+                    kv_transfer_config=pair_connector("kv_consumer", "dc", c_ctl, policy="recompute"))
     client = Runtime(NodeConfig(engine_id="e2e-proxy", backend="memory")).start()
     try:
-        with running(*servers) as (p, d, dz, dc):
-            yield {"p": p, "d": d, "dz": dz, "dc": dc, "p_ctl": f"tcp://127.0.0.1:{p_ctl}",
-                   "d_ctl": f"tcp://127.0.0.1:{d_ctl}", "dz_ctl": f"tcp://127.0.0.1:{z_ctl}",
+        with running(dz, dc):
+            yield {"p": stack["p"], "d": stack["d"], "dz": dz, "dc": dc, "p_ctl": stack["p_ctl"],
+                   "d_ctl": stack["d_ctl"], "dz_ctl": f"tcp://127.0.0.1:{z_ctl}",
                    "dc_ctl": f"tcp://127.0.0.1:{c_ctl}", "client": client}
     finally:
         client.stop()
