@@ -35,13 +35,8 @@ def _connector(role: str, engine_id: str, port: int) -> dict:
                                           "timeouts": {"receive": 20.0, "fence_grace": 8.0}}}
 
 
-def start_proxy(prefill: list[str], decode: list[str]) -> ProxyProcess:
-    return ProxyProcess(prefill, decode, healthy=(200, 503), extra_args=(
-        "--health-interval", "0.5", "--prefill-timeout", "20", "--registration-timeout", "20",
-        "--request-timeout", "60")).start()
-
-
-def _servers():
+@pytest.fixture(scope="module")
+def stack():
     model = tiny_model_dir()
     p_ctl, d_ctl = free_port(), free_port()
     # The configuration this file was written for, pinned against the e2e harness's vLLM defaults (the
@@ -51,14 +46,11 @@ def _servers():
               "max_model_len": 512, "enforce_eager": True}
     p = VllmServer(model, name="prefill", kv_transfer_config=_connector("kv_producer", "p", p_ctl), **common)
     d = VllmServer(model, name="decode", kv_transfer_config=_connector("kv_consumer", "d", d_ctl), **common)
-    return p, d, f"tcp://127.0.0.1:{p_ctl}", f"tcp://127.0.0.1:{d_ctl}"
-
-
-@pytest.fixture(scope="module")
-def stack():
-    p, d, p_ctl, d_ctl = _servers()
     with running(p, d):
-        proxy = start_proxy([f"{p.base_url},{p_ctl}"], [f"{d.base_url},{d_ctl}"])
+        limits = ("--health-interval", "0.5", "--prefill-timeout", "20", "--registration-timeout", "20",
+                  "--request-timeout", "60")
+        proxy = ProxyProcess([f"{p.base_url},tcp://127.0.0.1:{p_ctl}"], [f"{d.base_url},tcp://127.0.0.1:{d_ctl}"],
+                             healthy=(200, 503), extra_args=limits).start()
         try:
             yield {"p": p, "d": d, "proxy": proxy}
         finally:
