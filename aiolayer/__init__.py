@@ -19,7 +19,7 @@ _EXPORTS = {
     "Runtime": "aiolayer.runtime.runtime",
     **dict.fromkeys(("TransferSpec", "Outcome", "LayerTiming"), "aiolayer.runtime.spec"),
     **dict.fromkeys(("ReceiveSpec", "Registration", "Step", "Identity"), "aiolayer.runtime.api"),
-    "Received": "aiolayer.runtime.receiver",
+    "Received": "aiolayer.runtime.entry",
     **dict.fromkeys(("HeadGeometry", "RankRoute", "map_ranks"), "aiolayer.protocol.plan"),
     "MIN_TOKEN_CHARS": "aiolayer.protocol.checks",
     "ControlPeers": "aiolayer.runtime.control",   # control calls from a driver's own asyncio loop (a proxy)
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from .runtime.api import Registration as Registration
     from .runtime.api import Step as Step
     from .runtime.control import ControlPeers as ControlPeers
-    from .runtime.receiver import Received as Received
+    from .runtime.entry import Received as Received
     from .runtime.runtime import Runtime as Runtime
     from .runtime.spec import LayerTiming as LayerTiming
     from .runtime.spec import Outcome as Outcome

@@ -47,11 +47,13 @@ def command_plugins() -> dict[str, tuple[Command | None, BaseException | None]]:
     return found
 
 
-def add_command(sub, name: str, found: tuple[Command | None, BaseException | None]):
+def add_command(sub, name: str, found: tuple[Command | None, BaseException | None], flags: bool = True):
+    """The subcommand with its help line; with ``flags``, its flags too (adding them imports what the
+    command needs: the benchmark's torch)."""
     command, error = found
     parser = sub.add_parser(name, help=command.help if command else f"(not available: {error})",
                             formatter_class=HELP_FORMAT)
-    if command is not None:
+    if command is not None and flags:
         command.add_args(parser)
     return found
 
@@ -135,9 +137,10 @@ def run_node(args: argparse.Namespace) -> int:
 CORE_COMMANDS = ("node", "doctor")
 
 
-def build_parser(plugins: bool = True) -> tuple[argparse.ArgumentParser, dict]:
+def build_parser(plugins: bool = True, only: str | None = None) -> tuple[argparse.ArgumentParser, dict]:
     """The ``aiolayer`` parser with every subcommand, and the loaded commands by name; without ``plugins``
-    the core's only (loading the others imports what they need: the benchmark's torch)."""
+    the core's only. ``only``: of the other packages' subcommands, add the flags of that one alone (the
+    one being run; "" none, as for ``aiolayer --help``), the others with their help line; None: all."""
     parser = argparse.ArgumentParser(prog="aiolayer", description=__doc__)
     parser.add_argument("--version", action="version", version=f"aiolayer {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
@@ -155,7 +158,8 @@ def build_parser(plugins: bool = True) -> tuple[argparse.ArgumentParser, dict]:
     add_doctor_args(doctor)
 
     found = command_plugins() if plugins else {}
-    commands = {name: add_command(sub, name, entry) for name, entry in found.items()}
+    commands = {name: add_command(sub, name, entry, flags=only is None or name == only)
+                for name, entry in found.items()}
     for name, hint in ELSEWHERE.items():
         if plugins and name not in commands:
             commands[name] = add_command(sub, name, (None, ImportError(hint)))
@@ -164,7 +168,8 @@ def build_parser(plugins: bool = True) -> tuple[argparse.ArgumentParser, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
-    parser, commands = build_parser(plugins=not words or words[0] not in CORE_COMMANDS)
+    name = words[0] if words else ""
+    parser, commands = build_parser(plugins=name not in CORE_COMMANDS, only=name)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)

@@ -7,11 +7,16 @@ from __future__ import annotations
 import ipaddress
 import json
 from dataclasses import dataclass
-from typing import Any
+from importlib.metadata import entry_points
+from typing import Any, Callable
 
 from .transport import WILDCARDS
 
 PASS, FAIL, SKIP = "OK", "FAIL", "SKIP"
+# A connector's check of its config (``kv_connector_extra_config``), registered by the connector's
+# distribution under this entry-point group: None when valid, else (what is wrong, how to fix it). No I/O.
+CONFIG_CHECK_GROUP = "aiolayer.config_checks"
+ConfigChecker = Callable[[dict[str, Any] | None], tuple[str, str] | None]
 LAYOUT_FIELDS = ("num_layers", "block_size", "head_bytes", "kv_layout")
 
 
@@ -65,22 +70,33 @@ def load_config(path: str) -> dict[str, Any]:
     return inner if isinstance(inner, dict) else data
 
 
-def check_config(side: Side) -> Check:
-    """The connector's own validation (``aiolayer_vllm.config``): an unknown key or a bad value, named."""
-    name = f"config {side.label}"
-    try:
-        from aiolayer_vllm.config import ExtraConfig, check_extra_config
-    except ImportError as exc:
-        return Check(name, SKIP, f"the vLLM bridge (aiolayer-vllm) is not installed here: {exc}")
-    import msgspec
+def config_checkers() -> dict[str, ConfigChecker | BaseException]:
+    """Every connector's config check (entry points ``aiolayer.config_checks``), loaded; one that fails
+    to load is kept as its error. The core names no connector: each registers its own."""
+    found: dict[str, ConfigChecker | BaseException] = {}
+    for point in entry_points(group=CONFIG_CHECK_GROUP):
+        try:
+            found[point.name] = point.load()
+        except Exception as exc:  # noqa: BLE001 - reported as a SKIP; the other checks still run
+            found[point.name] = exc
+    return found
 
-    from .errors import ConfigError
-    try:
-        check_extra_config(side.config)
-    except ConfigError as exc:
-        keys = ", ".join(f.name for f in msgspec.structs.fields(ExtraConfig))
-        return Check(name, FAIL, str(exc), f"remove or correct that key; the top-level keys are {keys} "
-                     "(transport and timeouts take their own: docs/vllm.md)")
+
+def check_config(side: Side) -> Check:
+    """The connector's own validation (the vLLM bridge's: ``aiolayer_vllm.config``): an unknown key or a
+    bad value, named."""
+    name = f"config {side.label}"
+    checkers = config_checkers()
+    if not checkers:
+        return Check(name, SKIP, "no connector installed here checks its config (the vLLM bridge, "
+                                 "aiolayer-vllm, does)")
+    for connector, checker in sorted(checkers.items()):
+        if isinstance(checker, BaseException):
+            return Check(name, SKIP, f"the {connector} connector's config check does not load: {checker}")
+        failure = checker(side.config)
+        if failure is not None:
+            what, fix = failure
+            return Check(name, FAIL, what, fix)
     return Check(name, PASS, "kv_connector_extra_config is valid")
 
 

@@ -13,12 +13,13 @@ from aiolayer.cli import Command
 
 from . import scenarios
 from .node import MOONCAKE_ENV, add_shape_args
-from .perf import run as perf
 
 TRANSFER_REQUESTS = 7   # --requests by default of the transfer benchmark (measured requests per mode)
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
+    from .perf import run as perf   # here, not at import: it imports torch, which `aiolayer --help` must not
+
     perf.add_args(p)
     p.add_argument("--requests", type=int, default=None,
                    help="measured requests per mode (transfer, default 7); transfers in all (scale: 1000, soak: 10000)")
@@ -47,6 +48,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"aiolayer bench: {problem}", file=sys.stderr)
         return 2
     import torch
+
+    from .perf import run as perf
 
     torch.set_num_threads(1)  # the simulated compute is one thread, on one core (perf/cpus.py)
     if scenario is not None:

@@ -1,25 +1,46 @@
 """Test plumbing around real vLLM servers that the harness (``e2e``) does not need: an HTTP hop that pins a
 request to one data-parallel rank and can run a callback as it passes, a live count of the bytes a server's
-workers receive (to act the moment a peer's KV starts arriving), and a way to stop a whole server (SIGSTOP)
-that cannot outlive the test.
+workers receive (to act the moment a peer's KV starts arriving), a way to stop a whole server (SIGSTOP)
+that cannot outlive the test, and a logging config that shows the bridge's INFO lines.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import http.server
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
 
 from e2e.procs import free_port
 from e2e.servers import VllmServer
+
+
+@functools.cache
+def bridge_logging_config() -> str:
+    """A VLLM_LOGGING_CONFIG_PATH file: vLLM's own logger as usual, plus the bridge's INFO lines (the
+    layout each worker registered, ``worker.register_kv_caches``), which vLLM's default config drops."""
+    handler = {"class": "logging.StreamHandler", "formatter": "plain", "stream": "ext://sys.stdout"}
+    config = {"version": 1, "disable_existing_loggers": False,
+              "formatters": {"plain": {"format": "%(levelname)s %(asctime)s [%(name)s] %(message)s"}},
+              "handlers": {"plain": handler},
+              "loggers": {name: {"handlers": ["plain"], "level": "INFO", "propagate": False}
+                          for name in ("vllm", "aiolayer_vllm")}}
+    with tempfile.NamedTemporaryFile("w", prefix="aiolayer-vllm-logging-", suffix=".json", delete=False) as f:
+        json.dump(config, f)
+    atexit.register(Path(f.name).unlink, missing_ok=True)   # engines read it at start only
+    return f.name
 
 
 class Relay:

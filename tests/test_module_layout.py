@@ -1,8 +1,8 @@
 """bench/ laid out like the core. Its modules import each other without a cycle (read from
 the source with ``ast``, imports inside functions included: a deferred import hides a cycle, it does not
 remove it), and the bench and the tests start their child processes through one helper. The vLLM bridge
-takes from aiolayer only its public names and a short list of modules, and type checkers see the
-public names ``aiolayer`` loads lazily."""
+takes from aiolayer only its public names and a short list of modules, the core never imports the bridge,
+and type checkers see the public names ``aiolayer`` loads lazily."""
 
 from __future__ import annotations
 
@@ -183,6 +183,23 @@ def _aiolayer_imports(path: Path) -> list[tuple[str, str]]:
         elif isinstance(node, ast.Import):
             found += [(alias.name, "") for alias in node.names if alias.name.split(".")[0] == "aiolayer"]
     return found
+
+
+def test_the_core_never_imports_the_vllm_bridge():
+    """The core is engine-agnostic: what a connector adds to it (its ``aiolayer`` subcommand, its config
+    check in ``aiolayer doctor``) the connector registers through entry points; the core names none."""
+    found = []
+    for path in sorted(CORE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            found += [f"{path.relative_to(CORE.parent)}: {name}" for name in names
+                      if name.split(".")[0] == BRIDGE.name]
+    assert not found, "the core imports the vLLM bridge:\n  " + "\n  ".join(found)
 
 
 def _allowed_module(module: str) -> bool:

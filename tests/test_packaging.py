@@ -47,11 +47,14 @@ def test_wheel_carries_every_subpackage(tmp_path, project, top):
 
 
 def test_subcommands_come_from_entry_points_and_the_core_imports_no_bridge():
-    from aiolayer import cli
+    from aiolayer import cli, doctor_checks
 
     plugins = cli.command_plugins()
     assert {"bench", "proxy"} <= set(plugins), plugins
     assert all(error is None for _, error in plugins.values()), plugins
+    checkers = doctor_checks.config_checkers()   # the doctor's config check is the bridge's, registered
+    assert callable(checkers.get("vllm")), checkers
+    assert checkers["vllm"]({"transport": {"advertise_hots": "x"}})[0].count("advertise_hots") == 1
     source = (ROOT / "aiolayer" / "cli.py").read_text()
     assert "aiolayer_vllm" not in source and "aiolayer_bench" not in source
 

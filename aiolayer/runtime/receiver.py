@@ -36,54 +36,26 @@ import logging
 import time
 from typing import Callable
 
-import msgspec
-
 from ..config import Timeouts
 from ..errors import ControlRejected
 from ..protocol import messages as m
 from ..protocol.checks import check_senders, check_token
 from ..protocol.codes import AckDetail, NackCode
-from ..protocol.state import Event, IllegalTransition, State, receiver_transfer
+from ..protocol.state import Event, IllegalTransition, State
+from .entry import Entry, Received, Release
 from .loop import Spawn, not_running
 from .settled import SettledTable
-from .writers import StopSender, Writers, ask_until_quiet
+from .writers import StopSender, ask_until_quiet
 
 log = logging.getLogger(__name__)
 
 MAX_EARLY = 4096          # DONE/FAILED kept for unregistered transfers: a stranger cannot grow it further
-Release = Callable[[list[int]], None]   # frees a transfer's blocks once it is released
-
-
-class Received(msgspec.Struct, kw_only=True):
-    transfer_id: str
-    ok: bool
-    reason: str = ""
-    finished_s: float = 0.0
-    refused: bool = False         # the registration itself was refused: no transfer under this id ran here
-
-
-class _Entry:
-    __slots__ = ("transfer_id", "token", "block_ids", "first_block", "state", "writers",
-                 "timer", "on_release", "fence", "forget")
-
-    def __init__(self, transfer_id: str, token: str, block_ids: list[int], on_release: Release | None,
-                 first_block: int, senders: int = 1) -> None:
-        self.transfer_id = transfer_id
-        self.token = token
-        self.block_ids = block_ids
-        self.first_block = first_block
-        self.state = receiver_transfer(senders)   # with the P ranks it waits for (head slices)
-        self.writers = Writers(senders)         # the P ranks that reached it: the fence asks these
-        self.timer: asyncio.TimerHandle | None = None
-        self.on_release = on_release
-        self.fence: asyncio.Task[None] | None = None
-        self.forget = False                     # forget the entry once settled: the engine owns the blocks
 
 
 class Receiver:
     def __init__(self, timeouts: Timeouts) -> None:
         self.timeouts = timeouts
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, Entry] = {}
         # entries not settled yet: counted, not walked, since the metrics snapshot reads it on every
         # outcome (walking thousands of entries there took ~40 % of a busy D's loop)
         self._unsettled = 0
@@ -128,7 +100,7 @@ class Receiver:
         if self._settled.word(transfer_id) is not None:
             raise ControlRejected(NackCode.SETTLED,
                                   f"transfer {transfer_id} already settled; a new transfer needs a new id")
-        entry = _Entry(transfer_id, token, block_ids, on_release, first_block, senders)
+        entry = Entry(transfer_id, token, block_ids, on_release, first_block, senders)
         entry.forget = forget
         self._entries[transfer_id] = entry
         self._unsettled += 1   # every entry settles once (``_settle``) or goes with ``close``
@@ -137,7 +109,7 @@ class Receiver:
         if self._early:
             self._apply_early(entry)
 
-    def authorize(self, transfer_id: str, token: str, what: str) -> _Entry:
+    def authorize(self, transfer_id: str, token: str, what: str) -> Entry:
         """The registered transfer, if ``token`` is its own; else refused (code ``auth``) and counted."""
         entry = self._entries.get(transfer_id)
         if entry is None or not m.same_token(token, entry.token):
@@ -146,7 +118,7 @@ class Receiver:
             raise ControlRejected(NackCode.AUTH, f"{what}: no transfer {transfer_id} with this token")
         return entry
 
-    def authorize_writer(self, transfer_id: str, token: str, what: str) -> _Entry:
+    def authorize_writer(self, transfer_id: str, token: str, what: str) -> Entry:
         """Like ``authorize``, and the transfer still takes writes (code ``ended`` once D gave it up)."""
         entry = self.authorize(transfer_id, token, what)
         if entry.state.state is not State.REGISTERED:
@@ -302,7 +274,7 @@ class Receiver:
         if key not in self._early:  # first word wins, like on a registered transfer
             self._early[key] = (msg, now + self.timeouts.receive)
 
-    def _apply_early(self, entry: _Entry) -> None:
+    def _apply_early(self, entry: Entry) -> None:
         """On registration: apply the early word with the right token; drop (and count) the others."""
         tid = entry.transfer_id
         keys = [key for key in self._early if key[0] == tid]
@@ -318,7 +290,7 @@ class Receiver:
                 self.rejected["early_auth"] += 1
                 log.warning("transfer %s: early %s with a wrong token dropped", tid, type(msg).__name__)
 
-    def _settle(self, entry: _Entry) -> None:
+    def _settle(self, entry: Entry) -> None:
         """The entry's one move into a terminal state (FINISHED, FAILED): counted, reported once."""
         self._unsettled -= 1
         if entry.timer is not None:
@@ -339,7 +311,7 @@ class Receiver:
         if entry.forget:   # an engine that owns its blocks (``Runtime.receive``) needs no entry after the result
             self._entries.pop(entry.transfer_id, None)
 
-    def _remember_settled(self, entry: _Entry) -> None:
+    def _remember_settled(self, entry: Entry) -> None:
         """From now on its late words are answered from the table, and its id cannot come back."""
         self._settled.remember(entry.transfer_id, entry.token, entry.state.state is State.FINISHED)
 
@@ -352,14 +324,14 @@ class Receiver:
         entry.state.apply(Event.DEADLINE, f"no DONE/FAILED within {self.timeouts.receive:g}s")
         self._start_fence(entry)
 
-    def _start_fence(self, entry: _Entry) -> None:
+    def _start_fence(self, entry: Entry) -> None:
         if entry.timer is not None:
             entry.timer.cancel()
             entry.timer = None
         # the task itself, so that settling the transfer cancels it rather than leaving it to sleep
         entry.fence = self._spawn(self._fence(entry), name=f"fence {entry.transfer_id}")
 
-    async def _fence(self, entry: _Entry) -> None:
+    async def _fence(self, entry: Entry) -> None:
         """Until P is quiet (its ack) or ``fence_grace``; then the transfer ends, whatever asking P did.
         Cancelled only when the transfer settled meanwhile (P's DONE/FAILED) or the runtime stops."""
         loop = asyncio.get_running_loop()
@@ -383,14 +355,14 @@ class Receiver:
             if not cancelled:
                 self._end_fence(entry)
 
-    async def _ask_until_quiet(self, entry: _Entry, end: float) -> bool:
+    async def _ask_until_quiet(self, entry: Entry, end: float) -> bool:
         """True once every P rank that reached the transfer is quiet (at once if none did)."""
         if self._stop_sender is None:
             return not entry.writers.unquiet()
         return await ask_until_quiet(entry.writers, self._stop_sender, entry.transfer_id, entry.token,
                                      entry.state.reason, end, self.timeouts.abort_ask)
 
-    def _end_fence(self, entry: _Entry) -> None:
+    def _end_fence(self, entry: Entry) -> None:
         entry.fence = None   # done: settling must not cancel the task that is ending
         if entry.state.state is State.ABORTING:
             entry.state.apply(Event.FENCED)

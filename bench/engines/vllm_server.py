@@ -365,19 +365,29 @@ def _stop_all() -> None:
             srv.stop(timeout_s=10)
 
 
-def wait_started(*servers: VllmServer) -> tuple[VllmServer, ...]:
+def wait_started(*servers: VllmServer, spawn: Sequence[VllmServer] = (), at_once: int = 1,
+                 started: list[VllmServer] | None = None) -> tuple[VllmServer, ...]:
     """Wait (each bounded by its ``startup_timeout_s``) until every spawned server serves; one that dies
-    or is late raises ServerError with its log, and every server still starting is stopped."""
-    waiting = list(servers)
+    or is late raises ServerError with its log, and every server still starting is stopped.
+
+    ``spawn``: servers to start too, in order, the next as soon as fewer than ``at_once`` are starting
+    (a slow one does not hold a quick one back); each goes into ``started`` as it is spawned (the caller
+    stops them). The one waiting loop of the harness: ``startup.running`` starts through it."""
+    queue, starting = list(spawn), list(servers)
     try:
         with httpx.Client(timeout=2.0, trust_env=False) as client:
-            while waiting:
-                waiting = [s for s in waiting if not s.serving_yet(client)]
-                if waiting:
+            while queue or starting:
+                while queue and len(starting) < at_once:
+                    server = queue.pop(0).spawn()   # on this thread: PDEATHSIG follows the spawning thread
+                    if started is not None:
+                        started.append(server)
+                    starting.append(server)
+                starting = [s for s in starting if not s.serving_yet(client)]
+                if starting:
                     time.sleep(0.25)
     except BaseException:
         # Mid-start-up vLLM may sit out SIGTERM (observed: 20 s); nothing there is worth waiting for.
-        for s in waiting:
+        for s in starting:
             s.stop(timeout_s=min(5.0, s.stop_timeout_s))
         raise
     return servers

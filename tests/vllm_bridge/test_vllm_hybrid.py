@@ -18,14 +18,9 @@ request without aiolayer parameters moves nothing) and is the zeroing D of the n
 
 from __future__ import annotations
 
-import atexit
-import functools
-import json
 import math
 import re
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
@@ -36,6 +31,7 @@ from e2e.procs import free_ports
 from e2e.servers import VllmServer, completion, running, scrape_metrics
 from e2e.tiny_model import LLAMA_SLIDING, SAMPLE_PROMPTS, long_prompt, tiny_model_dir
 from helpers_node import MC_ENV
+from helpers_relay import bridge_logging_config
 
 from aiolayer_vllm.config import DEBUG_ZERO_RECEIVED_ENV
 
@@ -55,27 +51,12 @@ ZEROED_MIN_DIFF = 10 * LOGPROB_TOL
 HMA_OFF = "Turning off hybrid kv cache manager"
 
 
-@functools.cache
-def _logging_config() -> str:
-    """vLLM's logger as usual plus the bridge's INFO lines (the layout each worker registered)."""
-    handler = {"class": "logging.StreamHandler", "formatter": "plain", "stream": "ext://sys.stdout"}
-    config = {"version": 1, "disable_existing_loggers": False,
-              "formatters": {"plain": {"format": "%(levelname)s %(asctime)s [%(name)s] %(message)s"}},
-              "handlers": {"plain": handler},
-              "loggers": {name: {"handlers": ["plain"], "level": "INFO", "propagate": False}
-                          for name in ("vllm", "aiolayer_vllm")}}
-    with tempfile.NamedTemporaryFile("w", prefix="aiolayer-hybrid-logging-", suffix=".json", delete=False) as f:
-        json.dump(config, f)
-    atexit.register(Path(f.name).unlink, missing_ok=True)
-    return f.name
-
-
 def _engine(name: str, control_port: int, role: str, env: dict | None = None, **kw) -> VllmServer:
     return VllmServer(tiny_model_dir(LLAMA_SLIDING), name=name, enforce_eager=True, dtype="float32", **kw,
                       omp_bind="nobind",
                       # integrity_sample 1: D checks every layer's bytes against P's CRC32 (host memory)
                       kv_transfer_config=connector(role, name, control_port, timeouts=TIMEOUTS, integrity_sample=1.0),
-                      env=MC_ENV | {"VLLM_LOGGING_CONFIG_PATH": _logging_config()} | (env or {}),
+                      env=MC_ENV | {"VLLM_LOGGING_CONFIG_PATH": bridge_logging_config()} | (env or {}),
                       startup_timeout_s=500)
 
 

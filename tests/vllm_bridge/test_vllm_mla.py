@@ -18,10 +18,7 @@ prefix caching off for MLA), eager (no ~40 s compile per start).
 
 from __future__ import annotations
 
-import atexit
-import functools
 import math
-from pathlib import Path
 
 import pytest
 
@@ -32,6 +29,7 @@ from e2e.procs import free_ports
 from e2e.servers import VllmServer, completion, running, scrape_metrics
 from e2e.tiny_model import DEEPSEEK_V2_MLA, SAMPLE_PROMPTS, long_prompt, tiny_model_dir, tokenizer_dir
 from helpers_node import MC_ENV
+from helpers_relay import bridge_logging_config
 
 from aiolayer_vllm.config import DEBUG_ZERO_RECEIVED_ENV
 
@@ -49,25 +47,6 @@ LOGPROB_TOL = 1e-2
 ZEROED_MIN_DIFF = 10 * LOGPROB_TOL   # a zeroed latent must move some logprob by at least this
 
 
-@functools.cache
-def _logging_config() -> str:
-    """A VLLM_LOGGING_CONFIG_PATH file: vLLM's own logger as usual, plus the bridge's INFO lines (the
-    layout each worker registered, ``worker.register_kv_caches``), which vLLM's default config drops."""
-    import json
-    import tempfile
-
-    handler = {"class": "logging.StreamHandler", "formatter": "plain", "stream": "ext://sys.stdout"}
-    config = {"version": 1, "disable_existing_loggers": False,
-              "formatters": {"plain": {"format": "%(levelname)s %(asctime)s [%(name)s] %(message)s"}},
-              "handlers": {"plain": handler},
-              "loggers": {name: {"handlers": ["plain"], "level": "INFO", "propagate": False}
-                          for name in ("vllm", "aiolayer_vllm")}}
-    with tempfile.NamedTemporaryFile("w", prefix="aiolayer-mla-logging-", suffix=".json", delete=False) as f:
-        json.dump(config, f)
-    atexit.register(Path(f.name).unlink, missing_ok=True)   # engines read it at start only
-    return f.name
-
-
 def _engine(name: str, control_port: int, *, role: str = "kv_both", tp: int = 1, env: dict | None = None) -> VllmServer:
     model = tiny_model_dir(DEEPSEEK_V2_MLA)
     return VllmServer(model, tokenizer=tokenizer_dir(model), name=name, enforce_eager=True, dtype="float32",
@@ -77,7 +56,7 @@ def _engine(name: str, control_port: int, *, role: str = "kv_both", tp: int = 1,
                       block_size=BLOCK, omp_bind="0|0" if tp == 2 else "nobind",
                       kv_transfer_config=connector(role, name, control_port, timeouts=TIMEOUTS),
                       extra_args=["--tensor-parallel-size", str(tp)] if tp > 1 else [],
-                      env=MC_ENV | {"VLLM_LOGGING_CONFIG_PATH": _logging_config()} | (env or {}),
+                      env=MC_ENV | {"VLLM_LOGGING_CONFIG_PATH": bridge_logging_config()} | (env or {}),
                       startup_timeout_s=500)
 
 

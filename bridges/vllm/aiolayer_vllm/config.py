@@ -62,6 +62,18 @@ def check_extra_config(extra: dict[str, Any] | None) -> None:
     from_extra_config(extra, "vllm")
 
 
+def doctor_check(extra: dict[str, Any] | None) -> tuple[str, str] | None:
+    """``aiolayer doctor``'s check of a side's config (entry point ``aiolayer.config_checks``): None when
+    valid, else (what is wrong, naming the key; how to fix it)."""
+    try:
+        check_extra_config(extra)
+    except ConfigError as exc:
+        keys = ", ".join(f.name for f in msgspec.structs.fields(ExtraConfig))
+        return str(exc), (f"remove or correct that key; the top-level keys are {keys} "
+                          "(transport and timeouts take their own: docs/vllm.md)")
+    return None
+
+
 def from_extra_config(extra: dict[str, Any] | None, default_engine_id: str) -> BridgeConfig:
     try:
         # strict: "false" is not a bool and "5600" not a port (a lax coercion once turned on a debug switch)

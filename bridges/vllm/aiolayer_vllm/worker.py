@@ -10,13 +10,12 @@ served fails alone, logged (D: failed_recving; P: not sent, its blocks handed ba
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
@@ -28,14 +27,12 @@ from .debug import corrupter, zero_blocks
 from .identity import identity
 from .layout import describe
 from .metadata import AiolayerMetadata, RecvReq, SendReq
+from .publish import RegistrationPublisher
 from .ranks import (Topology, rank_transfer_id, refused_d_ranks, routes_for_p, whole_blocks, writers_into,
                     writers_of_d)
 from .stats import AiolayerStats, delta, totals
 from .threads import unpinned
 from .wake import Waker
-
-if TYPE_CHECKING:
-    import httpx
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +70,7 @@ class WorkerSide:
         self._finished: set[str] = set()                  # P: ... that vLLM reported finished
         self._load_errors: set[int] = set()
         self._reported: dict[str, float] = {}             # the totals of the last stats report
-        # D: one HTTP client for every registration POST, made and closed on the loop
-        self._http: httpx.AsyncClient | None = None
+        self._publisher = RegistrationPublisher(self.topology)   # D: one HTTP client for every registration
         self._step_tids: list[str] = []                   # P: the transfers of the step being saved (timeline)
         # D: wakes the scheduler side's parked wait as a receive ends (``wake``); None: it never waits
         self._waker = Waker(engine_core_pid, config.node.engine_id) \
@@ -284,41 +280,14 @@ class WorkerSide:
                 log.exception("transfer %s: cancel failed", rank_tid)
 
     async def _publish(self, reg: Registration, url: str, transfer_id: str) -> None:
-        """POST the registration to the proxy (bounded retries); raising gives the transfer up.
-
-        ``transfer_id`` is the proxy's (the request's); ``rank``/``ranks`` say which of D's tensor-parallel
-        ranks this is: the proxy hands P every rank's endpoint once all of them registered."""
-        import httpx
-
-        t, topo = self._rt.timeouts, self.topology
-        body = {"transfer_id": transfer_id, "token": reg.token, "block_ids": reg.block_ids,
-                "first_block": reg.first_block, "incarnation": reg.incarnation,
-                "decode_control": reg.decode_control, "rank": topo.tp_rank, "ranks": topo.tp_size,
-                "dp_rank": topo.dp_rank}
-        error = ""
-        if self._http is None:   # made once: a client's TLS set-up alone costs ~20 ms per request
-            self._http = httpx.AsyncClient(timeout=t.control_call)
-        for attempt in range(t.control_retries):
-            try:
-                reply = await self._http.post(url, json=body)
-            except Exception as exc:  # noqa: BLE001 - httpx raises more than HTTPError (InvalidURL)
-                error = f"{type(exc).__name__}: {exc}"
-            else:
-                if reply.status_code < 300:
-                    stage(reg.transfer_id, "d_published")
-                    return
-                error = f"HTTP {reply.status_code}: {reply.text[:200]}"
-                if reply.status_code < 500:
-                    break  # the proxy refused it (e.g. 404 unknown transfer): retrying will not help
-            await asyncio.sleep(0.05 * (attempt + 1))
-        raise ConnectionError(f"registration not published to {url}: {error}")
+        """D's announce: the registration to the proxy (``publish``); raising gives the transfer up."""
+        await self._publisher.publish(reg, url, transfer_id, self._rt.timeouts)
+        stage(reg.transfer_id, "d_published")
 
     async def _close_on_loop(self) -> None:
         if self._waker is not None:
             self._waker.close()   # on the loop, its only thread
-        client, self._http = self._http, None
-        if client is not None:
-            await client.aclose()
+        await self._publisher.close()
 
     def save_kv_layer(self, layer_name: str) -> None:
         layer = self.layer_index.get(layer_name)

@@ -1,0 +1,145 @@
+"""How a P transfer ends (the sender's part that runs after its last layer or its failure): DONE or
+FAILED to D, its outcome published, its source blocks released once no write can read them.
+
+``TransferEnding`` is a base of ``Sender``: it reads the sender's state, declared here, and keeps no
+state of its own. The order is the fencing argument (docs/fencing.md): FAILED goes to D only once our
+writes are quiet; the source is released only once the backend saw every write end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import operator
+import time
+from typing import Any
+
+from ..config import Timeouts
+from ..errors import DeliveryFailed
+from ..protocol import messages as m
+from ..protocol.state import Event, State
+from .done_batch import DoneBatcher
+from .fence import Request, guarded, until_writes_end
+from .integrity import sample_check
+from .loop import Spawn
+from .results import Results
+from .spec import LocalLayout, Outcome
+
+log = logging.getLogger("aiolayer.runtime.sender")   # the sender's own log, as before the split
+_BY_LAYER = operator.attrgetter("layer")
+
+
+class TransferEnding:
+    # the sender's state this part reads and counts into (``Sender.__init__`` sets every one)
+    engine_id: str
+    timeouts: Timeouts
+    local: LocalLayout | None
+    integrity_sample: float
+    integrity_checks: int
+    results: Results
+    dones: DoneBatcher
+    outcome_counts: collections.Counter[str]
+    bytes_sent: int
+    fence_timeouts: int
+    _live: dict[str, Request]
+    _cancelled: collections.deque[str]
+    _spawn: Spawn
+
+    @guarded
+    async def _finish(self, req: Request, reason: str, settled: float | None) -> None:
+        """Success: DONE answered by D, then the outcome: ok only when D took the transfer as written
+        (``done_verdict``), else failed with what D said. Failure: the outcome at once, then
+        FAILED to D once our writes are quiet, so D may reuse its blocks when it reads it; never
+        while one may still land (D's own deadline and fence take over then)."""
+        spec = req.spec
+        if not reason and not req.aborted and spec.transfer_id in self._cancelled:
+            req.abort("cancelled by P", by_p=True)   # its bridge item is still on the way
+        reason = reason or req.aborted   # stopped after its last write settled: still no DONE
+        if reason:
+            self._publish(req, reason, settled)
+            try:
+                await asyncio.wait_for(req.quiet.wait(), self.timeouts.quarantine_wait)
+            except asyncio.TimeoutError:
+                log.error("transfer %s: writes still unresolved; D is not told (its deadline and fence "
+                          "take over)", spec.transfer_id)
+                return
+            if req.aborted and not req.by_p:
+                return   # D asked us to stop: it learns we are quiet from its Abort's reply
+            failed = m.Failed(transfer_id=spec.transfer_id, sender=self.engine_id, reason=reason[:500],
+                              token=spec.token)
+            try:
+                await self.dones.tell(spec, failed)
+            except DeliveryFailed:
+                pass   # logged; D's own deadline and fence end the transfer there
+            return
+        req.state.apply(Event.ALL_LAYERS_WRITTEN)
+        check = None
+        if self.integrity_sample:   # every write completed: the held source is what D must hold now
+            check = await asyncio.to_thread(sample_check, self.local, req.runs, req.spans, self.integrity_sample)
+            self.integrity_checks += check is not None
+        msg = m.Done(transfer_id=spec.transfer_id, sender=self.engine_id, incarnation=spec.dst_incarnation,
+                     layers=len(req.timings), bytes=req.bytes, token=spec.token, check=check)
+        try:
+            reply = await self.dones.tell(spec, msg)
+        except DeliveryFailed as exc:
+            self._publish(req, f"DONE not delivered: {exc}", settled)
+            return
+        self._publish(req, m.done_verdict(reply), settled)
+
+    def _publish(self, req: Request, reason: str, settled: float | None) -> None:
+        if req.state.terminal:
+            return
+        if reason:
+            req.state.apply(Event.FAIL, reason)
+        else:
+            req.state.apply(Event.DONE_ACKED)
+        now = time.perf_counter()
+        self.outcome_counts["finished" if req.state.state is State.FINISHED else "failed"] += 1
+        self.bytes_sent += req.bytes
+        if reason:
+            log.warning("transfer %s failed: %s", req.spec.transfer_id, req.state.reason)
+        unsettled = [f for f in req.pending if not f.done() or f.cancelled()]   # cancelled: backend closed
+        outcome = Outcome(transfer_id=req.spec.transfer_id, ok=req.state.state is State.FINISHED,
+                          reason=req.state.reason, bytes=req.bytes, finished_s=now,
+                          writes_settled_s=settled or now, source_released=not unsettled,
+                          layers=sorted(req.timings, key=_BY_LAYER))
+        self.results.publish(outcome)
+        if unsettled:
+            self._spawn(self._release_when_quiet(req, req.pending), name=f"fence {req.spec.transfer_id}")
+        else:
+            self._release(req)
+
+    def _publish_safely(self, req: Request, reason: str) -> None:
+        try:
+            self._publish(req, reason, None)
+        except Exception:  # at shutdown the fence task may not start: the source stays held
+            log.exception("transfer %s: outcome published, source kept held", req.spec.transfer_id)
+
+    def _fail_after_bug(self, req: Request, reason: str) -> None:
+        """``guarded``'s last resort: the transfer fails visibly; its source is released only if
+        no write of it can be pending (never on a guess)."""
+        self._publish_safely(req, reason)
+        self.results.resolve(Outcome(transfer_id=req.spec.transfer_id, ok=False, reason=reason,
+                                     finished_s=time.perf_counter(), source_released=False))
+
+    def _release(self, req: Request) -> None:
+        tid = req.spec.transfer_id
+        req.quiet.set()
+        if self._live.get(tid) is req:
+            del self._live[tid]
+        self.results.release(tid)
+
+    @guarded
+    async def _release_when_quiet(self, req: Request, pending: list[asyncio.Future[Any]]) -> None:
+        """Hold the source blocks (and the transfer live: abort answers ``settling``) until the
+        backend saw every write that may still land end (``fence.until_writes_end``)."""
+        def late(count: int) -> None:
+            self.fence_timeouts += 1
+            log.error("transfer %s: %d writes still unresolved after %gs; its source blocks stay held",
+                      req.spec.transfer_id, count, self.timeouts.quarantine)
+
+        if await until_writes_end(pending, self.timeouts.quarantine, late):
+            self._release(req)
+        else:   # the backend closed: nobody knows, keep them held
+            log.error("transfer %s: backend closed with writes unresolved; source kept held", req.spec.transfer_id)
