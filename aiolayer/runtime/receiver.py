@@ -60,11 +60,12 @@ class Received(msgspec.Struct, kw_only=True):
     reason: str = ""
     finished_s: float = 0.0
     refused: bool = False         # the registration itself was refused: no transfer under this id ran here
+    registered_s: float = 0.0     # perf_counter when it was registered (0: never registered)
 
 
 class _Entry:
     __slots__ = ("transfer_id", "token", "block_ids", "first_block", "state", "writers",
-                 "timer", "on_release", "fence", "forget")
+                 "timer", "on_release", "fence", "forget", "registered_s")
 
     def __init__(self, transfer_id: str, token: str, block_ids: list[int], on_release: Release | None,
                  first_block: int, senders: int = 1) -> None:
@@ -78,6 +79,7 @@ class _Entry:
         self.on_release = on_release
         self.fence: asyncio.Task[None] | None = None
         self.forget = False                     # forget the entry once settled: the engine owns the blocks
+        self.registered_s = time.perf_counter()  # a finished receive's duration starts here
 
 
 class Receiver:
@@ -334,7 +336,7 @@ class Receiver:
         if self._on_outcome is not None:
             self._on_outcome()   # before the result is visible: whoever reads it finds it counted
         self._results.append(Received(transfer_id=entry.transfer_id, ok=ok, reason=entry.state.reason,
-                                      finished_s=time.perf_counter()))
+                                      finished_s=time.perf_counter(), registered_s=entry.registered_s))
         self._remember_settled(entry)
         if entry.forget:   # an engine that owns its blocks (``Runtime.receive``) needs no entry after the result
             self._entries.pop(entry.transfer_id, None)

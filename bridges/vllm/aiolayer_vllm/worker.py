@@ -30,7 +30,7 @@ from .layout import describe
 from .metadata import AiolayerMetadata, RecvReq, SendReq
 from .ranks import (Topology, rank_transfer_id, refused_d_ranks, routes_for_p, whole_blocks, writers_into,
                     writers_of_d)
-from .stats import AiolayerStats, delta, totals
+from .stats import AiolayerStats, Observations, delta, totals
 from .threads import unpinned
 from .wake import Waker
 
@@ -73,6 +73,7 @@ class WorkerSide:
         self._finished: set[str] = set()                  # P: ... that vLLM reported finished
         self._load_errors: set[int] = set()
         self._reported: dict[str, float] = {}             # the totals of the last stats report
+        self._timings = Observations()                    # durations of the transfers ended since then
         # D: one HTTP client for every registration POST, made and closed on the loop
         self._http: httpx.AsyncClient | None = None
         self._step_tids: list[str] = []                   # P: the transfers of the step being saved (timeline)
@@ -352,6 +353,7 @@ class WorkerSide:
         if self.runtime is None:
             return sending, recving, failed
         for outcome in self.runtime.pop_outcomes():
+            self._timings.sent(outcome)
             if not outcome.ok:
                 log.warning("aiolayer transfer %s failed: %s", outcome.transfer_id, outcome.reason)
         for tid in self.runtime.pop_released():
@@ -362,6 +364,7 @@ class WorkerSide:
         self._finished -= sending
         self._sending -= sending
         for result in self.runtime.pop_received():
+            self._timings.received(result)
             stage(result.transfer_id, "d_done", result.finished_s)
             stage(result.transfer_id, "d_reported")
             self._record_received(self._recv_of.pop(result.transfer_id, None), result.transfer_id, result.ok,
@@ -397,7 +400,7 @@ class WorkerSide:
         if snap is None:
             return None
         current = totals(snap)
-        stats = AiolayerStats(data=delta(current, self._reported))
+        stats = AiolayerStats(data=delta(current, self._reported) | self._timings.take())
         self._reported = current
         return None if stats.is_empty() else stats
 
