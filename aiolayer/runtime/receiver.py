@@ -50,6 +50,12 @@ from .writers import StopSender, Writers, ask_until_quiet
 
 log = logging.getLogger(__name__)
 
+# why a receive failed, counted in ``Receiver.failures``; none of them had its KV accepted:
+# "deadline": no DONE/FAILED in time (P died, hung or never came), "aborted": given up at D (its
+# engine aborted the request, a registration nobody took, P's and D's layouts disagree),
+# "prefill_failed": P reported FAILED (its writes failed, it was cancelled, or D's integrity check
+# refused its DONE), "refused": the registration itself was refused (nothing ran)
+FAILURE_CAUSES = ("deadline", "aborted", "prefill_failed", "refused")
 MAX_EARLY = 4096          # DONE/FAILED kept for unregistered transfers: a stranger cannot grow it further
 Release = Callable[[list[int]], None]   # frees a transfer's blocks once it is released
 
@@ -65,7 +71,7 @@ class Received(msgspec.Struct, kw_only=True):
 
 class _Entry:
     __slots__ = ("transfer_id", "token", "block_ids", "first_block", "state", "writers",
-                 "timer", "on_release", "fence", "forget", "registered_s")
+                 "timer", "on_release", "fence", "forget", "registered_s", "cause")
 
     def __init__(self, transfer_id: str, token: str, block_ids: list[int], on_release: Release | None,
                  first_block: int, senders: int = 1) -> None:
@@ -80,6 +86,7 @@ class _Entry:
         self.fence: asyncio.Task[None] | None = None
         self.forget = False                     # forget the entry once settled: the engine owns the blocks
         self.registered_s = time.perf_counter()  # a finished receive's duration starts here
+        self.cause = ""                         # why it failed, if it does (``FAILURE_CAUSES``)
 
 
 class Receiver:
@@ -105,6 +112,7 @@ class Receiver:
         self.outcome_counts: collections.Counter[str] = collections.Counter()
         self.bytes_received = 0
         self.integrity: collections.Counter[str] = collections.Counter()   # sampled DONEs: verified / mismatch
+        self.failures: collections.Counter[str] = collections.Counter()    # failed receives by FAILURE_CAUSES
 
     def bind(self, spawn: Spawn, stop_sender: StopSender | None, on_outcome: Callable[[], None] | None = None) -> None:
         """Give the receiver its task owner, the way to tell a P to stop and whom to tell of an outcome."""
@@ -210,6 +218,8 @@ class Receiver:
             return _already(entry.state.state is State.FINISHED)
         if isinstance(msg, m.Done):
             self.bytes_received += msg.bytes
+        else:
+            entry.cause = entry.cause or "prefill_failed"
         self._settle(entry)
         return m.Ack(detail=entry.state.state.value)
 
@@ -225,6 +235,7 @@ class Receiver:
             self.authorize(transfer_id, token, "abort request")
         if entry.state.apply(Event.ABORT, reason):
             self.aborts += 1
+            entry.cause = entry.cause or "aborted"
             self._start_fence(entry)
         return entry.state.state.value
 
@@ -266,6 +277,7 @@ class Receiver:
 
     def refuse(self, transfer_id: str, reason: str) -> None:
         """A registration that was refused: its failure is reported like a result (``refused``)."""
+        self.failures["refused"] += 1
         self._results.append(Received(transfer_id=transfer_id, ok=False, reason=reason,
                                       finished_s=time.perf_counter(), refused=True))
 
@@ -332,6 +344,7 @@ class Receiver:
         ok = entry.state.state is State.FINISHED
         self.outcome_counts["finished" if ok else "failed"] += 1
         if not ok:
+            self.failures[entry.cause or "aborted"] += 1
             log.warning("transfer %s failed at D: %s", entry.transfer_id, entry.state.reason)
         if self._on_outcome is not None:
             self._on_outcome()   # before the result is visible: whoever reads it finds it counted
@@ -350,6 +363,7 @@ class Receiver:
         if entry is None or entry.state.state is not State.REGISTERED:
             return
         self.deadlines_expired += 1
+        entry.cause = entry.cause or "deadline"
         log.warning("transfer %s: no DONE/FAILED within %gs; fencing its blocks", transfer_id, self.timeouts.receive)
         entry.state.apply(Event.DEADLINE, f"no DONE/FAILED within {self.timeouts.receive:g}s")
         self._start_fence(entry)

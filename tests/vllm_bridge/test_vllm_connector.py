@@ -149,6 +149,10 @@ def test_failed_receive_ends_in_failed_recving_not_a_stuck_request(engines):
     assert finished and "error" in str(finished[-1].finish_reason).lower(), finished[-1]
     pool = d.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1    # every block back: nothing leaked
+    # counted at D by its cause, in the stats vLLM exports: P's writes failed, so P reported FAILED
+    failed = _stats_until(d, "receives_failed_prefill_failed")
+    assert (failed.data["receives_failed"], failed.data["receives_failed_prefill_failed"]) == (1, 1)
+    assert failed.data["receives_finished"] == failed.data["receives_failed_deadline"] == 0
 
 
 @pytest.mark.parametrize("writer", ["acks", "silent", "none"])
@@ -188,6 +192,8 @@ def test_abort_while_waiting_keeps_blocks_until_the_fence(engines, writer):
         assert held_until >= FAST["fence_grace"]      # its writer never confirmed: the full grace period
     else:
         assert held_until < FAST["fence_grace"]       # quiet (or never reached): no need to wait
+    aborted = _stats_until(d, "receives_failed_aborted")   # counted at D by its cause, before any KV landed
+    assert (aborted.data["receives_failed"], aborted.data["receives_failed_aborted"]) == (1, 1)
 
 
 def test_chunked_prefill_sends_every_block_in_the_last_chunk(engines):
@@ -266,6 +272,7 @@ def test_d_publishes_its_registration_and_gives_up_if_nobody_takes_it(engines, s
             assert _status(d, "d-5") is RequestStatus.WAITING_FOR_REMOTE_KVS
         else:   # refused: D gives the transfer up instead of waiting for a P that will never come
             _steps_until(d, lambda: "d-5" not in d.scheduler.requests, limit=FAST["fence_grace"] + 5)
+            assert _stats_until(d, "receives_failed_aborted").data["receives_failed_aborted"] == 1
     finally:
         hub.close()
 

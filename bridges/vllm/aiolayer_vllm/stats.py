@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from aiolayer.runtime.receiver import FAILURE_CAUSES
+
 if TYPE_CHECKING:
     from aiolayer.runtime.receiver import Received
     from aiolayer.runtime.spec import Outcome
@@ -22,7 +24,8 @@ if TYPE_CHECKING:
 # counted since the last report: summed across workers and intervals
 COUNTERS = ("bytes_sent", "bytes_received", "sends_finished", "sends_failed", "receives_finished",
             "receives_failed", "control_rejected", "deadline_expiries", "integrity_verified", "integrity_mismatch",
-            "fence_timeouts", "fences_unconfirmed")
+            "fence_timeouts", "fences_unconfirmed", *(f"receives_failed_{c}" for c in FAILURE_CAUSES[:-1]),
+            "receives_refused")
 # levels: the worst across workers
 GAUGES = ("bridge_depth", "sending", "receiving", "writes_in_flight", "handoff_p99_s")
 _TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -46,6 +49,7 @@ def totals(snap: dict) -> dict[str, float]:
     """The connector's figures from a runtime metrics snapshot (aiolayer.runtime.metrics.snapshot)."""
     transfers = snap["transfers"]
     p99 = snap["handoff_p99_s"]
+    failures = snap.get("receive_failures", {})
     return {
         "bytes_sent": snap["bytes_sent"], "bytes_received": snap["bytes_received"],
         "sends_finished": transfers.get(("send", "finished"), 0), "sends_failed": transfers.get(("send", "failed"), 0),
@@ -56,6 +60,9 @@ def totals(snap: dict) -> dict[str, float]:
         "integrity_mismatch": snap["integrity"].get("mismatch", 0),
         # a release not on its writer's word: P's writes unresolved past the quarantine, D's fence on the grace
         "fence_timeouts": snap["fence_timeouts"], "fences_unconfirmed": snap.get("fences_unconfirmed", 0),
+        # D: receives_failed by cause (receiver.FAILURE_CAUSES); a refused registration is no receive
+        **{f"receives_failed_{c}": failures.get(c, 0) for c in FAILURE_CAUSES[:-1]},
+        "receives_refused": failures.get("refused", 0),
         "bridge_depth": snap["queues"]["bridge"], "sending": snap["queues"]["sending"],
         "receiving": snap["queues"]["receiving"], "writes_in_flight": snap["queues"]["writes_in_flight"],
         "handoff_p99_s": p99 if p99 != float("inf") else 1.0,   # beyond the last bucket: at least 1 s
@@ -67,11 +74,13 @@ def delta(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
 
 
 class Observations:
-    """The timings of the transfers a worker saw end since its last report (model-runner thread)."""
+    """The timings of the transfers a worker saw end since its last report (model-runner thread), and
+    the receives it failed itself before its runtime saw them (a bad spec, a transfer id already live)."""
 
     def __init__(self) -> None:
         self.taken: dict[str, list[float]] = {name: [] for name in HISTOGRAMS}
         self.dropped = 0
+        self.refused = 0
 
     def _add(self, name: str, seconds: float) -> None:
         if len(self.taken[name]) < MAX_OBSERVATIONS:
@@ -90,11 +99,13 @@ class Observations:
         if result.ok and result.registered_s:
             self._add("receive_seconds", result.finished_s - result.registered_s)
 
-    def take(self) -> dict[str, list[float]]:
-        """The interval's observations (only the non-empty ones), and a fresh interval."""
-        out = {name: values for name, values in self.taken.items() if values}
+    def into(self, data: dict[str, Any]) -> dict[str, Any]:
+        """``data`` with the interval's observations (the non-empty ones) and refusals; a fresh interval."""
+        data.update((name, values) for name, values in self.taken.items() if values)
+        data["receives_refused"] = data.get("receives_refused", 0) + self.refused
         self.taken = {name: [] for name in HISTOGRAMS}
-        return out
+        self.refused = 0
+        return data
 
 
 @dataclass

@@ -73,7 +73,7 @@ class WorkerSide:
         self._finished: set[str] = set()                  # P: ... that vLLM reported finished
         self._load_errors: set[int] = set()
         self._reported: dict[str, float] = {}             # the totals of the last stats report
-        self._timings = Observations()                    # durations of the transfers ended since then
+        self._timings = Observations()                    # timings (and refusals) since then
         # D: one HTTP client for every registration POST, made and closed on the loop
         self._http: httpx.AsyncClient | None = None
         self._step_tids: list[str] = []                   # P: the transfers of the step being saved (timeline)
@@ -371,6 +371,7 @@ class WorkerSide:
                                   result.reason, recving, failed)
         while self._recv_failures:
             tid, reason, owner = self._recv_failures.popleft()
+            self._timings.refused += 1   # never reached the runtime: no receive there counts it
             owner = owner if owner is not None else self._recv_of.pop(tid, None)
             self._record_received(owner, tid, False, reason, recving, failed)
         return sending, recving, failed
@@ -400,7 +401,7 @@ class WorkerSide:
         if snap is None:
             return None
         current = totals(snap)
-        stats = AiolayerStats(data=delta(current, self._reported) | self._timings.take())
+        stats = AiolayerStats(data=self._timings.into(delta(current, self._reported)))
         self._reported = current
         return None if stats.is_empty() else stats
 
