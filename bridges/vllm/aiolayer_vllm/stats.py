@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from aiolayer.runtime.receiver import FAILURE_CAUSES
-
 if TYPE_CHECKING:
-    from aiolayer.runtime.receiver import Received
-    from aiolayer.runtime.spec import Outcome
+    from aiolayer import Outcome, Received
+
+# the runtime's causes of a failed receive (aiolayer.runtime.receiver.FAILURE_CAUSES), less "refused"
+FAILURE_CAUSES = ("deadline", "aborted", "prefill_failed")
 
 # counted since the last report: summed across workers and intervals
 COUNTERS = ("bytes_sent", "bytes_received", "sends_finished", "sends_failed", "receives_finished",
             "receives_failed", "control_rejected", "deadline_expiries", "integrity_verified", "integrity_mismatch",
-            "fence_timeouts", "fences_unconfirmed", *(f"receives_failed_{c}" for c in FAILURE_CAUSES[:-1]),
+            "fence_timeouts", "fences_unconfirmed", *(f"receives_failed_{c}" for c in FAILURE_CAUSES),
             "receives_refused")
 # levels: the worst across workers
 GAUGES = ("bridge_depth", "sending", "receiving", "writes_in_flight", "handoff_p99_s")
@@ -61,7 +61,7 @@ def totals(snap: dict) -> dict[str, float]:
         # a release not on its writer's word: P's writes unresolved past the quarantine, D's fence on the grace
         "fence_timeouts": snap["fence_timeouts"], "fences_unconfirmed": snap.get("fences_unconfirmed", 0),
         # D: receives_failed by cause (receiver.FAILURE_CAUSES); a refused registration is no receive
-        **{f"receives_failed_{c}": failures.get(c, 0) for c in FAILURE_CAUSES[:-1]},
+        **{f"receives_failed_{c}": failures.get(c, 0) for c in FAILURE_CAUSES},
         "receives_refused": failures.get("refused", 0),
         "bridge_depth": snap["queues"]["bridge"], "sending": snap["queues"]["sending"],
         "receiving": snap["queues"]["receiving"], "writes_in_flight": snap["queues"]["writes_in_flight"],
