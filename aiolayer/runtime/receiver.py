@@ -50,11 +50,7 @@ from .writers import StopSender, Writers, ask_until_quiet
 
 log = logging.getLogger(__name__)
 
-# why a receive failed, counted in ``Receiver.failures``; none of them had its KV accepted:
-# "deadline": no DONE/FAILED in time (P died, hung or never came), "aborted": given up at D (its
-# engine aborted the request, a registration nobody took, P's and D's layouts disagree),
-# "prefill_failed": P reported FAILED (its writes failed, it was cancelled, or D's integrity check
-# refused its DONE), "refused": the registration itself was refused (nothing ran)
+# why a receive failed before its KV was accepted (``Receiver.failures``; docs/operations.md#metrics)
 FAILURE_CAUSES = ("deadline", "aborted", "prefill_failed", "refused")
 MAX_EARLY = 4096          # DONE/FAILED kept for unregistered transfers: a stranger cannot grow it further
 Release = Callable[[list[int]], None]   # frees a transfer's blocks once it is released
