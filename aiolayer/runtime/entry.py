@@ -7,6 +7,7 @@ handed to other threads whole.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Callable
 
 import msgspec
@@ -23,11 +24,12 @@ class Received(msgspec.Struct, kw_only=True):
     reason: str = ""
     finished_s: float = 0.0
     refused: bool = False         # the registration itself was refused: no transfer under this id ran here
+    registered_s: float = 0.0     # perf_counter when it was registered (0: never registered)
 
 
 class Entry:
     __slots__ = ("transfer_id", "token", "block_ids", "first_block", "state", "writers",
-                 "timer", "on_release", "fence", "forget")
+                 "timer", "on_release", "fence", "forget", "registered_s", "cause")
 
     def __init__(self, transfer_id: str, token: str, block_ids: list[int], on_release: Release | None,
                  first_block: int, senders: int = 1) -> None:
@@ -41,3 +43,5 @@ class Entry:
         self.on_release = on_release
         self.fence: asyncio.Task[None] | None = None
         self.forget = False                     # forget the entry once settled: the engine owns the blocks
+        self.registered_s = time.perf_counter()  # a finished receive's duration starts here
+        self.cause = ""                         # why it failed, if it does (``receiver.FAILURE_CAUSES``)

@@ -89,6 +89,7 @@ def snapshot(rt: Source) -> dict[str, Any]:
         "frames": server.frames_received if server else 0,
         "fence_timeouts": sender.fence_timeouts if sender else 0,
         "fences_unconfirmed": receiver.fences_unconfirmed,
+        "receive_failures": dict(receiver.failures),
         "task_errors": rt.loop_thread.task_errors,
         # sampled end-to-end checks: P's sent ("sampled"), D's "verified" / "mismatch"
         "integrity": {"sampled": sender.integrity_checks if sender else 0, **receiver.integrity},
@@ -136,6 +137,10 @@ class _SnapshotCollector:
         yield _counter("aiolayer_fences_unconfirmed", "D's fences that ended on fence_grace alone, a writer never "
                        "confirmed it stopped (its blocks were freed on time, not on its word)",
                        s.get("fences_unconfirmed", 0))
+        yield _counter("aiolayer_receive_failures", "D's receives that failed before their KV was accepted, by "
+                       "cause: deadline (P died, hung, never came), aborted (given up at D), prefill_failed "
+                       "(P's FAILED, or D's integrity check refused its DONE), refused (the registration)",
+                       None, ["cause"], [([k], v) for k, v in sorted(s.get("receive_failures", {}).items())])
         yield _counter("aiolayer_integrity_checks", "sampled end-to-end KV checks: sent by P, verified or "
                        "mismatched at D", None, ["result"], [([k], v) for k, v in sorted(s["integrity"].items())])
         yield _counter("aiolayer_task_errors", "loop tasks that ended with an error (logged, the runtime went on)",

@@ -49,6 +49,8 @@ from .writers import StopSender, ask_until_quiet
 
 log = logging.getLogger(__name__)
 
+# why a receive failed before its KV was accepted (``Receiver.failures``; docs/operations.md#metrics)
+FAILURE_CAUSES = ("deadline", "aborted", "prefill_failed", "refused")
 MAX_EARLY = 4096          # DONE/FAILED kept for unregistered transfers: a stranger cannot grow it further
 
 
@@ -75,6 +77,7 @@ class Receiver:
         self.outcome_counts: collections.Counter[str] = collections.Counter()
         self.bytes_received = 0
         self.integrity: collections.Counter[str] = collections.Counter()   # sampled DONEs: verified / mismatch
+        self.failures: collections.Counter[str] = collections.Counter()    # failed receives by FAILURE_CAUSES
 
     def bind(self, spawn: Spawn, stop_sender: StopSender | None, on_outcome: Callable[[], None] | None = None) -> None:
         """Give the receiver its task owner, the way to tell a P to stop and whom to tell of an outcome."""
@@ -180,6 +183,8 @@ class Receiver:
             return _already(entry.state.state is State.FINISHED)
         if isinstance(msg, m.Done):
             self.bytes_received += msg.bytes
+        else:
+            entry.cause = entry.cause or "prefill_failed"
         self._settle(entry)
         return m.Ack(detail=entry.state.state.value)
 
@@ -195,6 +200,7 @@ class Receiver:
             self.authorize(transfer_id, token, "abort request")
         if entry.state.apply(Event.ABORT, reason):
             self.aborts += 1
+            entry.cause = entry.cause or "aborted"
             self._start_fence(entry)
         return entry.state.state.value
 
@@ -236,6 +242,7 @@ class Receiver:
 
     def refuse(self, transfer_id: str, reason: str) -> None:
         """A registration that was refused: its failure is reported like a result (``refused``)."""
+        self.failures["refused"] += 1
         self._results.append(Received(transfer_id=transfer_id, ok=False, reason=reason,
                                       finished_s=time.perf_counter(), refused=True))
 
@@ -302,11 +309,12 @@ class Receiver:
         ok = entry.state.state is State.FINISHED
         self.outcome_counts["finished" if ok else "failed"] += 1
         if not ok:
+            self.failures[entry.cause or "aborted"] += 1
             log.warning("transfer %s failed at D: %s", entry.transfer_id, entry.state.reason)
         if self._on_outcome is not None:
             self._on_outcome()   # before the result is visible: whoever reads it finds it counted
         self._results.append(Received(transfer_id=entry.transfer_id, ok=ok, reason=entry.state.reason,
-                                      finished_s=time.perf_counter()))
+                                      finished_s=time.perf_counter(), registered_s=entry.registered_s))
         self._remember_settled(entry)
         if entry.forget:   # an engine that owns its blocks (``Runtime.receive``) needs no entry after the result
             self._entries.pop(entry.transfer_id, None)
@@ -320,6 +328,7 @@ class Receiver:
         if entry is None or entry.state.state is not State.REGISTERED:
             return
         self.deadlines_expired += 1
+        entry.cause = entry.cause or "deadline"
         log.warning("transfer %s: no DONE/FAILED within %gs; fencing its blocks", transfer_id, self.timeouts.receive)
         entry.state.apply(Event.DEADLINE, f"no DONE/FAILED within {self.timeouts.receive:g}s")
         self._start_fence(entry)

@@ -93,6 +93,8 @@ def test_a_refused_registration_is_a_failed_result_not_a_lost_error(pair):
     d.abort_receive("dup", "test over")                                    # the first one ends too
     first = received(d, "dup", timeout=TIMEOUTS.fence_grace + 5)
     assert not first.ok and not first.refused
+    # both failed before any KV landed, each counted by its cause
+    assert d.metrics_snapshot()["receive_failures"] == {"refused": 1, "aborted": 1}
 
 
 def test_a_bad_receive_spec_raises_at_once_and_changes_nothing(pair):

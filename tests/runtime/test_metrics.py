@@ -83,6 +83,8 @@ def test_node_and_p_metrics_scraped_over_http():
     assert value(d_snap, "aiolayer_transfers_total", role="receive", outcome="finished") == 1
     assert value(d_snap, "aiolayer_transfers_total", role="receive", outcome="failed") == 1
     assert value(d_snap, "aiolayer_deadline_expiries_total", phase="receive") == 1
+    assert value(d_snap, "aiolayer_receive_failures_total", cause="deadline") == 1   # failed before any KV landed
+    assert value(d_snap, "aiolayer_receive_failures_total", cause="aborted") is None
     assert value(d_snap, "aiolayer_queue_depth", queue="receiving") == 0
     assert value(d_snap, "aiolayer_peer_up", peer=rt.control_endpoint) == 1      # D asked P to stop: P answered
     assert value(d_snap, "aiolayer_control_frames_total") >= 5

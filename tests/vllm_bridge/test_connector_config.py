@@ -138,3 +138,63 @@ def test_vllm_serve_with_a_misspelt_setting_exits_before_loading_the_model(tmp_p
     assert any("unknown field `recieve` - at `$.timeouts`" in line for line in log.splitlines()), log[-3000:]
     assert "Initializing a V1 LLM engine" not in log and "Loading weights" not in log, log[-3000:]
     assert elapsed < 60, f"{elapsed:.0f} s: the API server alone starts in ~10-25 s on a loaded 2-core box"
+
+
+# --- vLLM's own engine_id / kv_port / kv_ip ----------------------------------------------------------
+
+def _ktc(**fields):
+    from vllm.config import KVTransferConfig
+
+    own = {k: v for k, v in fields.items() if k != "kv_ip"}
+    ktc = KVTransferConfig(kv_connector="AiolayerConnector", kv_role="kv_producer", **own)
+    if "kv_ip" in fields:   # a vLLM with the field (this one has none)
+        object.__setattr__(ktc, "kv_ip", fields["kv_ip"])
+    return ktc
+
+
+def test_vllms_engine_id_and_kv_port_stand_in_for_absent_aiolayer_keys():
+    config = from_extra_config({"backend": "memory"}, "fallback", _ktc(engine_id="prefill-a", kv_port=17000))
+    assert (config.node.engine_id, config.node.control_port) == ("prefill-a", 17000)
+    data_parallel = _ktc(engine_id="prefill-a_dp1")   # vLLM appends the DP rank; aiolayer adds its own suffix
+    assert from_extra_config({}, "fallback", data_parallel).node.engine_id == "prefill-a"
+
+
+def test_vllms_kv_ip_stands_in_for_the_bind_host():
+    ktc = _ktc(kv_ip="10.1.2.3")
+    assert from_extra_config({}, "e", ktc).node.transport.bind_host == "10.1.2.3"
+    extra = {"transport": {"protocol": "tcp"}}
+    assert from_extra_config(extra, "e", ktc).node.transport.bind_host == "10.1.2.3"
+    assert extra == {"transport": {"protocol": "tcp"}}   # the user's dict is left as written
+
+
+def test_vllms_defaults_count_as_not_given():
+    """vLLM makes up a UUID engine id per engine (with "_dp<rank>" under data parallel) and always has a
+    kv_port: taken as given, every engine on a host would want one port."""
+    ktc = _ktc()
+    config = from_extra_config({}, "fallback", ktc)
+    assert (config.node.engine_id, config.node.control_port) == ("fallback", 0)
+    config = from_extra_config({"engine_id": "p", "control_port": 5600}, "x", _ktc(engine_id=ktc.engine_id + "_dp0"))
+    assert (config.node.engine_id, config.node.control_port) == ("p", 5600)
+
+
+def test_aiolayers_keys_win_when_they_agree_and_a_conflict_is_refused_naming_both():
+    same = from_extra_config({"engine_id": "p", "control_port": 17000}, "x", _ktc(engine_id="p", kv_port=17000))
+    assert (same.node.engine_id, same.node.control_port) == ("p", 17000)
+    with pytest.raises(ConfigError, match=r"engine_id='p' conflicts with kv_transfer_config engine_id='q'"):
+        from_extra_config({"engine_id": "p"}, "x", _ktc(engine_id="q"))
+    with pytest.raises(ConfigError, match=r"control_port=5600 conflicts with kv_transfer_config kv_port=17000"):
+        from_extra_config({"control_port": 5600}, "x", _ktc(kv_port=17000))
+    with pytest.raises(ConfigError, match=r"transport.bind_host='0.0.0.0' conflicts with kv_transfer_config kv_ip="):
+        from_extra_config({"transport": {"bind_host": "0.0.0.0"}}, "x", _ktc(kv_ip="10.1.2.3"))
+
+
+def test_a_conflict_stops_vllm_while_it_builds_the_engine_config():
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    import aiolayer_vllm.plugin as plugin
+
+    plugin.register()
+    ktc = _ktc(engine_id="q")
+    ktc.kv_connector_extra_config = {"engine_id": "p"}
+    with pytest.raises(ConfigError, match="conflicts with kv_transfer_config engine_id"):
+        KVConnectorFactory.get_connector_class(ktc)

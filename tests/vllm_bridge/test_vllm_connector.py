@@ -149,6 +149,10 @@ def test_failed_receive_ends_in_failed_recving_not_a_stuck_request(engines):
     assert finished and "error" in str(finished[-1].finish_reason).lower(), finished[-1]
     pool = d.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1    # every block back: nothing leaked
+    # counted at D by its cause, in the stats vLLM exports: P's writes failed, so P reported FAILED
+    failed = _stats_until(d, "receives_failed_prefill_failed")
+    assert (failed.data["receives_failed"], failed.data["receives_failed_prefill_failed"]) == (1, 1)
+    assert failed.data["receives_finished"] == failed.data["receives_failed_deadline"] == 0
 
 
 @pytest.mark.parametrize("writer", ["acks", "silent", "none"])
@@ -188,6 +192,8 @@ def test_abort_while_waiting_keeps_blocks_until_the_fence(engines, writer):
         assert held_until >= FAST["fence_grace"]      # its writer never confirmed: the full grace period
     else:
         assert held_until < FAST["fence_grace"]       # quiet (or never reached): no need to wait
+    aborted = _stats_until(d, "receives_failed_aborted")   # counted at D by its cause, before any KV landed
+    assert (aborted.data["receives_failed"], aborted.data["receives_failed_aborted"]) == (1, 1)
 
 
 def test_chunked_prefill_sends_every_block_in_the_last_chunk(engines):
@@ -266,6 +272,7 @@ def test_d_publishes_its_registration_and_gives_up_if_nobody_takes_it(engines, s
             assert _status(d, "d-5") is RequestStatus.WAITING_FOR_REMOTE_KVS
         else:   # refused: D gives the transfer up instead of waiting for a P that will never come
             _steps_until(d, lambda: "d-5" not in d.scheduler.requests, limit=FAST["fence_grace"] + 5)
+            assert _stats_until(d, "receives_failed_aborted").data["receives_failed_aborted"] == 1
     finally:
         hub.close()
 
@@ -331,6 +338,8 @@ def test_connector_stats_report_the_transfer_and_feed_prometheus(engines):
     _run_prefill(p, d, "t6", prompt)
     _steps_until(d, lambda: d.runtime.receiver.outcome_counts["finished"] == 1)
     _steps_until(p, lambda: p.runtime.sender.outcome_counts["finished"] == 1)
+    for engine, timing in ((p, "send_seconds"), (d, "receive_seconds")):   # come with the step that reports it
+        _steps_until(engine, lambda: any(st is not None and st.data.get(timing) for _, st in engine.reports))
     sent, received = _stats_until(p, "sends_finished"), _stats_until(d, "receives_finished")
     assert sent.data["sends_finished"] == 1 and sent.data["bytes_sent"] > 0
     assert 0 < sent.data["handoff_p99_s"] <= 1.0               # P's layers went through the bridge
@@ -341,6 +350,20 @@ def test_connector_stats_report_the_transfer_and_feed_prometheus(engines):
     assert total.reduce()["bytes_sent"] == sent.data["bytes_sent"] and not total.is_empty()
     prom = AiolayerConnector.build_prom_metrics(p.config, {Counter: Counter, Gauge: Gauge, Histogram: Histogram},
                                                 ["engine"], {0: ["0"]})
-    prom.observe(total.reduce(), engine_idx=0)
+    prom.observe(total.to_dict(), engine_idx=0)   # what vLLM hands it: the aggregated payload
     assert REGISTRY.get_sample_value("vllm:aiolayer_bytes_sent_total", {"engine": "0"}) == sent.data["bytes_sent"]
     assert REGISTRY.get_sample_value("vllm:aiolayer_receives_finished_total", {"engine": "0"}) == 1
+    # the timings: one send and one receive, a landing per layer, as Prometheus histograms
+    assert len(sent.data["send_seconds"]) == 1 and len(received.data["receive_seconds"]) == 1
+    assert len(sent.data["layer_landing_seconds"]) == len(LAYERS)
+    assert 0 <= received.data["receive_seconds"][0] < 60 and all(0 <= s < 60 for s in sent.data["send_seconds"])
+    hist = {name: REGISTRY.get_sample_value(f"vllm:aiolayer_{name}_count", {"engine": "0"})
+            for name in ("send_seconds", "receive_seconds", "layer_landing_seconds")}
+    assert hist == {"send_seconds": 1, "receive_seconds": 1, "layer_landing_seconds": len(LAYERS)}
+    assert REGISTRY.get_sample_value("vllm:aiolayer_send_seconds_bucket", {"engine": "0", "le": "+Inf"}) == 1
+    assert REGISTRY.get_sample_value("vllm:aiolayer_send_seconds_sum", {"engine": "0"}) == \
+        pytest.approx(sent.data["send_seconds"][0])
+    assert total.reduce()["layer_landing_seconds_count"] == len(LAYERS)
+    two_workers = AiolayerConnector.build_kv_connector_stats(sent.data).aggregate(
+        AiolayerConnector.build_kv_connector_stats(sent.data))
+    assert two_workers.data["send_seconds"] == sent.data["send_seconds"] * 2   # joined, not added or maxed

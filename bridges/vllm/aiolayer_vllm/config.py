@@ -13,13 +13,22 @@ sleep: 2 by default, vLLM's own is 1000; null leaves vLLM's; ``spin.py`` says wh
 D reports the transfer; 0.01 by default, 0 = off; CPU engines only, where the KV is in host memory:
 ``aiolayer/runtime/integrity.py``).
 
+vLLM's own ``kv_transfer_config`` fields stand in where aiolayer's keys are absent: ``engine_id`` for
+``engine_id``, ``kv_port`` for ``control_port``, ``kv_ip`` (where the vLLM has it) for
+``transport.bind_host`` (``vllm_fields``). A field left at vLLM's default counts as not given: vLLM
+makes up a UUID engine id for every engine, and one default ``kv_port`` would have every engine on a
+host want one port. Both given with different values: refused, naming both.
+
 Test-only switches are not configuration: ``AIOLAYER_DEBUG_ZERO_RECEIVED=1`` and
 ``AIOLAYER_DEBUG_CORRUPT_RECEIVED=1`` in a D engine's environment (``debug.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
+import uuid
 from typing import Any
 
 import msgspec
@@ -55,11 +64,15 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True):
     debug_corrupt_received: bool = False
 
 
-def check_extra_config(extra: dict[str, Any] | None) -> None:
+# aiolayer's key (a path in the extra config) -> vLLM's KVTransferConfig field that stands in for it
+VLLM_FIELDS = {("engine_id",): "engine_id", ("control_port",): "kv_port", ("transport", "bind_host"): "kv_ip"}
+
+
+def check_extra_config(extra: dict[str, Any] | None, kv_transfer_config: Any = None) -> None:
     """Validate the whole extra config without building anything (no I/O): ``ConfigError`` naming the
     key. vLLM's engine-config phase calls it (``plugin.py``, and ``requires_piecewise_for_cudagraph``),
     so a bad key stops the start before any model loads."""
-    from_extra_config(extra, "vllm")
+    from_extra_config(extra, "vllm", kv_transfer_config)
 
 
 def doctor_check(extra: dict[str, Any] | None) -> tuple[str, str] | None:
@@ -74,8 +87,59 @@ def doctor_check(extra: dict[str, Any] | None) -> tuple[str, str] | None:
     return None
 
 
-def from_extra_config(extra: dict[str, Any] | None, default_engine_id: str) -> BridgeConfig:
+def vllm_fields(extra: dict[str, Any], kv_transfer_config: Any) -> dict[str, Any]:
+    """``extra`` with vLLM's own fields filled in where aiolayer's keys are absent (module docstring)."""
+    section = extra.get("transport")
+    out = {**extra, "transport": dict(section)} if isinstance(section, dict) else dict(extra)
+    for path, name in VLLM_FIELDS.items():
+        theirs = _given(kv_transfer_config, name)
+        if theirs is None:
+            continue
+        where = out
+        for key in path[:-1]:
+            if not isinstance(where.get(key, {}), dict):
+                break   # a malformed section: the strict decoding below names it
+            where = where.setdefault(key, {})
+        else:
+            ours = where.get(path[-1])
+            if ours is None:
+                where[path[-1]] = theirs
+            elif ours != theirs:
+                raise ConfigError(f"kv_connector_extra_config {'.'.join(path)}={ours!r} conflicts with "
+                                  f"kv_transfer_config {name}={theirs!r}: give one of them, or the same value")
+    return out
+
+
+def _given(kv_transfer_config: Any, name: str) -> Any:
+    """vLLM's field ``name`` if the user set it (not absent, not its default, not a made-up UUID)."""
+    value = getattr(kv_transfer_config, name, None)
+    if value is None or value == "":
+        return None
+    defaults = {f.name: f.default for f in dataclasses.fields(kv_transfer_config)} \
+        if dataclasses.is_dataclass(kv_transfer_config) else {}
+    if defaults.get(name, dataclasses.MISSING) == value:
+        return None
+    if name == "engine_id":
+        # a data-parallel vLLM appends "_dp<rank>" to it in each engine; aiolayer adds its own rank suffix
+        value = re.sub(r"_dp\d+$", "", str(value))
+        return None if _generated(value) else value
+    return value
+
+
+def _generated(engine_id: str) -> bool:
+    """vLLM's own engine id when none was given: ``str(uuid.uuid4())``."""
     try:
+        made = uuid.UUID(engine_id)
+    except ValueError:
+        return False
+    return str(made) == engine_id and made.version == 4
+
+
+def from_extra_config(extra: dict[str, Any] | None, default_engine_id: str,
+                      kv_transfer_config: Any = None) -> BridgeConfig:
+    try:
+        if kv_transfer_config is not None:
+            extra = vllm_fields(dict(extra or {}), kv_transfer_config)
         # strict: "false" is not a bool and "5600" not a port (a lax coercion once turned on a debug switch)
         user = msgspec.convert(dict(extra or {}), ExtraConfig)
         if user.layerwise_min_tokens < 0:

@@ -70,7 +70,7 @@ class AiolayerConnector(KVConnectorBase_V1, SupportsHMA):
         groups = kv_cache_groups(kv_cache_config)
         ktc = self._kv_transfer_config
         engine_id = getattr(ktc, "engine_id", None) or "vllm"
-        self.config = from_extra_config(ktc.kv_connector_extra_config, str(engine_id))
+        self.config = from_extra_config(ktc.kv_connector_extra_config, str(engine_id), ktc)
         if self.config.queue_spin_s is not None:   # this process's readers: the worker's or the engine core's
             cap_spin(self.config.queue_spin_s)
         producer, consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)

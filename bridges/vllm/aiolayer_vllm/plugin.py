@@ -39,7 +39,7 @@ def check_config_on_resolve(factory) -> None:
         if getattr(kv_transfer_config, "kv_connector", None) == CONNECTOR_NAME:
             from .config import check_extra_config
 
-            check_extra_config(kv_transfer_config.kv_connector_extra_config)
+            check_extra_config(kv_transfer_config.kv_connector_extra_config, kv_transfer_config)
         return connector_cls
 
     setattr(get_connector_class, _CHECKS, True)

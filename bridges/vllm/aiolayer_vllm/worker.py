@@ -30,7 +30,7 @@ from .metadata import AiolayerMetadata, RecvReq, SendReq
 from .publish import RegistrationPublisher
 from .ranks import (Topology, rank_transfer_id, refused_d_ranks, routes_for_p, whole_blocks, writers_into,
                     writers_of_d)
-from .stats import AiolayerStats, delta, totals
+from .stats import AiolayerStats, Observations, delta, totals
 from .threads import unpinned
 from .wake import Waker
 
@@ -71,6 +71,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._reported: dict[str, float] = {}             # the totals of the last stats report
         self._publisher = RegistrationPublisher(self.topology)   # D: one HTTP client for every registration
+        self._timings = Observations()                    # timings (and refusals) since then
         self._step_tids: list[str] = []                   # P: the transfers of the step being saved (timeline)
         # D: wakes the scheduler side's parked wait as a receive ends (``wake``); None: it never waits
         self._waker = Waker(engine_core_pid, config.node.engine_id) \
@@ -321,6 +322,7 @@ class WorkerSide:
         if self.runtime is None:
             return sending, recving, failed
         for outcome in self.runtime.pop_outcomes():
+            self._timings.sent(outcome)
             if not outcome.ok:
                 log.warning("aiolayer transfer %s failed: %s", outcome.transfer_id, outcome.reason)
         for tid in self.runtime.pop_released():
@@ -331,12 +333,14 @@ class WorkerSide:
         self._finished -= sending
         self._sending -= sending
         for result in self.runtime.pop_received():
+            self._timings.received(result)
             stage(result.transfer_id, "d_done", result.finished_s)
             stage(result.transfer_id, "d_reported")
             self._record_received(self._recv_of.pop(result.transfer_id, None), result.transfer_id, result.ok,
                                   result.reason, recving, failed)
         while self._recv_failures:
             tid, reason, owner = self._recv_failures.popleft()
+            self._timings.refused += 1   # never reached the runtime: no receive there counts it
             owner = owner if owner is not None else self._recv_of.pop(tid, None)
             self._record_received(owner, tid, False, reason, recving, failed)
         return sending, recving, failed
@@ -366,7 +370,7 @@ class WorkerSide:
         if snap is None:
             return None
         current = totals(snap)
-        stats = AiolayerStats(data=delta(current, self._reported))
+        stats = AiolayerStats(data=self._timings.into(delta(current, self._reported)))
         self._reported = current
         return None if stats.is_empty() else stats
 

@@ -135,3 +135,13 @@ def test_connector_stats_reach_vllms_own_metrics(cluster):
     # every layer of vLLM's real cache layout was checked end to end, and matched
     assert _total(cluster["d"], "vllm:aiolayer_integrity_verified_total") > 0
     assert _total(cluster["d"], "vllm:aiolayer_integrity_mismatch_total") == 0
+    # each finished transfer's timings, as histograms: P's send and its layers' landings, D's receive
+    for server, name, least in (("p", "send_seconds", sent), ("p", "layer_landing_seconds", sent),
+                                ("d", "receive_seconds", got)):
+        while (count := _total(cluster[server], f"vllm:aiolayer_{name}_count")) < least:
+            assert time.monotonic() < deadline, f"{server}'s vllm:aiolayer_{name} counts {count} of {least}"
+            time.sleep(0.2)
+        metrics = scrape_metrics(cluster[server])
+        inf = sum(v for labels, v in metrics.get(f"vllm:aiolayer_{name}_bucket", []) if labels["le"] == "+Inf")
+        assert inf == _total(cluster[server], f"vllm:aiolayer_{name}_count") and \
+            _total(cluster[server], f"vllm:aiolayer_{name}_sum") > 0
