@@ -1,5 +1,5 @@
-"""Tiny random-weight models (Llama, Qwen2, DeepSeek-V2 MLA), built offline with transformers + tokenizers,
-for real vLLM runs.
+"""Tiny random-weight models (Llama, Qwen2, DeepSeek-V2 MLA, a Granite-4.0-H-style hybrid SSM), built offline
+with transformers + tokenizers, for real vLLM runs.
 
 ``tiny_model_dir()`` returns a folder vLLM can load (config.json, model.safetensors, tokenizer files),
 building it once per spec and caching it under ``$AIOLAYER_E2E_CACHE`` (default: the system temp dir,
@@ -47,7 +47,8 @@ VOCAB_SIZE = 512
 
 # Bump when the build procedure changes, so old cached folders are not reused.
 BUILD_VERSION = 3   # 2: chat template, model_max_length, architecture in the name; 3: tokenizer/ folder
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                 "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
 MLA_ARCHITECTURES = ("deepseek_v2",)   # latent attention: the MLA fields below apply
 # Fields only MLA models use; left out of other models' keys, so models cached before they existed stay valid.
 _MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
@@ -78,6 +79,9 @@ class TinySpec:
     # attend to the last ``sliding_window`` tokens, the others to all. () = every layer full attention.
     sliding_layers: tuple[int, ...] = ()
     sliding_window: int = 0
+    # Hybrid SSM (Granite-4.0-H style, granitemoehybrid): the layers listed are Mamba2 mixers, whose
+    # per-request state vLLM keeps outside the paged KV cache; the others attention.
+    mamba_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -89,6 +93,9 @@ class TinySpec:
         if self.sliding_layers and (self.architecture != "llama" or self.sliding_window < 1
                                     or not all(0 <= i < self.num_layers for i in self.sliding_layers)):
             raise ValueError("sliding_layers: Llama layers below num_layers, with sliding_window >= 1")
+        if (self.architecture == "granitemoehybrid") != bool(self.mamba_layers) \
+                or not all(0 <= i < self.num_layers for i in self.mamba_layers):
+            raise ValueError("mamba_layers: granitemoehybrid layers below num_layers (and only there)")
 
     def key(self) -> str:
         fields = dataclasses.asdict(self)
@@ -97,6 +104,8 @@ class TinySpec:
                 del fields[name]
         if not self.sliding_layers:   # models cached before the field existed keep their key
             del fields["sliding_layers"], fields["sliding_window"]
+        if not self.mamba_layers:
+            del fields["mamba_layers"]
         blob = json.dumps({**fields, "v": BUILD_VERSION, "vocab": VOCAB_SIZE}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -114,6 +123,9 @@ DEEPSEEK_V2_MLA = TinySpec(architecture="deepseek_v2", num_kv_heads=2, init_std=
 # (vLLM's hybrid KV cache manager: one full-attention KV cache group and two sliding-window groups).
 LLAMA_SLIDING = TinySpec(num_layers=6, sliding_layers=(0, 1, 3, 4), sliding_window=128,
                          max_position_embeddings=4096)
+# A hybrid SSM model (Mamba2 mixers on layers 0 and 2, attention on 1 and 3), as Granite-4.0-H lays them
+GRANITE_HYBRID = TinySpec(architecture="granitemoehybrid", num_layers=4, hidden_size=256, intermediate_size=512,
+                          num_heads=4, num_kv_heads=2, mamba_layers=(0, 2), max_position_embeddings=2048)
 
 
 def vocabulary() -> list[str]:
@@ -179,7 +191,7 @@ def _save_tokenizer(dest: Path, spec: TinySpec) -> None:
 
 
 def _config(spec: TinySpec):
-    from transformers import DeepseekV2Config, LlamaConfig, Qwen2Config
+    from transformers import DeepseekV2Config, GraniteMoeHybridConfig, LlamaConfig, Qwen2Config
 
     vocab = vocabulary()
     common = dict(
@@ -206,6 +218,13 @@ def _config(spec: TinySpec):
         return DeepseekV2Config(**common, first_k_dense_replace=spec.num_layers, q_lora_rank=None,
                                 kv_lora_rank=spec.kv_lora_rank, qk_rope_head_dim=spec.qk_rope_head_dim,
                                 qk_nope_head_dim=spec.qk_nope_head_dim, v_head_dim=spec.v_head_dim)
+    if spec.architecture == "granitemoehybrid":
+        # no experts (num_local_experts 0: a dense shared MLP); Mamba2 heads of 64, one group, state 16
+        types = ["mamba" if i in spec.mamba_layers else "attention" for i in range(spec.num_layers)]
+        return GraniteMoeHybridConfig(**common, layer_types=types, mamba_n_heads=8, mamba_d_head=64,
+                                      mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+                                      num_local_experts=0, shared_intermediate_size=spec.intermediate_size,
+                                      position_embedding_type="rope")
     if spec.sliding_layers:
         # transformers' Llama ignores these (the weights do not depend on them); vLLM's Llama gives each
         # "sliding_attention" layer a sliding-window KV cache spec, so the hybrid KV cache manager

@@ -14,6 +14,10 @@ the logprob comparison), eager (no ~40 s compile per start).
 
 Three engines, started once: P, D, and the aggregated engine, which answers the baseline on its own (a
 request without aiolayer parameters moves nothing) and is the zeroing D of the negative control.
+
+A hybrid SSM model (Mamba2 mixers beside attention, as Granite-4.0-H lays them) is refused at start: vLLM
+CPU serves it on its own (docs/vllm.md), but its per-request SSM state is not a paged KV cache aiolayer
+moves yet, and serving it with the attention KV alone would answer wrongly.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
 from e2e.pd import ProxyProcess, connector
 from e2e.procs import free_ports
-from e2e.servers import VllmServer, completion, running, scrape_metrics
-from e2e.tiny_model import LLAMA_SLIDING, SAMPLE_PROMPTS, long_prompt, tiny_model_dir
+from e2e.servers import ServerError, VllmServer, completion, running, scrape_metrics
+from e2e.tiny_model import GRANITE_HYBRID, LLAMA_SLIDING, SAMPLE_PROMPTS, long_prompt, tiny_model_dir
 from helpers_node import MC_ENV
 from helpers_relay import bridge_logging_config
 
@@ -49,6 +53,25 @@ PROXY_ARGS = ("--registration-timeout", "90", "--prefill-timeout", "90")
 LOGPROB_TOL = 1e-2                # D decodes over received KV, the aggregated engine over its own prefill
 ZEROED_MIN_DIFF = 10 * LOGPROB_TOL
 HMA_OFF = "Turning off hybrid kv cache manager"
+
+
+def test_a_hybrid_ssm_model_is_refused_at_start_naming_its_state_group():
+    """First in the file: it runs before the module's three engines start. Eager (no torch.compile) only
+    to spare ~40 s of compile: the refusal comes from the KV cache groups vLLM hands the connector."""
+    port = free_ports(1)
+    srv = VllmServer(tiny_model_dir(GRANITE_HYBRID), name="ssm-p", enforce_eager=True, omp_bind="nobind", env=MC_ENV,
+                     kv_transfer_config=connector("kv_producer", "ssm-p", port), startup_timeout_s=500)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ServerError):
+            srv.start()
+        log = srv.log_text()
+    finally:
+        srv.stop()
+    print(f"refused {time.monotonic() - t0:.0f} s into the start")
+    assert "vLLM gave 2 groups, one of them MambaSpec" in log and "not supported yet" in log, log[-3000:]
+    assert "model.layers.0.mixer" in log, log[-3000:]          # the SSM layers are named
+    assert HMA_OFF not in log                                   # vLLM kept its hybrid manager on for it
 
 
 def _engine(name: str, control_port: int, role: str, env: dict | None = None, **kw) -> VllmServer:
