@@ -41,17 +41,18 @@ def test_stop_destroys_an_idle_engine():
     with collector_off():
         rt = Runtime(NodeConfig(engine_id="p-close-idle", backend="mooncake")).start()
         try:
-            engine = weakref.ref(rt.backend._engine)   # noqa: SLF001 - the object under test
+            engine = weakref.ref(rt.backend._engine)
         finally:
             rt.stop()
         assert engine() is None, "the stopped runtime's engine is left to the garbage collector"
 
 
+@pytest.mark.slow   # a D node process
 @pytest.mark.timeout(60)
 def test_stop_destroys_an_engine_that_wrote_to_a_peer():
     with spawn_node(shape=SHAPE) as node, collector_off():
         with mooncake_p("p-close-wrote", 3) as (p, cache):
-            engine = weakref.ref(p.backend._engine)   # noqa: SLF001 - the object under test
+            engine = weakref.ref(p.backend._engine)
             rep = p.request(node.control, m.AllocRequest(transfer_id="t", num_blocks=1), timeout=5)
             layout = p.request(node.control, m.LayoutRequest(transfer_id="t", token=rep.token), timeout=5)
             src = cache.k_base[0]
