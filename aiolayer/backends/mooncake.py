@@ -355,7 +355,11 @@ class MooncakeBackend:
                     self.unregister(addr)
                 except BackendError as exc:
                     log.warning("%s", exc)
-            # Destroying an engine blocks for about a second (it joins its threads): not on the loop.
+            # Destroying an engine joins its threads (~1 s) holding the GIL, so the process pauses
+            # once, here, at close: this must be the last reference (the poller dropped its own).
+            # An engine left in a reference cycle is destroyed by whichever thread next collects,
+            # another runtime's loop included (docs/mooncake.md). A submit still blocked in
+            # Mooncake holds it until that submit returns.
             holder = [self._engine]
             self._engine = None
             await asyncio.to_thread(holder.clear)

@@ -297,3 +297,6 @@ class GroupPoller:
         for settled in self._quarantine.values():
             settled.cancel()
         self._quarantine.clear()
+        # The engine's bound method would keep the engine alive in this object's cycle with the
+        # backend (``submit``): it must die when the backend drops it, not in the garbage collector.
+        self.check = self.submit = _not_started

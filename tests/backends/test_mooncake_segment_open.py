@@ -22,15 +22,6 @@ from helpers_node import SMALL_SHAPE, apply_mc_env, mooncake_p, stoppable_node, 
 
 apply_mc_env()  # before any Mooncake engine exists in this process
 
-# Known open problem: in `make test` (the editable install, the whole of tests/backends/ collected) these
-# writes end ~3 s late, as before the segment-open fix, and the runtime left behind holds sockets a later
-# leak check counts (seen in 5 runs of 5, one test or another); run alone, or with the package on
-# PYTHONPATH, every write ends at its 1 s deadline. Skipped until the cause is found (docs/mooncake.md);
-# AIOLAYER_RUN_SEGMENT_OPEN=1 runs them.
-pytestmark = pytest.mark.skipif(os.environ.get("AIOLAYER_RUN_SEGMENT_OPEN") != "1",
-                                reason="late by ~3 s in a full run from the editable install, cause open "
-                                       "(docs/mooncake.md); AIOLAYER_RUN_SEGMENT_OPEN=1 runs them")
-
 from aiolayer import NodeConfig, Runtime, Timeouts, TransferSpec
 from aiolayer.backends.mooncake import MooncakeBackend
 from aiolayer.errors import DeadlineExceeded, TransferTimeout
