@@ -73,7 +73,7 @@ def _groups(second: str = "window"):
         KVCacheGroupSpec(LAYERS[:1], full), KVCacheGroupSpec(LAYERS[1:], other)])
 
 
-def _start(role: str, kv_cache_config):
+def _start(role: str, kv_cache_config, cache_dtype: str = "auto"):
     from aiolayer_vllm.connector import AiolayerConnector
     from aiolayer_vllm.plugin import register
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -81,6 +81,7 @@ def _start(role: str, kv_cache_config):
     register()   # vLLM's plugin loader does it in an engine
     config = vllm_config("kv_both", {"backend": "memory"})
     config.cache_config.num_gpu_blocks = 64
+    config.cache_config.cache_dtype = cache_dtype   # as vLLM validated it (the connector sees the string)
     return AiolayerConnector(config, KVConnectorRole[role], kv_cache_config)
 
 
@@ -112,6 +113,20 @@ def test_full_attention_and_sliding_window_groups_start_and_enter_the_fingerprin
 def test_an_ssm_state_group_is_refused_at_start(role):
     with pytest.raises(ConfigError, match="2 groups, one of them MambaSpec"):
         _start(role, _groups("mamba")).shutdown()
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
+def test_an_fp8_kv_cache_with_per_tensor_scales_starts(role, cache_dtype):
+    """Its scales are the model's (static in vLLM 0.32), the same at P and D: only its bytes move."""
+    _start(role, _groups(), cache_dtype=cache_dtype).shutdown()
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+@pytest.mark.parametrize("cache_dtype", ["fp8_per_token_head", "int8_per_token_head", "fp8_ds_mla"])
+def test_a_kv_cache_with_scales_beside_its_values_is_refused_at_start(role, cache_dtype):
+    with pytest.raises(ConfigError, match=f"this engine runs '{cache_dtype}'"):
+        _start(role, _groups(), cache_dtype=cache_dtype).shutdown()
 
 
 @pytest.mark.vllm

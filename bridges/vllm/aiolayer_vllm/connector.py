@@ -60,6 +60,22 @@ def kv_cache_groups(kv_cache_config) -> list[str]:
     return kinds
 
 
+# kv_cache_dtype values whose blocks hold the values alone (vLLM stores fp8 as uint8, fp8_inc as
+# float8_e4m3fn), with per-tensor scales that are the model's own: static in vLLM 0.32 (1.0, or the
+# checkpoint's k_scale/v_scale), so the same at P and D, whose fingerprints name one model. Their bytes
+# move as laid out. Others (per-token-head scales, DeepSeek's fp8/nvfp4 MLA entries, turboquant...)
+# keep scales beside or inside the blocks in layouts the bridge has not been taught.
+MOVABLE_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")
+
+
+def check_cache_dtype(cache_dtype: str) -> None:
+    """Refuses (both roles, at start) a KV cache dtype whose scales the bridge would not move."""
+    if str(cache_dtype) not in MOVABLE_CACHE_DTYPES:
+        raise ConfigError(f"aiolayer moves KV caches of kv_cache_dtype {', '.join(MOVABLE_CACHE_DTYPES)}; this "
+                          f"engine runs {cache_dtype!r}, whose scales live beside or inside its blocks: "
+                          "not supported yet")
+
+
 class AiolayerConnector(KVConnectorBase_V1, SupportsHMA):
     """Every KV cache group's blocks move (``SupportsHMA``: vLLM keeps its hybrid KV cache manager on),
     see ``scheduler`` (block ids per group) and ``layout`` (the groups' shared tensors)."""
@@ -67,6 +83,7 @@ class AiolayerConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _configure_logging()
+        check_cache_dtype(vllm_config.cache_config.cache_dtype)
         groups = kv_cache_groups(kv_cache_config)
         ktc = self._kv_transfer_config
         engine_id = getattr(ktc, "engine_id", None) or "vllm"
