@@ -2,18 +2,14 @@
 
 ``driver`` holds the ``Soak`` class and defines the outcome classes; ``nodes`` (D node processes and
 their faults), ``pipeline`` (allocation, forward, outcomes), ``checks`` (D's verdicts) and ``report``
-are its parts; ``common`` the sizes and deadlines they share."""
+are its parts; ``common`` the sizes and deadlines they share, ``shape`` the default KV shape."""
 
 from __future__ import annotations
-
-from typing import Any
-
-# A small model by default: the soak is about many transfers and faults, not bytes (4 KiB blocks).
-SOAK_SHAPE: dict[str, Any] = dict(num_layers=4, block_size=16, kv_heads=2, head_dim=64, dtype="float16")
 
 
 def add_args(p) -> None:
     from ..options import add_decode_ranks, add_out, add_run_args
+    from .shape import SOAK_SHAPE
 
     add_run_args(p, 10000, "transfers in all", **SOAK_SHAPE)
     add_decode_ranks(p)

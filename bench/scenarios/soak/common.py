@@ -8,7 +8,7 @@ import os
 from aiolayer.config import KVShape, Timeouts
 
 from ..faults import FAULT_TIMEOUTS
-from . import SOAK_SHAPE
+from .shape import SOAK_SHAPE
 
 BLOCKS = 4                 # per transfer
 D_BLOCKS = 1024            # per decode node
