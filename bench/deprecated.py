@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 
+from typing import Collection
+
 ENGINE_PREFIX = "--engine-"
 
 
@@ -18,15 +20,16 @@ def _take(words: list[str], flag: str) -> tuple[str | None, list[str]]:
     return None, words
 
 
-def old_spellings(words: list[str]) -> list[str]:
-    engine, words = _take(words, "--engine")
-    if engine is not None:
-        renamed = ["--" + w[len(ENGINE_PREFIX):] if w.startswith(ENGINE_PREFIX) else w for w in words]
-        print(f"aiolayer bench: --engine {engine} is deprecated, use `aiolayer bench {engine}` (its options "
-              f"without the --engine- prefix)", file=sys.stderr)
-        return [engine, *renamed]
-    scenario, words = _take(words, "--scenario")
-    if scenario is not None:
+def old_spellings(words: list[str], scenarios: Collection[str]) -> list[str]:
+    """``words`` with ``--engine vllm`` or ``--scenario NAME`` (NAME one of ``scenarios``) turned into that
+    subcommand; anything else is left for the parser to refuse."""
+    engine, rest = _take(words, "--engine")
+    if engine == "vllm":
+        print("aiolayer bench: --engine vllm is deprecated, use `aiolayer bench vllm` (its options without the "
+              "--engine- prefix)", file=sys.stderr)
+        return ["vllm", *("--" + w[len(ENGINE_PREFIX):] if w.startswith(ENGINE_PREFIX) else w for w in rest)]
+    scenario, rest = _take(words, "--scenario")
+    if scenario is not None and scenario in scenarios:
         print(f"aiolayer bench: --scenario {scenario} is deprecated, use `aiolayer bench {scenario}`", file=sys.stderr)
-        return [scenario, *words]
+        return [scenario, *rest]
     return words

@@ -76,7 +76,7 @@ def bench_argv(words: list[str]) -> list[str]:
     (``--scenario NAME``, ``--engine vllm`` with ``--engine-*`` options) turned into the new ones."""
     from .deprecated import old_spellings
 
-    words = old_spellings(words)
+    words = old_spellings(words, ("transfer", *scenarios.SCENARIOS))
     if words and (words[0] in HELPS or words[0] in ("-h", "--help")):
         return words
     return [DEFAULT, *words]
