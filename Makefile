@@ -34,6 +34,7 @@ $(STAMP_VLLM): $(STAMP) bridges/vllm/pyproject.toml
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e bridges/vllm
 	@touch $@
 
+# BENCH_ARGS: the transfer benchmark's options, or a subcommand first (faults, scale, soak; see bench/README.md).
 bench: $(STAMP)
 	$(BIN)/aiolayer bench $(BENCH_ARGS)
 
@@ -41,7 +42,7 @@ bench: $(STAMP)
 bench-vllm: $(STAMP) $(STAMP_VLLM)
 	@$(BIN)/python -c "import nixl" 2>/dev/null || { echo "installing $(NIXL) (NixlConnector's row)..." >&2; \
 		$(BIN)/pip install -q --disable-pip-version-check $(NIXL); }
-	$(BIN)/aiolayer bench --engine vllm $(BENCH_VLLM_ARGS)
+	$(BIN)/aiolayer bench vllm $(BENCH_VLLM_ARGS)
 
 test: $(STAMP) $(STAMP_VLLM)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

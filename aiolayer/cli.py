@@ -34,6 +34,8 @@ class Command(NamedTuple):
     help: str
     add_args: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    # The words after ``aiolayer NAME``, rewritten before parsing (the bench: its default subcommand).
+    argv: Callable[[list[str]], list[str]] | None = None
 
 
 def command_plugins() -> dict[str, tuple[Command | None, BaseException | None]]:
@@ -167,9 +169,14 @@ def build_parser(plugins: bool = True, only: str | None = None) -> tuple[argpars
 
 
 def main(argv: list[str] | None = None) -> int:
-    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    argv = list(sys.argv[1:] if argv is None else argv)
+    words = [a for a in argv if not a.startswith("-")]
     name = words[0] if words else ""
     parser, commands = build_parser(plugins=name not in CORE_COMMANDS, only=name)
+    command = commands.get(name, (None, None))[0]
+    if command is not None and command.argv is not None:
+        at = argv.index(name) + 1
+        argv[at:] = command.argv(argv[at:])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)

@@ -36,7 +36,7 @@ _QUARANTINE_POLL_S = 0.05
 # these are, almost always, pending too; they are reached as the ones ahead settle.
 _SCAN_AHEAD = 4
 # Runs in flight per target (Mooncake's per-peer queue, ENGINE_ENV, holds 65,535; several writers of
-# one process share it). The raw push of bench --scenario scale is fastest with 16,384 in flight.
+# one process share it). The raw push of bench scale is fastest with 16,384 in flight.
 MAX_RUNS_PER_TARGET = 16384
 
 

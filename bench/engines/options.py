@@ -1,5 +1,5 @@
-"""The options of ``aiolayer bench --engine vllm`` (``run.py``) and the one engine recipe every row
-uses; importable without vLLM, so ``aiolayer bench --help`` shows them on any install."""
+"""The options of ``aiolayer bench vllm`` (``run.py``) and the one engine recipe every row uses;
+importable without vLLM, so ``aiolayer bench vllm --help`` shows them on any install."""
 
 from __future__ import annotations
 
@@ -10,29 +10,26 @@ ROWS = ("aggregated", "aiolayer", "aiolayer-bulk", "mooncake", "nixl")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("real engines (--engine vllm; make bench-vllm)")
-    g.add_argument("--engine", choices=["vllm"], default=None,
-                   help="run the real-engine benchmark on vLLM CPU engines instead of a transfer scenario")
-    g.add_argument("--engine-rows", default=",".join(ROWS), help=f"comma-separated, from {', '.join(ROWS)}")
-    g.add_argument("--engine-layers", type=int, default=16, help="layers of the offline model built for the run")
-    g.add_argument("--engine-prompt-tokens", type=int, default=2000, help="tokens per prompt (about)")
-    g.add_argument("--engine-prompts", type=int, default=6, help="measured requests at concurrency 1 per row")
-    g.add_argument("--engine-concurrency", type=int, default=8, help="requests of the concurrent burst per row")
-    g.add_argument("--engine-max-tokens", type=int, default=20, help="output tokens per request")
-    g.add_argument("--engine-cores", default="0,1", help="P's core, D's core (the aggregated engine: P's)")
-    g.add_argument("--engine-pin", choices=["process", "omp"], default="process",
-                   help="how an engine keeps to its --engine-cores core: process = every process and thread "
-                        "of the engine (a CPU mask, as on a host of its own), omp = its OpenMP threads only "
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from {', '.join(ROWS)}")
+    p.add_argument("--layers", type=int, default=16, help="layers of the offline model built for the run")
+    p.add_argument("--prompt-tokens", type=int, default=2000, help="tokens per prompt (about)")
+    p.add_argument("--prompts", type=int, default=6, help="measured requests at concurrency 1 per row")
+    p.add_argument("--concurrency", type=int, default=8, help="requests of the concurrent burst per row")
+    p.add_argument("--max-tokens", type=int, default=20, help="output tokens per request")
+    p.add_argument("--cores", default="0,1", help="P's core, D's core (the aggregated engine: P's)")
+    p.add_argument("--pin", choices=["process", "omp"], default="process",
+                   help="how an engine keeps to its --cores core: process = every process and thread of the "
+                        "engine (a CPU mask, as on a host of its own), omp = its OpenMP threads only "
                         "(VLLM_CPU_OMP_THREADS_BIND; its other processes and threads run on any core); "
-                        "--engine-cores auto,auto: vLLM's default binding, neither")
-    g.add_argument("--engine-eager", action="store_true",
+                        "--cores auto,auto: vLLM's default binding, neither")
+    p.add_argument("--eager", action="store_true",
                    help="--enforce-eager on every engine (vLLM's default compiles: ~40 s more per start)")
 
 
 def engine(model: Path, name: str, core: str, args: argparse.Namespace, **kw):
-    """A vLLM server of the run: pinned to ``core``, vLLM's defaults otherwise (``--engine-eager`` aside)."""
+    """A vLLM server of the run: pinned to ``core``, vLLM's defaults otherwise (``--eager`` aside)."""
     from .vllm_server import VllmServer
 
-    cpus = frozenset(int(c) for c in core.split("|")) if args.engine_pin == "process" and core[:1].isdigit() else None
-    return VllmServer(model, name=name, omp_bind=core, cpus=cpus, enforce_eager=args.engine_eager, kv_cache_gib=2,
+    cpus = frozenset(int(c) for c in core.split("|")) if args.pin == "process" and core[:1].isdigit() else None
+    return VllmServer(model, name=name, omp_bind=core, cpus=cpus, enforce_eager=args.eager, kv_cache_gib=2,
                       startup_timeout_s=400, **kw)

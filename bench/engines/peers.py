@@ -1,4 +1,4 @@
-"""vLLM's own P/D connectors as rows of ``aiolayer bench --engine vllm``, each class unmodified and driven
+"""vLLM's own P/D connectors as rows of ``aiolayer bench vllm``, each class unmodified and driven
 through its own request flow (vLLM's example proxies, played by the bench itself: one HTTP hop less
 than aiolayer's row, which goes through ``aiolayer proxy``).
 
@@ -34,7 +34,7 @@ TIMEOUT_S = 300.0
 
 
 def _engines(model: Path, args: argparse.Namespace, cfg: dict, envs: tuple[dict, dict]):
-    p_core, d_core = args.engine_cores.split(",")[:2]
+    p_core, d_core = args.cores.split(",")[:2]
     p = engine(model, "prefill", p_core, args, env=envs[0], kv_transfer_config={**cfg, "kv_role": "kv_producer"})
     d = engine(model, "decode", d_core, args, env=envs[1], kv_transfer_config={**cfg, "kv_role": "kv_consumer"})
     return p, d

@@ -1,11 +1,11 @@
-"""``aiolayer bench --engine vllm``: the time to first token of real requests on vLLM CPU engines, each
+"""``aiolayer bench vllm``: the time to first token of real requests on vLLM CPU engines, each
 system through its own request flow, side by side in one run.
 
-Rows (``--engine-rows``): ``aggregated`` (one engine, the floor), ``aiolayer`` (layer-wise) and
+Rows (``--rows``): ``aggregated`` (one engine, the floor), ``aiolayer`` (layer-wise) and
 ``aiolayer-bulk`` (the same connector sending after the last layer) through ``aiolayer proxy``, and
 vLLM's own connectors where they run here (``peers.py``). P and D sit on disjoint cores (P on
-``--engine-cores``' first, D on its second), every process of an engine on its core as on a host of
-its own (``--engine-pin``); the aggregated engine on the first.
+``--cores``' first, D on its second), every process of an engine on its core as on a host of
+its own (``--pin``); the aggregated engine on the first.
 Every answer is checked against the aggregated engine's under greedy sampling: a row's requests that
 differ or fail are counted, never dropped. Writes ``engines.json`` and ``engines.png`` under ``--out``.
 """
@@ -37,17 +37,17 @@ REQUEST_TIMEOUT_S = 300.0   # a 2,000-token prefill takes seconds on one loaded 
 def model_spec(args: argparse.Namespace) -> TinySpec:
     """A Llama sized so the KV matters and the compute does not drown it on one core: 2 KV heads of 64,
     bf16 by vLLM's default (8 KiB per token over 16 layers, ~16 MB for a 2,000-token prompt)."""
-    return TinySpec(num_layers=args.engine_layers, hidden_size=128, intermediate_size=256, num_heads=2,
-                    num_kv_heads=2, max_position_embeddings=max(4096, 2 * args.engine_prompt_tokens))
+    return TinySpec(num_layers=args.layers, hidden_size=128, intermediate_size=256, num_heads=2,
+                    num_kv_heads=2, max_position_embeddings=max(4096, 2 * args.prompt_tokens))
 
 
 def prompts(args: argparse.Namespace) -> dict[str, list[str]]:
     """Distinct prompts for each phase (a repeated prompt would hit the prefix cache of one row and
     not of another); one word is about one token of the tiny model's vocabulary."""
-    words = args.engine_prompt_tokens
+    words = args.prompt_tokens
     return {"warmup": [long_prompt(words, seed=900)],
-            "serial": [long_prompt(words, seed=s) for s in range(args.engine_prompts)],
-            "burst": [long_prompt(words, seed=100 + s) for s in range(args.engine_concurrency)]}
+            "serial": [long_prompt(words, seed=s) for s in range(args.prompts)],
+            "burst": [long_prompt(words, seed=100 + s) for s in range(args.concurrency)]}
 
 
 
@@ -62,7 +62,7 @@ def via_url(url: str, model: Path):
 
 @contextlib.contextmanager
 def aggregated(model: Path, args: argparse.Namespace):
-    p_core = args.engine_cores.split(",")[0]
+    p_core = args.cores.split(",")[0]
     with running(engine(model, "aggregated", p_core, args)) as (srv,):
         yield via_url(srv.base_url, model), {"engine": "one vLLM engine"}
 
@@ -74,7 +74,7 @@ def _proxy_debug() -> tuple[str, ...]:
 
 @contextlib.contextmanager
 def aiolayer_pd(model: Path, args: argparse.Namespace, *, bulk: bool):
-    p_core, d_core = args.engine_cores.split(",")[:2]
+    p_core, d_core = args.cores.split(",")[:2]
     extra = {"layerwise_min_tokens": 1 << 30} if bulk else {}
     p_ctl, d_ctl = free_port(), free_port()
     env = mooncake_env()
@@ -124,10 +124,10 @@ def run_row(name: str, model: Path, args: argparse.Namespace, texts: dict[str, l
     try:
         with SYSTEMS[name](model, args) as (complete, how):
             print(f"  {name}: engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-            asyncio.run(_measure(complete, texts["warmup"], False, args.engine_max_tokens))
-            serial = asyncio.run(_measure(complete, texts["serial"], False, args.engine_max_tokens))
+            asyncio.run(_measure(complete, texts["warmup"], False, args.max_tokens))
+            serial = asyncio.run(_measure(complete, texts["serial"], False, args.max_tokens))
             _progress(name, "concurrency 1", serial)
-            burst = asyncio.run(_measure(complete, texts["burst"], True, args.engine_max_tokens))
+            burst = asyncio.run(_measure(complete, texts["burst"], True, args.max_tokens))
             _progress(name, f"burst of {len(burst)}", burst)
     except Exception as exc:   # noqa: BLE001 - a row that cannot run is reported as such, the others still run
         return {"row": name, "ran": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
@@ -178,10 +178,10 @@ def print_table(summary: list[dict]) -> None:
 
 
 def run_engines(args: argparse.Namespace) -> int:
-    names = [n.strip() for n in args.engine_rows.split(",") if n.strip()]
+    names = [n.strip() for n in args.rows.split(",") if n.strip()]
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
-        print(f"aiolayer bench: unknown --engine-rows {unknown}; choose from {', '.join(ROWS)}", file=sys.stderr)
+        print(f"aiolayer bench vllm: unknown --rows {unknown}; choose from {', '.join(ROWS)}", file=sys.stderr)
         return 2
     if "aggregated" in names:   # the reference runs first: every other row is checked against it
         names.remove("aggregated")

@@ -107,7 +107,7 @@ def plot_sweep(rows: list[dict], path: Path, threshold: int | None, auto_min_tok
         if xs:
             ax.set_xticks(xs, [str(x) for x in xs])
             ax.minorticks_off()
-    fig.suptitle("aiolayer bench --sweep: medians per point; raw_mooncake's line is its transfer time alone",
+    fig.suptitle("aiolayer bench transfer --sweep: medians per point; raw_mooncake's line is its transfer time alone",
                  fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=110)

@@ -1,4 +1,4 @@
-"""``aiolayer bench --sweep``: TTFT by mode over prompt length, layer count and block size.
+"""``aiolayer bench transfer --sweep``: TTFT by mode over prompt length, layer count and block size.
 
 One axis at a time around the default shape (a full grid would take hours on a small VM): prompt
 length at the default layers and block size, layer count at the default prompt, block size with D's

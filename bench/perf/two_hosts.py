@@ -1,4 +1,4 @@
-"""``aiolayer bench --two-hosts``: the transfer benchmark over a real link, P and D on two "hosts".
+"""``aiolayer bench transfer --two-hosts``: the transfer benchmark over a real link, P and D on two "hosts".
 
 Two network namespaces joined by one veth pair (``aiolayer.bench.netns``): D is an ``aiolayer node``
 bound to host B's address, P is this same benchmark re-run as a child inside host A with
@@ -65,7 +65,7 @@ def _modes(args) -> str:
 
 def _p_command(args, modes: str, d_control: str, bind_host: str, out: Path) -> list[str]:
     p_shape, _ = shapes(args)
-    cmd = [sys.executable, "-m", "aiolayer", "bench", "--modes", modes, "--d-control", d_control,
+    cmd = [sys.executable, "-m", "aiolayer", "bench", "transfer", "--modes", modes, "--d-control", d_control,
            "--bind-host", bind_host, "--out", str(out), "--requests", str(args.requests),
            "--warmup", str(args.warmup), "--prompt-tokens", str(args.prompt_tokens),
            "--layer-ms", str(args.layer_ms), "--auto-min-tokens", str(args.auto_min_tokens),
@@ -123,7 +123,7 @@ def _one_rate(args, hosts, gbit: float, modes: str, d_shape, where: Path) -> dic
     finally:
         d.stop()
     if not (where / "latest.json").exists():
-        print(f"aiolayer bench --two-hosts: P at {_label(gbit)} exited {done.returncode} without latest.json",
+        print(f"aiolayer bench transfer --two-hosts: P at {_label(gbit)} exited {done.returncode} without latest.json",
               file=sys.stderr)
         return None
     return json.loads((where / "latest.json").read_text())
@@ -137,7 +137,7 @@ def run_two_hosts(args, out: Path) -> int:
         return 2
     why = available()
     if why:
-        print(f"aiolayer bench --two-hosts: {why}", file=sys.stderr)
+        print(f"aiolayer bench transfer --two-hosts: {why}", file=sys.stderr)
         return 2
     p_shape, d_shape = shapes(args)
     modes, rows = _modes(args), []

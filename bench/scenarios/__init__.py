@@ -1,5 +1,5 @@
 """The bench's scenarios beside the transfer benchmark: name -> ``Scenario`` (its options, a check of them,
-its run). ``aiolayer bench --scenario NAME`` picks one; each module is imported only when it runs."""
+its run). ``aiolayer bench NAME`` runs one; each module is imported only when it runs."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from . import scale, soak
 
 class Scenario(NamedTuple):
     help: str
-    requests: int                                        # --requests when not given
-    add_args: Callable[[argparse._ArgumentGroup], None]  # its own options, into the "scale and soak" group
+    add_args: Callable[[argparse.ArgumentParser], None]  # every option of its subcommand
     check: Callable[[argparse.Namespace], str]           # what is wrong with the options ("" when nothing)
     run: Callable[[argparse.Namespace], int]             # the exit status
 
 
-def _no_args(g) -> None:
-    pass
+def _faults_args(p: argparse.ArgumentParser) -> None:
+    from .options import add_out
+    add_out(p)   # the faults have their own shape and deadlines (faults.py)
 
 
 def _no_problem(args) -> str:
@@ -31,17 +31,11 @@ def _run_faults(args) -> int:
 
 
 SCENARIOS: dict[str, Scenario] = {
-    "faults": Scenario("peer faults against real processes", 0, _no_args, _no_problem, _run_faults),
-    "scale": Scenario("concurrent transfers between P and D rank processes (TP mapping)", 1000,
+    "faults": Scenario("each peer and network fault against real processes", _faults_args, _no_problem,
+                       _run_faults),
+    "scale": Scenario("concurrent transfers between P and D rank processes (TP mapping)",
                       scale.add_args, scale.check, scale.run),
-    "soak": Scenario("many transfers with faults injected, memory and latency over time", 10000,
+    "soak": Scenario("many transfers with faults injected, memory and latency over time",
                      soak.add_args, soak.check, soak.run),
 }
 
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    """Every scenario's options; ``--decode-ranks`` is shared by scale and soak."""
-    g = p.add_argument_group("scale and soak")
-    g.add_argument("--decode-ranks", type=int, default=4, help="scale and soak: D rank (node) processes")
-    for scenario in SCENARIOS.values():
-        scenario.add_args(g)

@@ -1,4 +1,4 @@
-"""``aiolayer bench --scenario faults``: peer faults against real processes, each ending in a visible state.
+"""``aiolayer bench faults``: peer faults against real processes, each ending in a visible state.
 
 Every scenario runs one step on P that streams the same KV to two decode nodes (child processes,
 Mooncake over TCP): a healthy one, and one that gets the fault mid-transfer. It records how each

@@ -1,4 +1,4 @@
-"""The network fault rows of ``aiolayer bench --scenario faults``: faults of the link, not of a process.
+"""The network fault rows of ``aiolayer bench faults``: faults of the link, not of a process.
 
 P (``net_p.py``) and D (``aiolayer node``) run on two "hosts", network namespaces joined by one veth
 pair (``aiolayer.bench.netns``), so the only path between them is the link the row breaks: a partition

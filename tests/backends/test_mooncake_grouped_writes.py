@@ -1,5 +1,5 @@
 """Head-slice speed: the Mooncake backend's grouped writes keep their contract, slices merge
-where both sides are contiguous, and ``bench --scenario scale`` reports the raw-Mooncake baseline.
+where both sides are contiguous, and ``aiolayer bench scale`` reports the raw-Mooncake baseline.
 
 The backend tests use the real engine against an ``aiolayer node`` subprocess: a group of many small
 runs with some to an address D never registered (Mooncake fails those, the rest land), and one with

@@ -23,7 +23,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _bench(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "aiolayer", "bench", *TINY, *args],
+    return subprocess.run([sys.executable, "-m", "aiolayer", "bench", "transfer", *TINY, *args],
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -71,22 +71,38 @@ def test_sweep_writes_csv_json_and_png(tmp_path):
     assert _is_png(tmp_path / "sweep.png")
 
 
-def test_unknown_mode_is_refused(tmp_path):
-    proc = _bench("--modes", "layerwise,nope", "--out", str(tmp_path), timeout=30)
-    assert proc.returncode == 2 and "unknown mode" in proc.stderr
+def test_bench_without_a_subcommand_is_the_transfer_benchmark(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "--modes", "layerwise,nope", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "unknown mode" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--scenario", "soak", "--fault-rate", "1.5"], "--fault-rate"),
-    (["--scenario", "soak", "--requests", "0"], "--requests"),
-    (["--scenario", "scale", "--prefill-ranks", "0"], "--prefill-ranks"),
-    (["--scenario", "scale", "--prefill-ranks", "3", "--decode-ranks", "4"], "do not split evenly"),
+    (["soak", "--fault-rate", "1.5"], "--fault-rate"),
+    (["soak", "--requests", "0"], "--requests"),
+    (["scale", "--prefill-ranks", "0"], "--prefill-ranks"),
+    (["scale", "--prefill-ranks", "3", "--decode-ranks", "4"], "do not split evenly"),
 ])
 def test_scale_and_soak_refuse_bad_arguments_with_a_message(args, words):
     proc = subprocess.run([sys.executable, "-m", "aiolayer", "bench", *args], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and words in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("old, new, words", [
+    (["--scenario", "soak", "--fault-rate", "1.5"], "aiolayer bench soak", "--fault-rate must be within"),
+    (["--scenario=scale", "--prefill-ranks", "0"], "aiolayer bench scale", "--prefill-ranks"),
+    (["--engine", "vllm", "--engine-rows", "aggregated,nope"], "aiolayer bench vllm", "unknown --rows ['nope']"),
+])
+def test_the_spellings_before_subcommands_still_run_and_name_the_new_command(old, new, words):
+    """``--scenario NAME`` and ``--engine vllm`` (its ``--engine-*`` options renamed) work for one release,
+    with one line on stderr saying what to write instead."""
+    proc = subprocess.run([sys.executable, "-m", "aiolayer", "bench", *old], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr[-2000:]
+    notes = [line for line in proc.stderr.splitlines() if "deprecated" in line]
+    assert len(notes) == 1 and f"use `{new}`" in notes[0], proc.stderr[-2000:]
 
 
 def test_bench_two_hosts_writes_json_and_png_and_every_rate_verifies(tmp_path):

@@ -1,4 +1,4 @@
-"""``aiolayer bench --engine vllm`` (bench/engines/run.py): its rows are verified against the aggregated
+"""``aiolayer bench vllm`` (bench/engines/run.py): its rows are verified against the aggregated
 engine, failures and differing answers are counted, and a real small run writes its JSON and PNG."""
 
 from __future__ import annotations
@@ -35,19 +35,19 @@ def test_rows_are_checked_against_the_aggregated_engine_and_every_bad_answer_cou
 
 
 def test_an_unknown_row_is_refused_before_any_engine_starts():
-    r = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "--engine", "vllm",
-                        "--engine-rows", "aggregated,nope"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "unknown --engine-rows ['nope']" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "vllm", "--rows", "aggregated,nope"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown --rows ['nope']" in r.stderr
 
 
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
 def test_a_small_real_run_verifies_aiolayer_against_the_aggregated_engine(tmp_path):
     # small on purpose (2 layers, ~100-token prompts, eager): the full run is make bench-vllm
-    r = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "--engine", "vllm", "--engine-rows",
-                        "aggregated,aiolayer", "--engine-layers", "2", "--engine-prompt-tokens", "100",
-                        "--engine-prompts", "2", "--engine-concurrency", "2", "--engine-max-tokens", "8",
-                        "--engine-eager", "--out", str(tmp_path)], capture_output=True, text=True, timeout=840)
+    r = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "vllm", "--rows", "aggregated,aiolayer",
+                        "--layers", "2", "--prompt-tokens", "100", "--prompts", "2", "--concurrency", "2",
+                        "--max-tokens", "8", "--eager", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=840)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "engines.json").read_text())
     rows = {s["row"]: s for s in report["summary"]}

@@ -73,7 +73,8 @@ def test_crossover_is_where_layerwise_wins_from_then_on():
 def test_sweep_points_scale_compute_with_the_prompt():
     p = argparse.ArgumentParser()
     add_bench_args(p)
-    args = p.parse_args(["--sweep-tokens", "1024,4096", "--sweep-layers", "16", "--sweep-block-sizes", "64"])
+    args = p.parse_args(["transfer", "--sweep-tokens", "1024,4096", "--sweep-layers", "16",
+                         "--sweep-block-sizes", "64"])
     points = sweep_points(args)
     assert [axis for axis, _ in points] == ["prompt_tokens", "prompt_tokens", "num_layers", "block_size"]
     a = point_args(args, points[1][1], ["layerwise"])

@@ -1,6 +1,6 @@
 """A short soak through the CLI: a few hundred transfers, every fault kind, nothing lost or hung.
 
-``aiolayer bench --scenario soak`` (bench/scenarios/soak/) runs in a child process of its own session, so
+``aiolayer bench soak`` (bench/scenarios/soak/) runs in a child process of its own session, so
 that a run past its deadline can be killed together with its decode nodes; afterwards none of the
 node processes it reports may still exist.
 """
@@ -44,7 +44,7 @@ def _alive_node(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def soak(tmp_path_factory):
     out = tmp_path_factory.mktemp("soak")
-    cmd = [sys.executable, "-m", "aiolayer", "bench", "--scenario", "soak", "--requests", str(REQUESTS),
+    cmd = [sys.executable, "-m", "aiolayer", "bench", "soak", "--requests", str(REQUESTS),
            "--fault-rate", str(FAULT_RATE), "--decode-ranks", "3", "--seed", "11", "--out", str(out)]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

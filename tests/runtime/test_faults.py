@@ -1,6 +1,6 @@
 """Peer faults against real processes and the real Mooncake engine, one test per seed fragility.
 
-Each test runs one scenario of ``aiolayer bench --scenario faults`` (bench/scenarios/faults.py) on a shared
+Each test runs one scenario of ``aiolayer bench faults`` (bench/scenarios/faults.py) on a shared
 harness: P in this process, a healthy decode node kept for the module, a faulty node per test.
 Each test's docstring names the items of docs/seed-fragilities.md it shows impossible.
 """

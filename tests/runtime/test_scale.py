@@ -1,4 +1,4 @@
-"""Head-slice transfers between TP ranks of different sizes, and ``bench --scenario scale``.
+"""Head-slice transfers between TP ranks of different sizes, and ``aiolayer bench scale``.
 
 In process (memory backend, bytes checked exactly): every topology's routes (``map_ranks``) land
 each D rank's heads where they belong, in both block layouts; D ends a transfer written by k P
@@ -285,7 +285,7 @@ def test_scale_two_p_ranks_to_four_d_ranks(tmp_path):
     from aiolayer.bench.main import add_bench_args
     parser = argparse.ArgumentParser()
     add_bench_args(parser)
-    args = parser.parse_args(["--scenario", "scale", "--prefill-ranks", "2", "--decode-ranks", "4",
+    args = parser.parse_args(["scale", "--prefill-ranks", "2", "--decode-ranks", "4",
                               "--requests", "150", "--num-layers", "4", "--head-dim", "64", "--out", str(tmp_path),
                               "--against-whole-blocks"])
     before = _children()

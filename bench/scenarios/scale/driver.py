@@ -1,4 +1,4 @@
-"""``aiolayer bench --scenario scale``: many concurrent transfers between P and D tensor-parallel ranks.
+"""``aiolayer bench scale``: many concurrent transfers between P and D tensor-parallel ranks.
 
 M decode ranks are ``aiolayer node`` processes, each holding ``local_heads(kv_heads, M)`` heads of
 every block. N prefill ranks are child processes (bench/scenarios/scale/rank.py), each with its own Runtime

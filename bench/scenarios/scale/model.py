@@ -1,4 +1,4 @@
-"""The data of ``bench --scenario scale``, shared by the driver and the P rank processes: its config, a
+"""The data of ``aiolayer bench scale``, shared by the driver and the P rank processes: its config, a
 P rank's plan items, which heads a rank holds, and the global seeded KV from which any process
 computes any rank's bytes (the driver's verification recomputes what each P rank sent).
 """

@@ -1,4 +1,4 @@
-"""A P (prefill) rank of ``bench --scenario scale``, run as
+"""A P (prefill) rank of ``aiolayer bench scale``, run as
 ``python -m aiolayer.bench.scenarios.scale.rank RANK CONFIG``.
 
 It fills a paged KV cache with its local heads of the global seeded KV (``model.kv_layer``), starts

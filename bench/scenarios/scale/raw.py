@@ -1,4 +1,4 @@
-"""The raw-Mooncake baseline of ``bench --scenario scale``: the same P rank pushes the exact spans
+"""The raw-Mooncake baseline of ``aiolayer bench scale``: the same P rank pushes the exact spans
 aiolayer wrote (same source, destination and length, same D nodes) with Mooncake alone.
 
 The spans come from the same planning functions the runtime uses (``merge_runs`` of the request's

@@ -1,4 +1,4 @@
-"""The report of ``bench --scenario scale``: aiolayer's figures per rank, the raw-Mooncake baseline
+"""The report of ``aiolayer bench scale``: aiolayer's figures per rank, the raw-Mooncake baseline
 over the same spans next to them (every method in ``raw.METHODS``, the fastest is the baseline), CPU
 seconds per GB, and the printed table.
 """

@@ -8,8 +8,8 @@ import os
 from aiolayer.config import KVShape, Timeouts
 
 from ..faults import FAULT_TIMEOUTS
+from .shape import SOAK_SHAPE
 
-SOAK_SHAPE = dict(num_layers=4, block_size=16, kv_heads=2, head_dim=64, dtype="float16")
 BLOCKS = 4                 # per transfer
 D_BLOCKS = 1024            # per decode node
 P_BLOCKS = 1024            # P's paged cache: source blocks of transfers in flight or fenced
@@ -45,13 +45,8 @@ def rss_mb(pid: int | str = "self") -> float:
 
 
 def soak_shape(args) -> KVShape:
-    """The command line's shape, with every flag left at the bench's (big) default set to the soak's."""
-    big = KVShape()
-    fields = {}
-    for name, small in SOAK_SHAPE.items():
-        given = getattr(args, name, getattr(big, name))
-        fields[name] = small if given == getattr(big, name) else given
-    return KVShape(num_blocks=BLOCKS, **fields)
+    """The command line's shape (its flags default to ``SOAK_SHAPE``), ``BLOCKS`` blocks per transfer."""
+    return KVShape(num_blocks=BLOCKS, **{name: getattr(args, name, small) for name, small in SOAK_SHAPE.items()})
 
 
 def with_blocks(shape: KVShape, num_blocks: int) -> KVShape:

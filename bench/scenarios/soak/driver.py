@@ -1,4 +1,4 @@
-"""``aiolayer bench --scenario soak``: many transfers with faults; nothing lost, nothing hung, memory flat.
+"""``aiolayer bench soak``: many transfers with faults; nothing lost, nothing hung, memory flat.
 
 One P ``Runtime`` in this process streams ``--requests`` transfers, a window of them in flight and
 several per step, to ``--decode-ranks`` decode node processes (Mooncake over TCP on 127.0.0.1) and
@@ -38,10 +38,10 @@ Each transfer ends in exactly one class; they add up to ``requests``:
                   ``registered``/``aborting`` (or not answering while alive) ``d_bound_s`` after P's
                   outcome. Must be 0.
 
-Defaults chosen here (the bench's shape flags default to a big model; a shape flag left at that
-default takes the soak's value): 4 layers, 16 tokens x 2 KV heads x 64 dims, float16, so 4 KiB
-blocks; 4 blocks (64 tokens) per transfer, i.e. 4 layers x (K, V) = 8 writes of 16 KiB; 64
-transfers in flight at most, 8 per step; D nodes of 1024 blocks, P's cache of 1024 blocks.
+Defaults chosen here (the shape flags of ``aiolayer bench soak`` default to them): 4 layers, 16
+tokens x 2 KV heads x 64 dims, float16, so 4 KiB blocks; 4 blocks (64 tokens) per transfer, i.e.
+4 layers x (K, V) = 8 writes of 16 KiB; 64 transfers in flight at most, 8 per step; D nodes of 1024
+blocks, P's cache of 1024 blocks.
 Deadlines: ``scenarios.faults.FAULT_TIMEOUTS`` on P and the nodes, ``MC_TRANSFER_TIMEOUT=5``.
 
 Memory: RSS of this process (``/proc/self/statm``) is taken once ``rss_start_after`` transfers (10 %)
