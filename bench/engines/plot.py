@@ -19,8 +19,10 @@ def plot_engines(summary: list[dict], path: Path) -> Path:
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
     names = []
     for s in rows:
-        bad = sum(s[k]["failed"] + s[k]["differ"] for k in ("c1", "c8"))
-        names.append(s["row"] + (f"\n{bad} failed/differ" if bad else ""))
+        bad = sum(s[k]["failed"] + s[k]["differ"] - s[k].get("numerics", 0) for k in ("c1", "c8"))
+        numerics = sum(s[k].get("numerics", 0) for k in ("c1", "c8"))
+        names.append(s["row"] + (f"\n{bad} failed/differ" if bad else "")
+                     + (f"\n{numerics} numerics" if numerics else ""))
     ax.set_xticks(range(len(rows)), names, fontsize=8)
     ax.set_ylabel("ms")
     ax.set_title("vLLM CPU engines: time to first token (P and D on disjoint cores)", fontsize=10)

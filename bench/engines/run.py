@@ -7,7 +7,11 @@ vLLM's own connectors where they run here (``peers.py``). P and D sit on disjoin
 ``--cores``' first, D on its second), every process of an engine on its core as on a host of
 its own (``--pin``); the aggregated engine on the first.
 Every answer is checked against the aggregated engine's under greedy sampling: a row's requests that
-differ or fail are counted, never dropped. Writes ``engines.json`` and ``engines.png`` under ``--out``.
+differ or fail are counted, never dropped. aiolayer's rows also check the bytes of every layer of every
+transfer (P's CRC32 against what landed at D, ``integrity_sample`` 1.0): an answer that drifts from the
+aggregated one while every byte verified is numerics (bf16 is not batch-invariant on vLLM CPU), counted
+as such and not a failure; a byte mismatch, or a drift in a row whose bytes were not all verified, is.
+Writes ``engines.json`` and ``engines.png`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 
 from ..node import mooncake_env
 from . import peers
-from .client import acompletion
+from .client import acompletion, metric_value, scrape_metrics
 from .pd import ProxyProcess, connector
 from .procs import free_port
 from .tiny_model import TinySpec, long_prompt, tiny_model_dir
@@ -78,16 +82,42 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, bulk: bool):
     extra = {"layerwise_min_tokens": 1 << 30} if bulk else {}
     p_ctl, d_ctl = free_port(), free_port()
     env = mooncake_env()
-    p = engine(model, "prefill", p_core, args, env=env,
-               kv_transfer_config=connector("kv_producer", "p", p_ctl, **extra))
+    p = engine(model, "prefill", p_core, args, env=env,   # P sends a CRC32 of every layer it wrote
+               kv_transfer_config=connector("kv_producer", "p", p_ctl, integrity_sample=1.0, **extra))
     d = engine(model, "decode", d_core, args, env=env,
                kv_transfer_config=connector("kv_consumer", "d", d_ctl, **extra))
     with running(p, d):
         with ProxyProcess([f"{p.base_url},tcp://127.0.0.1:{p_ctl}"], [f"{d.base_url},tcp://127.0.0.1:{d_ctl}"],
                           extra_args=("--request-timeout", str(REQUEST_TIMEOUT_S), *_proxy_debug())) as proxy:
-            yield via_url(proxy.url, model), {"flow": "D first, through aiolayer proxy (a process)",
-                                              "connector": "AiolayerConnector", "layerwise": not bulk,
-                                              "transport": "Mooncake TCP, 127.0.0.1"}
+            how = {"flow": "D first, through aiolayer proxy (a process)", "connector": "AiolayerConnector",
+                   "layerwise": not bulk, "transport": "Mooncake TCP, 127.0.0.1",
+                   "byte_check": "every layer of every transfer: P's CRC32 against what landed at D"}
+            yield via_url(proxy.url, model), how
+            how["bytes"] = byte_checks(d)
+
+
+INTEGRITY = {"verified": "vllm:aiolayer_integrity_verified_total",
+             "mismatch": "vllm:aiolayer_integrity_mismatch_total",
+             "receives_failed": "vllm:aiolayer_receives_failed_total"}
+
+
+def byte_checks(d, settle_s: float = 10.0) -> dict[str, float]:
+    """D's integrity counters once they stop moving (vLLM exports a worker's counters after a step,
+    so the last transfer's can come a moment after its answer)."""
+    deadline, last = time.monotonic() + settle_s, None
+    while True:
+        m = scrape_metrics(d)
+        now = {k: metric_value(m, name) or 0.0 for k, name in INTEGRITY.items()}
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+        time.sleep(1.0)
+
+
+def bytes_verified(how: dict) -> bool:
+    """Every transfer of the row byte-checked and none mismatched or failed at D."""
+    checks = how.get("bytes")
+    return bool(checks) and checks["verified"] > 0 and checks["mismatch"] == 0 and checks["receives_failed"] == 0
 
 
 SYSTEMS = {
@@ -135,13 +165,15 @@ def run_row(name: str, model: Path, args: argparse.Namespace, texts: dict[str, l
             "wall_s": round(time.monotonic() - t0, 1)}
 
 
-def _summary(results: list[dict], reference: list[dict] | None) -> dict:
+def _summary(results: list[dict], reference: list[dict] | None, verified_bytes: bool = False) -> dict:
     ttft = [r["ttft_ms"] for r in results if r.get("ttft_ms") is not None]
     failed = sum(1 for r in results if "error" in r)
     checked = [] if reference is None else [
         (r, ref) for r, ref in zip(results, reference) if "error" not in r and "tokens" in ref]
     differ = sum(1 for r, ref in checked if r["tokens"] != ref["tokens"])
     return {"requests": len(results), "failed": failed, "differ": differ,
+            # answers that differ while every byte moved verified: numerics, not a transfer error
+            "numerics": differ if verified_bytes else 0,
             # the reference failed too: that answer is neither verified nor wrong
             "unchecked": len(results) - failed - len(checked) if reference is not None else None,
             "verified": len(checked) - differ if reference is not None else None,
@@ -157,11 +189,25 @@ def summarize(rows: list[dict]) -> list[dict]:
         if not row["ran"]:
             out.append({"row": row["row"], "ran": False, "error": row["error"]})
             continue
-        same = ref is not None and row is not ref
+        same, checked = ref is not None and row is not ref, bytes_verified(row["how"])
         out.append({"row": row["row"], "ran": True, "how": row["how"], "wall_s": row["wall_s"],
-                    "c1": _summary(row["serial"], ref["serial"] if same else None),
-                    "c8": _summary(row["burst"], ref["burst"] if same else None)})
+                    "c1": _summary(row["serial"], ref["serial"] if same else None, checked),
+                    "c8": _summary(row["burst"], ref["burst"] if same else None, checked)})
     return out
+
+
+def bad_rows(summary: list[dict]) -> list[str]:
+    """The rows that fail the run: a failed request, a byte mismatch, or a drift not explained by
+    verified bytes (a row without byte checks cannot tell numerics from corruption)."""
+    bad = []
+    for s in summary:
+        if not s["ran"]:
+            continue
+        checks = s["how"].get("bytes") or {}
+        unexplained = sum(s[k]["differ"] - s[k]["numerics"] for k in ("c1", "c8"))
+        if s["c1"]["failed"] or s["c8"]["failed"] or unexplained or checks.get("mismatch"):
+            bad.append(s["row"])
+    return bad
 
 
 def print_table(summary: list[dict]) -> None:
@@ -171,8 +217,10 @@ def print_table(summary: list[dict]) -> None:
             print(f"{s['row']:<16} not run: {s['error'][:200]}")
             continue
         c1, c8 = s["c1"], s["c8"]
+        numerics = c1["numerics"] + c8["numerics"]
         ok = "reference" if c1["verified"] is None else (
-            f"{c1['verified'] + c8['verified']}/{c1['requests'] + c8['requests']} / {c1['failed'] + c8['failed']}")
+            f"{c1['verified'] + c8['verified']}/{c1['requests'] + c8['requests']} / {c1['failed'] + c8['failed']}"
+            + (f" ({numerics} numerics: bytes verified)" if numerics else ""))
         print(f"{s['row']:<16} {c1['ttft_ms_median'] or '-':>12} {c1['ttft_ms_max'] or '-':>9} "
               f"{c8['ttft_ms_median'] or '-':>10} {c8['ttft_ms_max'] or '-':>10}  {ok}")
 
@@ -201,6 +249,8 @@ def run_engines(args: argparse.Namespace) -> int:
     from .plot import plot_engines
     plot_engines(summary, out / "engines.png")
     print(f"wrote {out / 'engines.json'} and {out / 'engines.png'}")
-    bad = any(s["ran"] and (s["c1"]["failed"] or s["c1"]["differ"] or s["c8"]["failed"] or s["c8"]["differ"])
-              for s in summary)
+    bad = bad_rows(summary)
+    if bad:
+        print(f"aiolayer bench vllm: rows with failed requests, byte mismatches or unexplained drift: {bad}",
+              file=sys.stderr)
     return 1 if bad else 0

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from aiolayer.bench.engines.run import summarize
+from aiolayer.bench.engines.run import bad_rows, summarize
 
 
 def _row(name: str, tokens: list[list[int]], errors: tuple[int, ...] = ()) -> dict:
@@ -34,6 +34,24 @@ def test_rows_are_checked_against_the_aggregated_engine_and_every_bad_answer_cou
     assert (unchecked["verified"], unchecked["differ"], unchecked["unchecked"]) == (1, 0, 1)   # not "differ"
 
 
+def test_a_drift_with_every_byte_verified_is_numerics_and_a_byte_mismatch_fails():
+    """aiolayer's rows check every layer's bytes: a drift then is numerics (counted, not a failure); a
+    mismatch fails the row even with equal tokens, and a row without byte checks cannot excuse a drift."""
+    ref = _row("aggregated", [[1, 2], [3, 4]])
+    drift = [[1, 2], [3, 9]]
+    checked = {"verified": 40.0, "mismatch": 0.0, "receives_failed": 0.0}
+    numerics = {**_row("aiolayer", drift), "how": {"bytes": checked}}
+    corrupt = {**_row("aiolayer-bulk", [[1, 2], [3, 4]]), "how": {"bytes": {**checked, "mismatch": 1.0}}}
+    peer = _row("mooncake", drift)
+    summary = summarize([ref, numerics, corrupt, peer])
+    by_row = {s["row"]: s for s in summary}
+    assert (by_row["aiolayer"]["c1"]["differ"], by_row["aiolayer"]["c1"]["numerics"]) == (1, 1)
+    assert by_row["mooncake"]["c1"]["numerics"] == 0
+    assert bad_rows(summary) == ["aiolayer-bulk", "mooncake"]
+    unsettled = {**numerics, "how": {"bytes": {**checked, "receives_failed": 1.0}}}
+    assert bad_rows(summarize([ref, unsettled])) == ["aiolayer"]   # a failed receive: not all verified
+
+
 def test_an_unknown_row_is_refused_before_any_engine_starts():
     r = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "vllm", "--rows", "aggregated,nope"],
                        capture_output=True, text=True, timeout=60)
@@ -56,4 +74,6 @@ def test_a_small_real_run_verifies_aiolayer_against_the_aggregated_engine(tmp_pa
         stats = rows["aiolayer"][key]
         assert (stats["verified"], stats["failed"], stats["differ"]) == (2, 0, 0), stats
         assert stats["ttft_ms_median"] > 0
+    checks = rows["aiolayer"]["how"]["bytes"]         # every layer of every transfer byte-checked at D
+    assert checks["verified"] > 0 and checks["mismatch"] == 0 == checks["receives_failed"], checks
     assert (tmp_path / "engines.png").stat().st_size > 1000
