@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from ..protocol.checks import check_senders, check_token
 
 if TYPE_CHECKING:
-    from .sender import Sender
+    from .send.sender import Sender
 
 
 class ReceiveSpec(msgspec.Struct, frozen=True, kw_only=True):

@@ -34,17 +34,17 @@ from ..protocol import messages as m
 from ..protocol.plan import HeadGeometry
 from ..transport import url_host
 from .api import Identity, Step
-from .bridge import LayerBridge
-from . import routing
-from .control import ControlPeers, ControlServer
+from .send.bridge import LayerBridge
+from .control import routing
+from .control.plane import ControlPeers, ControlServer
 from .loop import LoopThread
-from .metadata import LayoutCache
+from .send.metadata import LayoutCache
 from .metrics import MetricsServer, render, snapshot
-from .hooks import NO_HOOKS
-from .entry import Received
-from .receiver import Receiver
-from .receiving import ReceiveApi
-from .sender import Outcome, Sender, TransferSpec, check_geometry
+from .control.hooks import NO_HOOKS
+from .receive.entry import Received
+from .receive.receiver import Receiver
+from .receive.receiving import ReceiveApi
+from .send.sender import Outcome, Sender, TransferSpec, check_geometry
 
 log = logging.getLogger(__name__)
 METRICS_EVERY_S = 0.05

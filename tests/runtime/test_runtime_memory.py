@@ -13,7 +13,7 @@ from aiolayer.backends import memory
 from aiolayer.errors import ConfigError, ControlRejected, DeadlineExceeded, MetadataError, RuntimeStateError
 from aiolayer.kvcache import PagedKVCache, checksums
 from aiolayer.protocol import messages as m
-from aiolayer.runtime.control import open_sockets
+from aiolayer.runtime.control.plane import open_sockets
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -164,7 +164,7 @@ def test_backend_failure_is_reported_to_d(pd, small_shape, caplog):
     assert st.state == "failed"
     logged = {r.name for r in caplog.records
               if "transfer bad " in r.getMessage() and "injected failure" in r.getMessage()}
-    assert logged >= {"aiolayer.runtime.sender", "aiolayer.runtime.receiver"}, caplog.text
+    assert logged >= {"aiolayer.runtime.send.sender", "aiolayer.runtime.receive.receiver"}, caplog.text
     assert "P reported" in st.reason and "injected failure" in st.reason
     # D may free the blocks of a failed transfer (its timer was settled by FAILED)
     assert isinstance(p.request(d.control_endpoint, m.ReleaseRequest(transfer_id="bad")), m.Ack)
@@ -407,7 +407,7 @@ def test_events_are_polled_never_a_device_wide_synchronize():
 
     import aiolayer
     from aiolayer.errors import DeadlineExceeded
-    from aiolayer.runtime.events import wait_event
+    from aiolayer.runtime.send.events import wait_event
 
     root = pathlib.Path(aiolayer.__file__).parent
     for path in root.rglob("*.py"):

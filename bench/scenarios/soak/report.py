@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from aiolayer.runtime.control import open_sockets
+from aiolayer.runtime.control.plane import open_sockets
 
 from ..faults import MC_TRANSFER_TIMEOUT_S
 from .common import (BLOCKS, D_BLOCKS, D_BOUND_S, FAULT_AT_LAYER, FREEZE_S, KINDS, LAYER_S, P_BLOCKS, P_BOUND_S,

@@ -36,14 +36,14 @@ import logging
 import time
 from typing import Callable
 
-from ..config import Timeouts
-from ..errors import ControlRejected
-from ..protocol import messages as m
-from ..protocol.checks import check_senders, check_token
-from ..protocol.codes import AckDetail, NackCode
-from ..protocol.state import Event, IllegalTransition, State
+from ...config import Timeouts
+from ...errors import ControlRejected
+from ...protocol import messages as m
+from ...protocol.checks import check_senders, check_token
+from ...protocol.codes import AckDetail, NackCode
+from ...protocol.state import Event, IllegalTransition, State
 from .entry import Entry, Received, Release
-from .loop import Spawn, not_running
+from ..loop import Spawn, not_running
 from .settled import SettledTable
 from .writers import StopSender, ask_until_quiet
 

@@ -23,13 +23,13 @@ from typing import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from .. import compat
-from ..config import Timeouts
-from ..errors import ControlError, ControlRejected, ControlTimeout, FrameDropped, ProtocolError, RuntimeStateError
-from ..protocol import messages as m
-from ..protocol.codes import NackCode
-from ..transport import url_host
-from .loop import Spawn
+from ... import compat
+from ...config import Timeouts
+from ...errors import ControlError, ControlRejected, ControlTimeout, FrameDropped, ProtocolError, RuntimeStateError
+from ...protocol import messages as m
+from ...protocol.codes import NackCode
+from ...transport import url_host
+from ..loop import Spawn
 
 log = logging.getLogger(__name__)
 

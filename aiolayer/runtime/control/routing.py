@@ -14,20 +14,20 @@ from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
 
 import msgspec
 
-from ..errors import ControlError, ControlRejected, DeadlineExceeded, FrameDropped, RuntimeStateError
-from .. import version
-from ..protocol import messages as m
-from ..protocol.codes import NackCode
-from .integrity import verify_check
+from ...errors import ControlError, ControlRejected, DeadlineExceeded, FrameDropped, RuntimeStateError
+from ... import version
+from ...protocol import messages as m
+from ...protocol.codes import NackCode
+from ..integrity import verify_check
 
 if TYPE_CHECKING:
-    from ..backends.base import TransferBackend
-    from ..config import NodeConfig, Timeouts
-    from .api import Identity
-    from .control import ControlPeers
+    from ...backends.base import TransferBackend
+    from ...config import NodeConfig, Timeouts
+    from ..api import Identity
+    from .plane import ControlPeers
     from .hooks import Hooks
-    from .receiver import Receiver
-    from .sender import Sender
+    from ..receive.receiver import Receiver
+    from ..send.sender import Sender
 
 log = logging.getLogger("aiolayer.runtime.runtime")   # the runtime's own log, as before the split
 _Item = TypeVar("_Item", bound=m.Message)
