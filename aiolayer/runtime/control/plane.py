@@ -325,6 +325,9 @@ class ControlPeers:
         self._retired: collections.Counter[str] = collections.Counter()   # results of closed clients
         self.evicted = 0
 
+    def table_sizes(self) -> dict[str, int]:
+        return {"clients": len(self._clients)}
+
     async def get(self, endpoint: str) -> ControlClient:
         client = self._clients.get(check_endpoint(endpoint))
         if client is None:

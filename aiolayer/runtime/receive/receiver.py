@@ -221,6 +221,9 @@ class Receiver:
             return "unknown", ""
         return entry.state.state.value, entry.state.reason
 
+    def table_sizes(self) -> dict[str, int]:
+        return {"entries": len(self._entries), "early": len(self._early)}
+
     def release(self, transfer_id: str) -> bool:
         """Forget a terminal transfer and free its blocks; refused while P may still write."""
         entry = self._entries.get(transfer_id)

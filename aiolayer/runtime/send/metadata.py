@@ -91,6 +91,9 @@ class LayoutCache:
             loop.call_soon(self._flush, endpoint)
         return fut
 
+    def table_sizes(self) -> dict[str, int]:
+        return {"entries": len(self._entries), "fetch_counters": len(self.fetches)}
+
     async def get(self, endpoint: str, credentials: Credentials, incarnation: str = "") -> RemoteLayout:
         """The layout of ``endpoint`` as D showed it to this transfer; it must be of ``incarnation``."""
         key: _Key = (endpoint, *credentials)

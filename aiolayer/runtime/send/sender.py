@@ -155,6 +155,11 @@ class Sender(TransferEnding):
         """Transfer ids whose source blocks no write can still read: safe to reuse now."""
         return self.results.pop_released()
 
+    def table_sizes(self) -> dict[str, int]:
+        return {"waiters": len(self._waiters), "live": len(self._live), "aborted_early": len(self._aborted_early),
+                "steps": len(self._steps), "outcomes_queued": len(self._outcomes),
+                "released_queued": len(self._released), "fence_timeouts": self.fence_timeouts}
+
     def wait(self, transfer_id: str, timeout: float) -> Outcome:
         """Block until the transfer's outcome is known (never call this from the forward thread)."""
         return self.results.wait(transfer_id, timeout)
