@@ -94,6 +94,25 @@ def test_transfer_lands_intact(pd, small_shape, contiguous, src_kind):
     assert [o.transfer_id for o in p.sender.pop_outcomes()] == ["t1"]
 
 
+def test_debug_tables_show_a_transfer_while_it_lives_and_nothing_once_it_ended(pd, small_shape):
+    """``Runtime.debug_tables``: the plain sizes a leak report compares, read without private attributes."""
+    p, d, _ = pd
+    rep = alloc(p, d, "dbg", 4, True)
+    assert d.runtime.debug_tables()["receiver_entries"] == 1
+    run_step(p, 0, [spec(d, "dbg", [1, 2, 3, 4], rep)], small_shape.num_layers)
+    assert p.sender.wait("dbg", 10).ok
+    p.pop_outcomes()
+    p.pop_released()
+    tables = p.debug_tables()
+    assert all(isinstance(v, int) for v in tables.values()), tables
+    assert tables["control_clients"] == 1, tables                  # one client to the one D
+    assert tables["sender_live"] == tables["sender_waiters"] == tables["sender_steps"] == 0, tables
+    assert tables["sender_outcomes_queued"] == tables["sender_released_queued"] == 0, tables
+    assert tables["layout_entries"] == 0 and tables["backend_late"] == 0, tables
+    assert isinstance(p.request(d.control_endpoint, m.ReleaseRequest(transfer_id="dbg")), m.Ack)
+    assert d.runtime.debug_tables()["receiver_entries"] == 0
+
+
 def test_untouched_blocks_at_d_stay_zero(pd, small_shape):
     p, d, pc = pd
     rep = alloc(p, d, "t", 4, True)
