@@ -19,10 +19,10 @@ _EXPORTS = {
     "Runtime": "aiolayer.runtime.runtime",
     **dict.fromkeys(("TransferSpec", "Outcome", "LayerTiming"), "aiolayer.runtime.spec"),
     **dict.fromkeys(("ReceiveSpec", "Registration", "Step", "Identity"), "aiolayer.runtime.api"),
-    "Received": "aiolayer.runtime.entry",
+    "Received": "aiolayer.runtime.receive.entry",
     **dict.fromkeys(("HeadGeometry", "RankRoute", "map_ranks"), "aiolayer.protocol.plan"),
     "MIN_TOKEN_CHARS": "aiolayer.protocol.checks",
-    "ControlPeers": "aiolayer.runtime.control",   # control calls from a driver's own asyncio loop (a proxy)
+    "ControlPeers": "aiolayer.runtime.control.plane",   # control calls from a driver's own asyncio loop (a proxy)
     "DecodeNode": "aiolayer.node",
     **dict.fromkeys((
         "AiolayerError", "ConfigError", "DeadlineExceeded", "RuntimeStateError", "BridgeClosed", "BridgeFull",
@@ -66,8 +66,8 @@ if TYPE_CHECKING:
     from .runtime.api import ReceiveSpec as ReceiveSpec
     from .runtime.api import Registration as Registration
     from .runtime.api import Step as Step
-    from .runtime.control import ControlPeers as ControlPeers
-    from .runtime.entry import Received as Received
+    from .runtime.control.plane import ControlPeers as ControlPeers
+    from .runtime.receive.entry import Received as Received
     from .runtime.runtime import Runtime as Runtime
     from .runtime.spec import LayerTiming as LayerTiming
     from .runtime.spec import Outcome as Outcome

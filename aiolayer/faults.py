@@ -7,6 +7,6 @@ the benchmark's fault scenarios) to give a runtime that is not started yet an in
 
 from __future__ import annotations
 
-from .runtime.hooks import Hooks, install_hooks
+from .runtime.control.hooks import Hooks, install_hooks
 
 __all__ = ["Hooks", "install_hooks"]

@@ -21,7 +21,7 @@ from .kvcache import BlockAllocator, PagedKVCache
 from .protocol import messages as m
 from .protocol.codes import AckDetail, NackCode
 from .protocol.plan import HeadGeometry
-from .runtime.hooks import install_hooks
+from .runtime.control.hooks import install_hooks
 from .runtime.runtime import Runtime
 
 

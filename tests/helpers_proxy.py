@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from aiolayer import Identity, NodeConfig, Runtime
 from aiolayer.protocol import messages as m
-from aiolayer.runtime.control import ControlServer
+from aiolayer.runtime.control.plane import ControlServer
 from e2e.procs import free_ports
 
 MODEL = "tiny/0123456789ab"            # the fingerprint every stand-in says unless told otherwise

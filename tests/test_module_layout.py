@@ -1,6 +1,7 @@
 """bench/ laid out like the core. Its modules import each other without a cycle (read from
 the source with ``ast``, imports inside functions included: a deferred import hides a cycle, it does not
-remove it), and the bench and the tests start their child processes through one helper. The vLLM bridge
+remove it), and the bench and the tests start their child processes through one helper. The runtime's
+sides (send/ for P, receive/ for D, control/) import each other only as its layering allows. The vLLM bridge
 takes from aiolayer only its public names and a short list of modules, the core never imports the bridge,
 and type checkers see the public names ``aiolayer`` loads lazily."""
 
@@ -145,6 +146,49 @@ def test_child_process_first_line_has_a_deadline_and_carries_stderr():
             bad.read_json(20)
     finally:
         bad.close()
+
+
+# --- the runtime's layers ------------------------------------------------------------------------
+
+RUNTIME_SIDES = ("send", "receive", "control")   # P's side, D's side, the control plane
+# Each subpackage may import these of the others: P's side calls D over the control plane (DONEs,
+# layout requests through ``ControlPeers``); D's side needs none (its fence asks P to stop through the
+# ``StopSender`` the runtime binds); control/ sees both sides only through routing's Protocols.
+RUNTIME_SIDE_MAY_IMPORT = {"send": {"control"}, "receive": set(), "control": set()}
+# The shared top level imports no subpackage, except the facade that builds them all and the metrics
+# that render every side's counters.
+RUNTIME_FACADES = {"runtime.runtime", "runtime.metrics"}
+MAX_MODULE_LINES = 400
+
+
+def _runtime_part(module: str) -> str | None:
+    """The subpackage of a runtime module ("send", ...), "" for the shared top level, None outside the runtime."""
+    parts = module.split(".")
+    if parts[0] != "runtime":
+        return None
+    return parts[1] if len(parts) > 2 and parts[1] in RUNTIME_SIDES else ""
+
+
+def test_the_runtime_sides_import_each_other_only_as_the_layering_allows():
+    modules = _module_names(CORE)
+    assert {f"runtime.{side}" for side in RUNTIME_SIDES} <= set(modules), "the runtime's subpackages moved"
+    refused = []
+    for name, path in sorted(modules.items()):
+        part = _runtime_part(name)
+        if part is None or name in RUNTIME_FACADES:
+            continue
+        allowed = RUNTIME_SIDE_MAY_IMPORT[part] if part else set()
+        for target in sorted(_imports(name, path, modules, "aiolayer")):
+            other = _runtime_part(target)
+            if other and other != part and other not in allowed:
+                refused.append(f"{name} imports {target}")
+    assert not refused, "the runtime's layers are crossed:\n  " + "\n  ".join(refused)
+
+
+def test_runtime_modules_stay_small():
+    big = {name: n for name, path in _module_names(CORE).items()
+           if _runtime_part(name) is not None and (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not big, f"runtime modules over {MAX_MODULE_LINES} lines: {big}"
 
 
 # --- what the vLLM bridge takes from aiolayer ----------------------------------------------------

@@ -39,6 +39,33 @@ def test_the_design_docs_exist():
         assert (ROOT / "docs" / name).is_file(), f"docs/{name} is missing"
 
 
+def _design_layout() -> set[str]:
+    """The paths docs/design.md's layout tree names, from its indentation (two spaces a level)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    paths, stack = set(), []
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        name = line.split()[0]
+        del stack[depth:]
+        paths.add("/".join([*stack, name.rstrip("/")]))
+        if name.endswith("/"):
+            stack.append(name.rstrip("/"))
+    return paths
+
+
+def test_the_design_layout_names_every_runtime_module_in_its_folder():
+    runtime = ROOT / "aiolayer" / "runtime"
+    modules = {str(path.relative_to(ROOT)) for path in runtime.rglob("*.py")
+               if path.name != "__init__.py"}
+    listed = _design_layout()
+    assert modules - listed == set(), f"docs/design.md's layout misses {sorted(modules - listed)}"
+    stale = {path for path in listed if path.startswith("aiolayer/runtime/") and path.endswith(".py")} - modules
+    assert not stale, f"docs/design.md's layout names modules that are gone: {sorted(stale)}"
+
+
 def _git(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
 

@@ -37,6 +37,9 @@ class TransferBackend(Protocol):
     def quarantined(self) -> int:
         """Writes that timed out and may still land."""
 
+    def table_sizes(self) -> dict[str, int]:
+        """Sizes of the backend's per-target and per-write tables (``Runtime.debug_tables``; growth = a leak)."""
+
     async def open(self, spawn: Spawn) -> None:
         """Connect; ``spawn`` starts the backend's own tasks on the runtime's loop (a poller)."""
 

@@ -58,6 +58,9 @@ class MemoryBackend:
     def quarantined(self) -> int:
         return len(self._late)
 
+    def table_sizes(self) -> dict[str, int]:
+        return {"late": len(self._late)}
+
     async def open(self, spawn: Spawn) -> None:
         if self._session in _registry:
             raise BackendError(f"memory session {self._session!r} already open")

@@ -93,12 +93,13 @@ class MooncakeBackend:
         return self._poll.peak_runs
 
     @property
-    def _inflight(self) -> dict:   # target -> unsettled groups (read by the soak's leak report)
-        return self._poll._inflight
-
-    @property
     def _quarantine(self) -> dict:   # id -> settled, of runs that timed out and may still land
         return self._poll._quarantine
+
+    def table_sizes(self) -> dict[str, int]:
+        # inflight: target -> unsettled groups; quarantine: runs that timed out and may still land
+        return {"opened_targets": len(self._opened_targets), "inflight": len(self._poll._inflight),
+                "quarantine": len(self._quarantine)}
 
     async def open(self, spawn) -> None:
         for key, value in ENGINE_ENV.items():

@@ -5,15 +5,12 @@ here; ``Runtime`` does the work (runtime.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import Awaitable, Callable, Protocol
 
 import msgspec
 
 from ..errors import ConfigError
 from ..protocol.checks import check_senders, check_token
-
-if TYPE_CHECKING:
-    from .sender import Sender
 
 
 class ReceiveSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -86,13 +83,21 @@ class Identity(msgspec.Struct, frozen=True, kw_only=True):
 Announce = Callable[[Registration], Awaitable[None]]   # runs on the runtime's loop; raising aborts the transfer
 
 
+class StepSink(Protocol):
+    """What a ``Step`` hands its layers to (the sender; a protocol, so the shared API needs no side)."""
+
+    def layer_ready(self, step: int, layer: int) -> None: ...
+
+    def end_step(self, step: int) -> None: ...
+
+
 class Step:
     """P: one forward step's transfers. ``layer_ready`` after each layer's KV is written, ``end`` after
     the last; as a context manager it ends on exit. Called from the forward thread; never blocks."""
 
     __slots__ = ("_sender", "_id", "_ended")
 
-    def __init__(self, sender: "Sender", step_id: int) -> None:
+    def __init__(self, sender: StepSink, step_id: int) -> None:
         self._sender = sender
         self._id = step_id
         self._ended = False

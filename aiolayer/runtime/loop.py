@@ -88,6 +88,11 @@ class LoopThread:
         self._on_stop.append(closer)
 
     @property
+    def ident(self) -> int | None:
+        """The loop thread's id once started (a report reads its CPU clock), else None."""
+        return self._thread.ident if self._thread is not None else None
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._ready.is_set()
 

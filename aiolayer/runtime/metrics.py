@@ -29,12 +29,12 @@ if TYPE_CHECKING:
 
     from ..backends.base import TransferBackend
     from ..config import NodeConfig
-    from .bridge import LayerBridge
-    from .control import ControlPeers, ControlServer
+    from .send.bridge import LayerBridge
+    from .control.plane import ControlPeers, ControlServer
     from .loop import LoopThread
-    from .metadata import LayoutCache
-    from .receiver import Receiver
-    from .sender import Sender
+    from .send.metadata import LayoutCache
+    from .receive.receiver import Receiver
+    from .send.sender import Sender
 
 log = logging.getLogger(__name__)
 MAX_REQUEST_HEAD = 8192

@@ -34,17 +34,17 @@ from ..protocol import messages as m
 from ..protocol.plan import HeadGeometry
 from ..transport import url_host
 from .api import Identity, Step
-from .bridge import LayerBridge
-from . import routing
-from .control import ControlPeers, ControlServer
+from .send.bridge import LayerBridge
+from .control import routing
+from .control.plane import ControlPeers, ControlServer
 from .loop import LoopThread
-from .metadata import LayoutCache
+from .send.metadata import LayoutCache
 from .metrics import MetricsServer, render, snapshot
-from .hooks import NO_HOOKS
-from .entry import Received
-from .receiver import Receiver
-from .receiving import ReceiveApi
-from .sender import Outcome, Sender, TransferSpec, check_geometry
+from .control.hooks import NO_HOOKS
+from .receive.entry import Received
+from .receive.receiver import Receiver
+from .receive.receiving import ReceiveApi
+from .send.sender import Outcome, Sender, TransferSpec, check_geometry
 
 log = logging.getLogger(__name__)
 METRICS_EVERY_S = 0.05
@@ -113,8 +113,9 @@ class Runtime(ReceiveApi):
         self.receiver.bind(spawn, functools.partial(routing.stop_sender, self), on_outcome=self._outcome)
         transport = self.node.transport
         advertised = url_host(transport.advertised())   # bound on bind_host, dialled by peers at this
-        self.server = ControlServer(transport.bind_host, self.node.control_port,
-                                    functools.partial(routing.handle, self), max_frame_bytes=self.node.max_frame_bytes)
+        handler = functools.partial(routing.handle, self, self._hooks)   # hooks go in before start (install_hooks)
+        self.server = ControlServer(transport.bind_host, self.node.control_port, handler,
+                                    max_frame_bytes=self.node.max_frame_bytes)
         await self.server.start(spawn)
         self.control_endpoint = f"tcp://{advertised}:{self.server.port}"
         self.layouts.control, self.layouts.incarnation = self.control_endpoint, self.incarnation
@@ -321,6 +322,15 @@ class Runtime(ReceiveApi):
             return snapshot(self)
         taken: dict[str, Any] = self.loop_thread.call(take(), timeout=self.timeouts.control_call)
         return taken
+
+    def debug_tables(self) -> dict[str, int]:
+        """Sizes of the per-transfer and per-peer tables (``control_clients``, ``layout_*``, ``sender_*``,
+        ``receiver_*``, ``backend_*``): a plain dict, for leak reports. Not part of the embedding API;
+        read from any thread, the sizes are each a moment's (a report compares two snapshots)."""
+        parts = (("control_", self.peers), ("layout_", self.layouts), ("sender_", self.sender),
+                 ("receiver_", self.receiver), ("backend_", self.backend))
+        return {prefix + name: size for prefix, part in parts if part is not None
+                for name, size in part.table_sizes().items()}
 
     def metrics_text(self) -> str:
         """The Prometheus text exposition, as ``GET /metrics`` serves it."""

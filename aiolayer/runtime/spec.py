@@ -1,22 +1,20 @@
-"""What the sender takes and gives: a transfer's spec, its outcome, P's local KV layout and how
-it maps onto D's (checks, per-layer byte runs).
+"""What the sender takes and gives: a transfer's spec, its outcome, P's local KV layout, D's as P sees it,
+and how one maps onto the other (checks, per-layer byte runs).
 
 Split off ``sender`` (which re-exports the types) so that the sender holds only the transfer logic.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import msgspec
 import numpy as np
 
 from ..errors import ConfigError, LayoutMismatch
+from ..protocol import messages as m
 from ..protocol.plan import (BlockRuns, HeadGeometry, RankRoute, Spans, check_block_bounds, run_addresses,
                              slice_addresses)
-
-if TYPE_CHECKING:
-    from .metadata import RemoteLayout
 
 
 class Registered(Protocol):
@@ -99,6 +97,34 @@ class LocalLayout(msgspec.Struct, frozen=True):
     @property
     def num_layers(self) -> int:
         return int(self.k_base.shape[0])
+
+
+class RemoteLayout(msgspec.Struct, frozen=True):
+    """D's KV layout as P writes into it (``LayoutReply``), cached per transfer by ``send.metadata``."""
+
+    endpoint: str
+    engine_id: str
+    incarnation: str
+    session: str
+    block_bytes: int
+    num_blocks: int
+    k_base: np.ndarray     # int64 per layer
+    v_base: np.ndarray
+    kv_heads: int = 0      # head geometry (LayoutReply): 0 / "" = not published, whole blocks only
+    block_size: int = 0
+    head_bytes: int = 0
+    kv_layout: str = ""
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.k_base.shape[0])
+
+    @classmethod
+    def from_reply(cls, endpoint: str, reply: m.LayoutReply) -> "RemoteLayout":
+        return cls(endpoint, reply.engine_id, reply.incarnation, reply.session, reply.block_bytes,
+                   reply.num_blocks, np.array([r.k_base for r in reply.layers], dtype=np.int64),
+                   np.array([r.v_base for r in reply.layers], dtype=np.int64),
+                   reply.kv_heads, reply.block_size, reply.head_bytes, reply.kv_layout)
 
 
 def check_spec(spec: object) -> None:

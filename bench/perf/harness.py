@@ -161,7 +161,7 @@ class Harness:
         return sample
 
     def _loop_cpu_s(self) -> float:
-        return time.clock_gettime(time.pthread_getcpuclockid(self.runtime.loop_thread._thread.ident))  # noqa: SLF001
+        return time.clock_gettime(time.pthread_getcpuclockid(self.runtime.loop_thread.ident))
 
     # --- the limits ----------------------------------------------------------------------------
 

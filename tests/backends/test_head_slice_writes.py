@@ -29,7 +29,7 @@ from aiolayer.errors import BackendError, TransferTimeout
 from aiolayer.protocol import messages as m
 from aiolayer.protocol.plan import HeadGeometry, RankRoute, merge_runs, slice_addresses
 from aiolayer.runtime.spec import LocalLayout, layer_runs
-from aiolayer.runtime.stream import LayerPlan
+from aiolayer.runtime.send.stream import LayerPlan
 from aiolayer.bench.scenarios.scale.driver import run_scenario
 from aiolayer.bench.scenarios.scale.model import ScaleConfig
 

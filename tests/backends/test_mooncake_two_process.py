@@ -26,7 +26,7 @@ from aiolayer import KVShape, NodeConfig, Runtime, Timeouts, TransferSpec
 from aiolayer.errors import ControlRejected
 from aiolayer.kvcache import PagedKVCache, checksums
 from aiolayer.protocol import messages as m
-from aiolayer.runtime.control import open_sockets
+from aiolayer.runtime.control.plane import open_sockets
 
 SHAPE = SMALL_SHAPE
 WAIT_S = 15.0

@@ -13,7 +13,7 @@ import zmq
 from aiolayer.config import Timeouts
 from aiolayer.errors import ControlError, ControlRejected, ControlTimeout, RuntimeStateError
 from aiolayer.protocol import messages as m
-from aiolayer.runtime.control import ControlClient, ControlPeers, ControlServer, open_sockets, shared_context
+from aiolayer.runtime.control.plane import ControlClient, ControlPeers, ControlServer, open_sockets, shared_context
 
 pytestmark = pytest.mark.timeout(30)
 

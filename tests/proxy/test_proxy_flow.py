@@ -17,7 +17,7 @@ import httpx
 
 from aiolayer.config import Timeouts
 from aiolayer.protocol import messages as m
-from aiolayer.runtime.control import ControlPeers, ControlServer
+from aiolayer.runtime.control.plane import ControlPeers, ControlServer
 from aiolayer_vllm.proxy.app import ProxyState
 from aiolayer_vllm.proxy.flow import Exchange, ExchangeError, ProxyTimeouts
 from aiolayer_vllm.proxy.pool import Backend, Pool

@@ -23,7 +23,7 @@ import httpx
 
 from aiolayer import ControlPeers, Timeouts
 from aiolayer.protocol import messages as m
-from aiolayer.runtime.control import ControlServer
+from aiolayer.runtime.control.plane import ControlServer
 from aiolayer_vllm.proxy.pool import Backend, Pool
 from aiolayer_vllm.proxy.topology import learn_pool, recheck
 from e2e.pd import ProxyProcess

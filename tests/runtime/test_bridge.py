@@ -10,7 +10,7 @@ import time
 import pytest
 
 from aiolayer.errors import BridgeClosed, BridgeFull, DeadlineExceeded, RuntimeStateError
-from aiolayer.runtime.bridge import LayerBridge
+from aiolayer.runtime.send.bridge import LayerBridge
 from aiolayer.runtime.loop import LoopThread
 
 
@@ -442,7 +442,7 @@ def test_layer_ready_after_sender_task_died_raises(memory_runtime):
 
 
 def test_sender_crash_closes_bridge_and_stop_leaves_nothing(memory_runtime):
-    from aiolayer.runtime.control import open_sockets
+    from aiolayer.runtime.control.plane import open_sockets
 
     rt = memory_runtime("p17c")
 

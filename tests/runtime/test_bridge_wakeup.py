@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from aiolayer.runtime.bridge import LayerBridge
+from aiolayer.runtime.send.bridge import LayerBridge
 from aiolayer.runtime.loop import LoopThread
 
 BOUND_S = 2.0   # far above any wake-up on a loaded 2-core VM (a few ms); a lost one is never seen at all

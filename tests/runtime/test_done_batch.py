@@ -21,8 +21,8 @@ from aiolayer import DecodeNode, NodeConfig, Timeouts
 from aiolayer.errors import ControlRejected
 from aiolayer.protocol import messages as m
 from aiolayer.protocol.codes import NackCode
-from aiolayer.runtime.control import ControlPeers
-from aiolayer.runtime.done_batch import DoneBatcher
+from aiolayer.runtime.control.plane import ControlPeers
+from aiolayer.runtime.send.done_batch import DoneBatcher
 
 from helpers_node import SMALL_SHAPE
 from helpers_step import d_state, memory_p, one_step

@@ -26,8 +26,8 @@ from aiolayer.errors import ControlRejected, FrameDropped
 from aiolayer.kvcache import PagedKVCache
 from aiolayer.protocol import messages as m
 from aiolayer.protocol.codes import NackCode
-from aiolayer.runtime import sender as sender_module
-from aiolayer.runtime.receiver import Receiver
+from aiolayer.runtime.send import sender as sender_module
+from aiolayer.runtime.receive.receiver import Receiver
 
 from helpers_node import SMALL_SHAPE
 from helpers_step import CACHES, TimedEvent, d_state, memory_p

@@ -15,7 +15,7 @@ import pytest
 from aiolayer import KVShape, NodeConfig, ReceiveSpec, Runtime, Timeouts, TransferSpec
 from aiolayer.kvcache import PagedKVCache
 from aiolayer.protocol import messages as m
-from aiolayer.runtime.hooks import install_hooks
+from aiolayer.runtime.control.hooks import install_hooks
 from aiolayer.runtime.integrity import sample_check, verify_check
 
 pytestmark = pytest.mark.timeout(60)

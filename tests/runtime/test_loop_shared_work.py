@@ -16,8 +16,8 @@ import asyncio
 import pytest
 
 from aiolayer.protocol.plan import merge_runs
-from aiolayer.runtime.fence import Request, StepLayers
-from aiolayer.runtime.results import Results
+from aiolayer.runtime.send.fence import Request, StepLayers
+from aiolayer.runtime.send.results import Results
 from aiolayer.runtime.spec import Outcome, TransferSpec
 
 pytestmark = pytest.mark.timeout(30)

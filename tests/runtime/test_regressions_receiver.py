@@ -20,7 +20,7 @@ from aiolayer import NodeConfig, Runtime, Timeouts, TransferSpec
 from aiolayer.errors import ControlError, ControlRejected
 from aiolayer.kvcache import PagedKVCache, checksums
 from aiolayer.protocol import messages as m
-from aiolayer.runtime.control import open_sockets
+from aiolayer.runtime.control.plane import open_sockets
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -24,7 +24,7 @@ from aiolayer import NodeConfig, Runtime, Timeouts, TransferSpec
 from aiolayer.errors import ConfigError, ControlRejected, WriteRefused
 from aiolayer.kvcache import PagedKVCache, checksums
 from aiolayer.protocol import messages as m
-from aiolayer.runtime.fence import MAX_EARLY_ABORTS
+from aiolayer.runtime.send.fence import MAX_EARLY_ABORTS
 
 pytestmark = pytest.mark.timeout(90)
 SHAPE = SMALL_SHAPE

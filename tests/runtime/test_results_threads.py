@@ -13,7 +13,7 @@ import time
 import pytest
 
 from aiolayer.errors import DeadlineExceeded, UnknownTransfer
-from aiolayer.runtime.results import Results
+from aiolayer.runtime.send.results import Results
 from aiolayer.runtime.spec import Outcome
 
 pytestmark = pytest.mark.timeout(30)

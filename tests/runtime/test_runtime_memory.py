@@ -13,7 +13,7 @@ from aiolayer.backends import memory
 from aiolayer.errors import ConfigError, ControlRejected, DeadlineExceeded, MetadataError, RuntimeStateError
 from aiolayer.kvcache import PagedKVCache, checksums
 from aiolayer.protocol import messages as m
-from aiolayer.runtime.control import open_sockets
+from aiolayer.runtime.control.plane import open_sockets
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,6 +94,25 @@ def test_transfer_lands_intact(pd, small_shape, contiguous, src_kind):
     assert [o.transfer_id for o in p.sender.pop_outcomes()] == ["t1"]
 
 
+def test_debug_tables_show_a_transfer_while_it_lives_and_nothing_once_it_ended(pd, small_shape):
+    """``Runtime.debug_tables``: the plain sizes a leak report compares, read without private attributes."""
+    p, d, _ = pd
+    rep = alloc(p, d, "dbg", 4, True)
+    assert d.runtime.debug_tables()["receiver_entries"] == 1
+    run_step(p, 0, [spec(d, "dbg", [1, 2, 3, 4], rep)], small_shape.num_layers)
+    assert p.sender.wait("dbg", 10).ok
+    p.pop_outcomes()
+    p.pop_released()
+    tables = p.debug_tables()
+    assert all(isinstance(v, int) for v in tables.values()), tables
+    assert tables["control_clients"] == 1, tables                  # one client to the one D
+    assert tables["sender_live"] == tables["sender_waiters"] == tables["sender_steps"] == 0, tables
+    assert tables["sender_outcomes_queued"] == tables["sender_released_queued"] == 0, tables
+    assert tables["layout_entries"] == 0 and tables["backend_late"] == 0, tables
+    assert isinstance(p.request(d.control_endpoint, m.ReleaseRequest(transfer_id="dbg")), m.Ack)
+    assert d.runtime.debug_tables()["receiver_entries"] == 0
+
+
 def test_untouched_blocks_at_d_stay_zero(pd, small_shape):
     p, d, pc = pd
     rep = alloc(p, d, "t", 4, True)
@@ -164,7 +183,7 @@ def test_backend_failure_is_reported_to_d(pd, small_shape, caplog):
     assert st.state == "failed"
     logged = {r.name for r in caplog.records
               if "transfer bad " in r.getMessage() and "injected failure" in r.getMessage()}
-    assert logged >= {"aiolayer.runtime.sender", "aiolayer.runtime.receiver"}, caplog.text
+    assert logged >= {"aiolayer.runtime.send.sender", "aiolayer.runtime.receive.receiver"}, caplog.text
     assert "P reported" in st.reason and "injected failure" in st.reason
     # D may free the blocks of a failed transfer (its timer was settled by FAILED)
     assert isinstance(p.request(d.control_endpoint, m.ReleaseRequest(transfer_id="bad")), m.Ack)
@@ -407,7 +426,7 @@ def test_events_are_polled_never_a_device_wide_synchronize():
 
     import aiolayer
     from aiolayer.errors import DeadlineExceeded
-    from aiolayer.runtime.events import wait_event
+    from aiolayer.runtime.send.events import wait_event
 
     root = pathlib.Path(aiolayer.__file__).parent
     for path in root.rglob("*.py"):

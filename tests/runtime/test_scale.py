@@ -22,7 +22,7 @@ from aiolayer.errors import ConfigError, ControlRejected
 from aiolayer.kvcache import PagedKVCache
 from aiolayer.protocol import messages as m
 from aiolayer.protocol.plan import HeadGeometry, RankRoute, map_ranks, routes_from
-from aiolayer.runtime.receiver import Receiver
+from aiolayer.runtime.receive.receiver import Receiver
 from aiolayer.bench.scenarios.scale.driver import run_scale, run_scenario
 from aiolayer.bench.scenarios.scale.model import ScaleConfig, rank_heads
 

@@ -19,8 +19,8 @@ from aiolayer import NodeConfig, Runtime, Timeouts, TransferSpec
 from aiolayer.backends.memory import MemoryBackend
 from aiolayer.kvcache import PagedKVCache, checksums
 from aiolayer.protocol import messages as m
-from aiolayer.runtime import sender as sender_module
-from aiolayer.runtime.events import READY
+from aiolayer.runtime.send import sender as sender_module
+from aiolayer.runtime.send.events import READY
 
 from helpers_node import SMALL_SHAPE
 from helpers_step import d_state

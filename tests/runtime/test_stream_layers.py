@@ -11,7 +11,7 @@ import pytest
 
 from aiolayer import Timeouts, TransferSpec
 from aiolayer.protocol import messages as m
-from aiolayer.runtime import sender as sender_module
+from aiolayer.runtime.send import sender as sender_module
 
 from helpers_node import SMALL_SHAPE
 from helpers_step import TimedEvent, d_state, memory_p

@@ -17,7 +17,6 @@ from __future__ import annotations
 import gc
 import json
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -82,7 +81,7 @@ def rank_main(rank: int, cfg: ScaleConfig) -> int:
 def _stream(rt: Runtime, cfg: ScaleConfig, specs: list[TransferSpec], rank: int) -> dict:
     """One step with every transfer, every layer ready at once; every outcome, bounded by wait_s."""
     backend = rt.backend
-    loop_clock = time.pthread_getcpuclockid(_loop_thread(rt).ident)
+    loop_clock = time.pthread_getcpuclockid(rt.loop_thread.ident)
     gc_s = _GcClock()
     cpu0, loop0 = time.process_time(), time.clock_gettime(loop_clock)
     t_begin = time.perf_counter()
@@ -138,11 +137,6 @@ class _GcClock:
 
     def stop(self) -> None:
         gc.callbacks.remove(self._tick)
-
-
-def _loop_thread(rt: Runtime) -> threading.Thread:
-    """The runtime's loop thread (an internal attribute, read for the report's CPU figures)."""
-    return rt.loop_thread._thread   # noqa: SLF001
 
 
 def _writes_in_flight(backend) -> int:

@@ -57,7 +57,8 @@ Before a kill the forward waits (at most ``KILL_VERIFY_S``) until D verified wha
 acknowledged on that node, so few P-ok transfers end up ``ok_unverified``. A kill or freeze drawn
 for a transfer whose node an earlier kill took already is carried over to the next one without a
 fault (``*_carried_over``), so the kinds stay even. ``p_internals_*`` are the sizes of the
-runtime's per-transfer and per-peer tables at ``rss_start`` and at the end (growth = a leak).
+runtime's per-transfer and per-peer tables (``Runtime.debug_tables``) at ``rss_start`` and at the end
+(growth = a leak).
 Mooncake's own log lines (one per refused or failed write) go to a temporary file while it runs,
 summarised under ``native_log``.
 

@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 
-from aiolayer.runtime.control import ControlClient
+from aiolayer.runtime.control.plane import ControlClient
 
 from ..faults import NODE_ARGS, NODE_ENV
 from ...node import NodeProcess

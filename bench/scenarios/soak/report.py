@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from aiolayer.runtime.control import open_sockets
+from aiolayer.runtime.control.plane import open_sockets
 
 from ..faults import MC_TRANSFER_TIMEOUT_S
 from .common import (BLOCKS, D_BLOCKS, D_BOUND_S, FAULT_AT_LAYER, FREEZE_S, KINDS, LAYER_S, P_BLOCKS, P_BOUND_S,
@@ -161,9 +161,8 @@ class SoakReport:
             rss = rss_mb()
             self.rss_peak = max(self.rss_peak, rss) if self.rss_start is not None else self.rss_peak
             if len(self.rss_samples) < 400:   # [ended, RSS MB, D restarts so far, P's control clients]
-                clients = getattr(self.rt.peers, "_clients", None)
                 self.rss_samples.append([self.ended, round(rss, 1), self.restarts,
-                                         len(clients) if clients is not None else None])
+                                         self.rt.debug_tables().get("control_clients")])
             c = self.classes
             rate = (self.ended - last_n) / (now - last_t)
             print(f"soak {self.ended}/{self.n} begun={self.begun} finished={c['finished']} failed={c['failed']} "
@@ -189,24 +188,8 @@ class SoakReport:
                 f"tasks: {sorted(t.get_name() for t in self.tasks if not t.done())})")
 
     def _internals(self) -> dict:
-        """Sizes of the runtime's per-transfer and per-peer tables (growth = a leak)."""
-        rt = self.rt
-        s, b = rt.sender, rt.backend
-
-        def size(obj, name):
-            value = getattr(obj, name, None)
-            return len(value) if value is not None else None
-
-        out = {"control_clients": size(rt.peers, "_clients"), "layout_entries": size(rt.layouts, "_entries"),
-               "layout_fetch_counters": size(rt.layouts, "fetches"),
-               "sender_waiters": size(s, "_waiters"), "sender_live": size(s, "_live"),
-               "sender_aborted_early": size(s, "_aborted_early"), "sender_steps": size(s, "_steps"),
-               "sender_outcomes_queued": size(s, "_outcomes"), "sender_released_queued": size(s, "_released"),
-               "sender_fence_timeouts": getattr(s, "fence_timeouts", None),
-               "backend_opened_targets": size(b, "_opened_targets"), "backend_inflight": size(b, "_inflight"),
-               "backend_quarantine": size(b, "_quarantine"),
-               "receiver_entries": size(rt.receiver, "_entries"), "receiver_early": size(rt.receiver, "_early"),
-               "zmq_sockets": open_sockets(), "threads": threading.active_count()}
+        """Sizes of the runtime's per-transfer and per-peer tables (growth = a leak), and the process's."""
+        out: dict = {**self.rt.debug_tables(), "zmq_sockets": open_sockets(), "threads": threading.active_count()}
         with contextlib.suppress(OSError):
             out["fds"] = len(os.listdir("/proc/self/fd"))
         return out

@@ -35,24 +35,24 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..backends.base import TransferBackend
-from ..config import Timeouts
-from ..errors import AiolayerError, ControlRejected, RuntimeStateError, TransferStopped
-from ..protocol import messages as m
-from ..protocol.codes import AckDetail, NackCode
-from ..protocol.plan import HeadGeometry, check_block_bounds, check_geometry, merge_runs
-from ..protocol.state import Event
-from ..stats import LatencyHistogram
+from ...backends.base import TransferBackend
+from ...config import Timeouts
+from ...errors import AiolayerError, ControlRejected, RuntimeStateError, TransferStopped
+from ...protocol import messages as m
+from ...protocol.codes import AckDetail, NackCode
+from ...protocol.plan import HeadGeometry, check_block_bounds, check_geometry, merge_runs
+from ...protocol.state import Event
+from ...stats import LatencyHistogram
 from .bridge import LayerBridge
-from .control import ControlPeers
+from ..control.plane import ControlPeers
 from .done_batch import DoneBatcher
 from .ending import TransferEnding
 from .events import record_event
 from .fence import MAX_EARLY_ABORTS, EarlyAborts, Request, StepLayers, guarded
-from .loop import Spawn, not_running
+from ..loop import Spawn, not_running
 from .metadata import LayoutCache
 from .results import Results
-from .spec import LayerTiming, LocalLayout, Outcome, TransferSpec, check_layout, check_spec
+from ..spec import LayerTiming, LocalLayout, Outcome, TransferSpec, check_layout, check_spec
 from .stream import LayerStreamer
 
 __all__ = ["MAX_EARLY_ABORTS", "LayerTiming", "LocalLayout", "Outcome", "Sender", "TransferSpec", "check_geometry"]
@@ -154,6 +154,11 @@ class Sender(TransferEnding):
     def pop_released(self) -> list[str]:
         """Transfer ids whose source blocks no write can still read: safe to reuse now."""
         return self.results.pop_released()
+
+    def table_sizes(self) -> dict[str, int]:
+        return {"waiters": len(self._waiters), "live": len(self._live), "aborted_early": len(self._aborted_early),
+                "steps": len(self._steps), "outcomes_queued": len(self._outcomes),
+                "released_queued": len(self._released), "fence_timeouts": self.fence_timeouts}
 
     def wait(self, transfer_id: str, timeout: float) -> Outcome:
         """Block until the transfer's outcome is known (never call this from the forward thread)."""

@@ -21,8 +21,8 @@ import time
 from collections.abc import Container, Sequence
 from typing import Callable, TypeVar
 
-from ..errors import DeadlineExceeded, UnknownTransfer
-from .spec import Outcome
+from ...errors import DeadlineExceeded, UnknownTransfer
+from ..spec import Outcome
 
 _T = TypeVar("_T")
 

@@ -18,8 +18,8 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
-from ..errors import ControlRejected
-from ..protocol.codes import NackCode
+from ...errors import ControlRejected
+from ...protocol.codes import NackCode
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ import functools
 import logging
 from typing import Any, Awaitable, Callable, Concatenate, Coroutine, ParamSpec, Protocol, TypeVar
 
-from ..protocol.plan import BlockRuns, Spans
-from ..protocol.state import sender_transfer
+from ...protocol.plan import BlockRuns, Spans
+from ...protocol.state import sender_transfer
 from .events import DeviceEvent
-from .spec import LayerTiming, TransferSpec
+from ..spec import LayerTiming, TransferSpec
 
 log = logging.getLogger(__name__)
 

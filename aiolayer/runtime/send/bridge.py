@@ -14,7 +14,7 @@ import asyncio
 import collections
 from typing import Any
 
-from ..errors import BridgeClosed, BridgeFull, RuntimeStateError
+from ...errors import BridgeClosed, BridgeFull, RuntimeStateError
 
 
 class LayerBridge:

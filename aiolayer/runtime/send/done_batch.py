@@ -20,13 +20,13 @@ import asyncio
 import logging
 from typing import Any, Coroutine
 
-from ..config import Timeouts
-from ..errors import ControlError, ControlRejected, ControlTimeout, DeliveryFailed, ProtocolError, map_errors
-from ..protocol import messages as m
-from ..protocol.codes import NackCode
-from .control import ControlPeers
-from .loop import Spawn, fail_futures, not_running, settle_future, spawn_or_fail
-from .spec import TransferSpec
+from ...config import Timeouts
+from ...errors import ControlError, ControlRejected, ControlTimeout, DeliveryFailed, ProtocolError, map_errors
+from ...protocol import messages as m
+from ...protocol.codes import NackCode
+from ..control.plane import ControlPeers
+from ..loop import Spawn, fail_futures, not_running, settle_future, spawn_or_fail
+from ..spec import TransferSpec
 
 log = logging.getLogger(__name__)
 _Item = tuple[m.Done, asyncio.Future[m.Message]]

@@ -1,12 +1,15 @@
 """A runtime's control-plane routing: each inbound message to the side that serves it (``handle``, the
 control server's handler; a ``TopologyRequest`` is answered from the runtime's identity), and D's
 fence asking P to stop writing (``stop_sender``, the receiver's ``StopSender``). Runs on the runtime's
-loop; no state of its own. ``rt`` is the ``Runtime``, seen through ``Host`` (the runtime imports this module).
+loop; no state of its own. It sees the ``Runtime`` only through ``Host`` and each side only through
+``SenderPort`` / ``ReceiverPort`` (public members), so control/ imports neither side; the node's or
+test's ``Hooks`` come as an argument (fixed once the runtime started).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 from collections.abc import Sequence
@@ -14,54 +17,88 @@ from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
 
 import msgspec
 
-from ..errors import ControlError, ControlRejected, DeadlineExceeded, FrameDropped, RuntimeStateError
-from .. import version
-from ..protocol import messages as m
-from ..protocol.codes import NackCode
-from .integrity import verify_check
+from ...errors import ControlError, ControlRejected, DeadlineExceeded, FrameDropped, RuntimeStateError
+from ... import version
+from ...protocol import messages as m
+from ...protocol.codes import AckDetail, NackCode
+from ..integrity import verify_check
+from .hooks import Hooks
 
 if TYPE_CHECKING:
-    from ..backends.base import TransferBackend
-    from ..config import NodeConfig, Timeouts
-    from .api import Identity
-    from .control import ControlPeers
-    from .hooks import Hooks
-    from .receiver import Receiver
-    from .sender import Sender
+    from ...backends.base import TransferBackend
+    from ...config import NodeConfig, Timeouts
+    from ..api import Identity
+    from ..spec import LocalLayout
+    from .plane import ControlPeers
 
 log = logging.getLogger("aiolayer.runtime.runtime")   # the runtime's own log, as before the split
 _Item = TypeVar("_Item", bound=m.Message)
 
 
+class SenderPort(Protocol):
+    """What routing asks of P's side (``send.sender.Sender``)."""
+
+    @property
+    def local(self) -> LocalLayout | None: ...
+
+    async def abort(self, transfer_id: str, reason: str, token: str) -> AckDetail: ...
+
+
+class ReceiverPort(Protocol):
+    """What routing asks of D's side (``receive.receiver.Receiver``)."""
+
+    @property
+    def integrity(self) -> collections.Counter[str]: ...
+
+    def handle(self, msg: m.Done | m.Failed) -> m.Ack: ...
+
+    def abort(self, transfer_id: str, reason: str, token: str | None = None) -> str: ...
+
+    def admit_writer(self, msg: m.LayoutRequest) -> None: ...
+
+    def blocks_to_verify(self, transfer_id: str, token: str) -> list[int] | None: ...
+
+    def registration(self, transfer_id: str, token: str) -> tuple[list[int], int]: ...
+
+
 class Host(Protocol):
-    """What routing reads of its runtime (``Runtime``); the optional parts exist once it started."""
+    """What routing reads of its runtime (``Runtime``'s public members); the optional parts exist once it started."""
 
-    _hooks: Hooks
-    node: NodeConfig
-    backend: TransferBackend
-    timeouts: Timeouts
-    incarnation: str
-    control_endpoint: str
-    identity: Identity
-    receiver: Receiver
-    sender: Sender | None
-    peers: ControlPeers | None
-    layout_reply: m.LayoutReply | None
+    @property
+    def node(self) -> NodeConfig: ...
+    @property
+    def backend(self) -> TransferBackend: ...
+    @property
+    def timeouts(self) -> Timeouts: ...
+    @property
+    def incarnation(self) -> str: ...
+    @property
+    def control_endpoint(self) -> str: ...
+    @property
+    def identity(self) -> Identity: ...
+    @property
+    def receiver(self) -> ReceiverPort: ...
+    @property
+    def sender(self) -> SenderPort | None: ...
+    @property
+    def peers(self) -> ControlPeers | None: ...
+    @property
+    def layout_reply(self) -> m.LayoutReply | None: ...
 
 
-def _sender(rt: Host) -> Sender:
+def _sender(rt: Host) -> SenderPort:
     if rt.sender is None:
         raise RuntimeStateError("runtime not started: no sender yet")
     return rt.sender
 
 
-def _batched_item(rt: Host, msg: _Item, answer: Callable[[_Item], m.Ack]) -> m.Ack | m.Nack | None:
+def _batched_item(hooks: Hooks, msg: _Item, answer: Callable[[_Item], m.Ack]) -> m.Ack | m.Nack | None:
     """One item of a batch frame (``DoneBatch``, ``LayoutBatch``), answered as if it came alone:
     ``answer(msg)``, or its own Nack; None when a fault-injection hook dropped it."""
     try:
         m.check_version(msg)
-        if rt._hooks.inbound_filter is not None:
-            rt._hooks.inbound_filter(msg)
+        if hooks.inbound_filter is not None:
+            hooks.inbound_filter(msg)
         return answer(msg)
     except (ControlRejected, m.DecodeFailure) as exc:
         return m.Nack(code=exc.code, reason=exc.reason)
@@ -138,9 +175,9 @@ async def _verified(rt: Host, done: m.Done | m.Failed) -> m.Done | m.Failed:
     return m.Failed(transfer_id=done.transfer_id, sender=done.sender, reason=problem, token=done.token)
 
 
-async def handle(rt: Host, msg: m.Message) -> m.Message:
-    if rt._hooks.inbound_filter is not None:
-        rt._hooks.inbound_filter(msg)
+async def handle(rt: Host, hooks: Hooks, msg: m.Message) -> m.Message:
+    if hooks.inbound_filter is not None:
+        hooks.inbound_filter(msg)
     if isinstance(msg, (m.Done, m.Failed)):
         return rt.receiver.handle(await _verified(rt, msg))
     if isinstance(msg, m.DoneBatch):
@@ -148,7 +185,7 @@ async def handle(rt: Host, msg: m.Message) -> m.Message:
         items: Sequence[m.Done | m.Failed] = msg.items
         if any(getattr(done, "check", None) is not None for done in items):   # else answered in this pass
             items = await asyncio.gather(*(_verified(rt, done) for done in msg.items))
-        return m.Replies(items=[_batched_item(rt, done, rt.receiver.handle) for done in items])
+        return m.Replies(items=[_batched_item(hooks, done, rt.receiver.handle) for done in items])
     if isinstance(msg, m.Abort):
         return m.Ack(detail=await _sender(rt).abort(msg.transfer_id, msg.reason, msg.token))
     if isinstance(msg, m.AbortRequest):
@@ -162,11 +199,11 @@ async def handle(rt: Host, msg: m.Message) -> m.Message:
         return _published_layout(rt)
     if isinstance(msg, m.LayoutBatch):
         _check_batch(msg.items, m.MAX_LAYOUT_BATCH, "layout requests")
-        answers = [_batched_item(rt, req, lambda r: _grant_layout(rt, r)) for req in msg.items]
+        answers = [_batched_item(hooks, req, lambda r: _grant_layout(rt, r)) for req in msg.items]
         granted = any(isinstance(a, m.Ack) for a in answers)
         return m.LayoutReplies(layout=rt.layout_reply if granted else None, items=answers)
     if isinstance(msg, m.TopologyRequest):
         return _topology(rt)
-    if rt._hooks.extra_handler is not None:
-        return await rt._hooks.extra_handler(msg)
+    if hooks.extra_handler is not None:
+        return await hooks.extra_handler(msg)
     raise ControlRejected(NackCode.UNKNOWN, f"{type(msg).__name__} is not served here")

@@ -36,14 +36,14 @@ import logging
 import time
 from typing import Callable
 
-from ..config import Timeouts
-from ..errors import ControlRejected
-from ..protocol import messages as m
-from ..protocol.checks import check_senders, check_token
-from ..protocol.codes import AckDetail, NackCode
-from ..protocol.state import Event, IllegalTransition, State
+from ...config import Timeouts
+from ...errors import ControlRejected
+from ...protocol import messages as m
+from ...protocol.checks import check_senders, check_token
+from ...protocol.codes import AckDetail, NackCode
+from ...protocol.state import Event, IllegalTransition, State
 from .entry import Entry, Received, Release
-from .loop import Spawn, not_running
+from ..loop import Spawn, not_running
 from .settled import SettledTable
 from .writers import StopSender, ask_until_quiet
 
@@ -226,6 +226,9 @@ class Receiver:
         if entry is None:
             return "unknown", ""
         return entry.state.state.value, entry.state.reason
+
+    def table_sizes(self) -> dict[str, int]:
+        return {"entries": len(self._entries), "early": len(self._early)}
 
     def release(self, transfer_id: str) -> bool:
         """Forget a terminal transfer and free its blocks; refused while P may still write."""

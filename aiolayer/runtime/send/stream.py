@@ -30,15 +30,14 @@ from typing import Any
 
 import numpy as np
 
-from .. import compat
-from ..backends.base import StartWrite, TransferBackend
-from ..config import Timeouts
-from ..errors import AiolayerError, BackendError, DeadlineExceeded, LayerWriteFailed, TransferStopped, TransferTimeout
-from ..protocol.plan import BlockRuns, Spans, run_addresses
+from ... import compat
+from ...backends.base import StartWrite, TransferBackend
+from ...config import Timeouts
+from ...errors import AiolayerError, BackendError, DeadlineExceeded, LayerWriteFailed, TransferStopped, TransferTimeout
+from ...protocol.plan import BlockRuns, Spans, run_addresses
 from .events import wait_event
 from .fence import LayerItem, Request
-from .metadata import RemoteLayout
-from .spec import LayerTiming, LocalLayout, layer_runs
+from ..spec import LayerTiming, LocalLayout, RemoteLayout, layer_runs
 
 log = logging.getLogger(__name__)
 

@@ -18,11 +18,11 @@ from typing import Any, Callable
 
 import msgspec
 
-from ..config import Timeouts
-from ..errors import AiolayerError, DeadlineExceeded, RuntimeStateError
-from .api import Announce, ReceiveSpec, Registration
+from ...config import Timeouts
+from ...errors import AiolayerError, DeadlineExceeded, RuntimeStateError
+from ..api import Announce, ReceiveSpec, Registration
 from .entry import Received
-from .loop import LoopThread
+from ..loop import LoopThread
 from .receiver import Receiver
 
 log = logging.getLogger("aiolayer.runtime.runtime")   # the runtime's own log, as before the split

@@ -23,13 +23,13 @@ from typing import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from .. import compat
-from ..config import Timeouts
-from ..errors import ControlError, ControlRejected, ControlTimeout, FrameDropped, ProtocolError, RuntimeStateError
-from ..protocol import messages as m
-from ..protocol.codes import NackCode
-from ..transport import url_host
-from .loop import Spawn
+from ... import compat
+from ...config import Timeouts
+from ...errors import ControlError, ControlRejected, ControlTimeout, FrameDropped, ProtocolError, RuntimeStateError
+from ...protocol import messages as m
+from ...protocol.codes import NackCode
+from ...transport import url_host
+from ..loop import Spawn
 
 log = logging.getLogger(__name__)
 
@@ -324,6 +324,9 @@ class ControlPeers:
         self._clients: dict[str, ControlClient] = {}
         self._retired: collections.Counter[str] = collections.Counter()   # results of closed clients
         self.evicted = 0
+
+    def table_sizes(self) -> dict[str, int]:
+        return {"clients": len(self._clients)}
 
     async def get(self, endpoint: str) -> ControlClient:
         client = self._clients.get(check_endpoint(endpoint))

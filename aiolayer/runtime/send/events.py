@@ -10,7 +10,7 @@ import asyncio
 import time
 from typing import Callable, Protocol
 
-from ..errors import DeadlineExceeded
+from ...errors import DeadlineExceeded
 
 
 class DeviceEvent(Protocol):

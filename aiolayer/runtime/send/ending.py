@@ -15,18 +15,18 @@ import operator
 import time
 from typing import Any
 
-from ..config import Timeouts
-from ..errors import DeliveryFailed
-from ..protocol import messages as m
-from ..protocol.state import Event, State
+from ...config import Timeouts
+from ...errors import DeliveryFailed
+from ...protocol import messages as m
+from ...protocol.state import Event, State
 from .done_batch import DoneBatcher
 from .fence import Request, guarded, until_writes_end
-from .integrity import sample_check
-from .loop import Spawn
+from ..integrity import sample_check
+from ..loop import Spawn
 from .results import Results
-from .spec import LocalLayout, Outcome
+from ..spec import LocalLayout, Outcome
 
-log = logging.getLogger("aiolayer.runtime.sender")   # the sender's own log, as before the split
+log = logging.getLogger("aiolayer.runtime.send.sender")   # the sender's own log, as before the split
 _BY_LAYER = operator.attrgetter("layer")
 
 

@@ -10,8 +10,8 @@ from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 import msgspec
 
-from ..errors import RuntimeStateError
-from ..protocol import messages as m
+from ...errors import RuntimeStateError
+from ...protocol import messages as m
 
 ExtraHandler = Callable[[m.Message], Awaitable[m.Message]]
 InboundFilter = Callable[[m.Message], None]   # raises FrameDropped or ControlRejected to stop a message

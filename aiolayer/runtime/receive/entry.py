@@ -12,7 +12,7 @@ from typing import Callable
 
 import msgspec
 
-from ..protocol.state import receiver_transfer
+from ...protocol.state import receiver_transfer
 from .writers import Writers
 
 Release = Callable[[list[int]], None]   # frees a transfer's blocks once it is released

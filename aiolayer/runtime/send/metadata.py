@@ -25,16 +25,14 @@ import collections
 import logging
 from typing import Any, Coroutine, Union
 
-import msgspec
-import numpy as np
-
-from .. import compat
-from ..config import Timeouts
-from ..errors import ControlError, ControlRejected, DeadlineExceeded, MetadataError, StaleLayout
-from ..protocol import messages as m
-from ..protocol.codes import NackCode
-from .control import ControlPeers
-from .loop import Spawn, fail_futures, settle_future, spawn_or_fail
+from ... import compat
+from ...config import Timeouts
+from ...errors import ControlError, ControlRejected, DeadlineExceeded, MetadataError, StaleLayout
+from ...protocol import messages as m
+from ...protocol.codes import NackCode
+from ..control.plane import ControlPeers
+from ..loop import Spawn, fail_futures, settle_future, spawn_or_fail
+from ..spec import RemoteLayout
 
 log = logging.getLogger(__name__)
 # (transfer id, token[, writers]); writers: how many P ranks write into the transfer by this P's plan
@@ -45,32 +43,6 @@ _Key = tuple[Union[str, int], ...]   # (endpoint, *credentials)
 _NOT_BATCHED = (NackCode.DECODE, NackCode.UNKNOWN, NackCode.SIZE)
 
 MAX_PREFETCHED = 4096   # fetches waiting for their transfer; a transfer that never came cannot pin more
-
-
-class RemoteLayout(msgspec.Struct, frozen=True):
-    endpoint: str
-    engine_id: str
-    incarnation: str
-    session: str
-    block_bytes: int
-    num_blocks: int
-    k_base: np.ndarray     # int64 per layer
-    v_base: np.ndarray
-    kv_heads: int = 0      # head geometry (LayoutReply): 0 / "" = not published, whole blocks only
-    block_size: int = 0
-    head_bytes: int = 0
-    kv_layout: str = ""
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.k_base.shape[0])
-
-    @classmethod
-    def from_reply(cls, endpoint: str, reply: m.LayoutReply) -> "RemoteLayout":
-        return cls(endpoint, reply.engine_id, reply.incarnation, reply.session, reply.block_bytes,
-                   reply.num_blocks, np.array([r.k_base for r in reply.layers], dtype=np.int64),
-                   np.array([r.v_base for r in reply.layers], dtype=np.int64),
-                   reply.kv_heads, reply.block_size, reply.head_bytes, reply.kv_layout)
 
 
 _Item = tuple[Credentials, asyncio.Future[RemoteLayout]]   # one fetch: its credentials, its future
@@ -118,6 +90,9 @@ class LayoutCache:
         if len(queue) == 1:
             loop.call_soon(self._flush, endpoint)
         return fut
+
+    def table_sizes(self) -> dict[str, int]:
+        return {"entries": len(self._entries), "fetch_counters": len(self.fetches)}
 
     async def get(self, endpoint: str, credentials: Credentials, incarnation: str = "") -> RemoteLayout:
         """The layout of ``endpoint`` as D showed it to this transfer; it must be of ``incarnation``."""
