@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 if TYPE_CHECKING:
     from aiolayer import Outcome, Received
 
-# the runtime's causes of a failed receive (aiolayer.runtime.receiver.FAILURE_CAUSES), less "refused"
+# the runtime's causes of a failed receive (aiolayer.runtime.receive.receiver.FAILURE_CAUSES), less "refused"
 FAILURE_CAUSES = ("deadline", "aborted", "prefill_failed")
 
 # counted since the last report: summed across workers and intervals
