@@ -11,7 +11,8 @@ Accepted, per layer (B blocks, N tokens per block, H local KV heads, D head size
 - ``[2, B, N, H, D]`` tensor, K = t[0], V = t[1] (flash/triton/ROCm); its memory NHD or HND.
 - ``[2, B, H, N, D]`` tensor (vLLM 0.11-era CPU backend): the same, logical HND.
 - ``[B, H, N, 2D]`` tensor: K and V in one plane (vLLM's CPU backend: per (block, head) a K slab
-  then a V slab; vLLM >= 0.32 flash: per (token, head) a K|V cell), memory HND or NHD.
+  then a V slab, published as 2 slabs per head when in host memory; vLLM >= 0.32 flash: per
+  (token, head) a K|V cell), memory HND or NHD.
 - ``(k, v)`` list/tuple, each ``[B, N, H, D]`` (vLLM-Ascend), memory NHD or HND.
 - MLA: one latent plane ``[B, N, L]`` (CUDA), ``[B, 1, N, L]`` (CPU_MLA, vLLM >= 0.32) or a
   1-tuple of it; whole blocks, published as one HND head so that ``map_ranks(mla=True)`` routes
@@ -208,7 +209,10 @@ def _analyse(name, cache, planes, num_blocks, block_size, head_size, heads, use_
         _refuse(name, cache, f"the block's middle dims are not {block_size} tokens and {heads} heads")
     memory = "HND" if cell[head][1] > cell[1 - head][1] else "NHD"   # a tie: a head dim of 1 inside tokens
     kind = ("K, V planes" if len(planes) == 2 else "one K+V plane") + f", memory {memory}"
-    return _Plane(len(planes), block_bytes, heads, HeadGeometry(block_size, content * size, memory), kind)
+    # vLLM's CPU backend (host memory) keeps per (block, head) a K slab then a V slab, not K|V per token:
+    # copying tokens between blocks of other sizes must know it (flash's one plane has K|V per token)
+    slabs = 2 if len(planes) == 1 and memory == "HND" and plane.device.type == "cpu" else 1
+    return _Plane(len(planes), block_bytes, heads, HeadGeometry(block_size, content * size, memory, slabs), kind)
 
 
 def _head_axis(first: int, second: int, heads: int, block_size: int, logical: str) -> int | None:

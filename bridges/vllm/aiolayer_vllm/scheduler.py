@@ -180,16 +180,30 @@ class SchedulerSide:
                 continue  # not scheduled, or an earlier chunk: the whole KV is final only at the last one
             del self._to_send[req_id]
             needed = math.ceil(request.num_prompt_tokens / self.block_size)
-            groups = [ids[send.first_block:needed] for ids in self._block_ids(req_id)]
-            src, dst, refused = pair_groups(groups, send.dst_blocks, self._null_block())
+            src, dst, refused, src_from = self._pair(self._block_ids(req_id), needed, send)
             self._sent[req_id] = send.transfer_id
             out.append(SendReq(req_id, send.transfer_id, src, send.decode_control, dst,
-                               send.dst_incarnation, refused=refused,
+                               send.dst_incarnation, refused=refused, src_from=src_from,
                                layerwise=use_layerwise(request.num_prompt_tokens, self.config.layerwise_min_tokens),
                                token=send.token,
                                decode_ranks=tuple((r.decode_control, r.dst_incarnation) for r in send.decode_ranks),
                                prefill_tp=send.prefill_tp))
         return out
+
+    def _pair(self, groups: tuple[list[int], ...], needed: int,
+              send: SendParams) -> tuple[list[int], list[int], str, int]:
+        """P: (source, destination, refusal, src_from) of one request. One KV cache group without a
+        null block goes whole from its first block, so that D's blocks may hold another number of
+        tokens than ours (the runtime maps tokens, ``TransferSpec.src_from``); several groups pair
+        block for block (``pair_groups``: one block size on both sides)."""
+        null = self._null_block()
+        if len(groups) == 1 and null not in send.dst_blocks and null not in groups[0][:needed]:
+            src = list(groups[0][:needed])
+            if send.first_block > len(src):
+                return [], [], (f"D holds {send.first_block} blocks of the request already, "
+                                f"P only {len(src)}: P and D do not agree on the prompt"), 0
+            return src, list(send.dst_blocks), "", send.first_block
+        return (*pair_groups([ids[send.first_block:needed] for ids in groups], send.dst_blocks, null), 0)
 
     def _cancels_for(self, scheduler_output) -> list[tuple[str, str]]:
         """P: sends whose request vLLM preempted, and so freed its blocks at once (vLLM's
