@@ -75,7 +75,7 @@ class LayoutReply(_Msg, tag="layout", frozen=True):
     block_size: int = 0        # tokens per block
     head_bytes: int = 0        # head_dim * dtype bytes
     kv_layout: str = ""        # "NHD" or "HND" (protocol.plan.HeadGeometry)
-    kv_slabs: int = 1          # HND: slabs per head (HeadGeometry.slabs; vLLM's CPU cache: 2)
+    kv_interior: str = ""      # what a head's bytes hold token by token (HeadGeometry.interior)
 
 
 # --- transfer outcome (P tells D) ----------------------------------------------------------------

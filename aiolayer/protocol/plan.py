@@ -183,18 +183,34 @@ class HeadGeometry(msgspec.Struct, frozen=True):
     block_size: int     # tokens per block
     head_bytes: int     # head_dim * dtype bytes
     layout: str = "NHD"  # "NHD": [block, token, head, dim]; "HND": [block, head, token, dim]
-    # HND only: a head's tokens in this many slabs of block_size tokens each, a token taking
-    # head_bytes / slabs in each (vLLM's CPU cache: 2, a K slab then a V slab). Whole blocks and head
-    # slices do not look inside a head; copying tokens between blocks of other sizes does.
-    slabs: int = 1
+    # What a head's bytes in one block hold token by token (copying tokens between blocks of other
+    # sizes needs it; whole blocks and head slices do not): "" rows, one per token; "kv-slabs" (HND) a
+    # K slab then a V slab, each a row per token; "kv-slabs-kt<e>" (HND) the same but the K slab is
+    # [head size][tokens] of e-byte elements (vLLM CPU's "vec" kernels); "opaque": not known.
+    interior: str = ""
 
     def __post_init__(self) -> None:
-        _check_positive(block_size=self.block_size, head_bytes=self.head_bytes, slabs=self.slabs)
+        _check_positive(block_size=self.block_size, head_bytes=self.head_bytes)
         if self.layout not in ("NHD", "HND"):
             raise ValueError(f"layout must be 'NHD' or 'HND', got {self.layout!r}")
-        if self.slabs > 1 and (self.layout != "HND" or self.head_bytes % self.slabs):
-            raise ValueError(f"{self.slabs} slabs need an HND layout and head bytes divisible by them, "
-                             f"got {self.layout} and {self.head_bytes}")
+        slabs, k_elem = interior_of(self.interior)
+        if slabs > 1 and (self.layout != "HND" or self.head_bytes % (2 * max(k_elem, 1))):
+            raise ValueError(f"interior {self.interior!r} needs an HND layout and head bytes that split into "
+                             f"K and V of whole elements, got {self.layout} and {self.head_bytes}")
+
+
+def interior_of(interior: str) -> tuple[int, int]:
+    """(slabs per head, bytes of a K element stored tokens innermost or 0) of ``HeadGeometry.interior``;
+    slabs 0: not known token by token. ``ValueError`` for anything else."""
+    if interior == "":
+        return 1, 0
+    if interior == "opaque":
+        return 0, 0
+    if interior == "kv-slabs":
+        return 2, 0
+    if interior.startswith("kv-slabs-kt") and interior[11:].isdigit() and 0 < int(interior[11:]) <= 16:
+        return 2, int(interior[11:])
+    raise ValueError(f"unknown block interior {interior[:40]!r}")
 
 
 def check_geometry(block_bytes: int, kv_heads: int, geometry: HeadGeometry | None) -> None:
@@ -298,13 +314,27 @@ def token_spans(src_blocks: ArrayLike, dst_blocks: ArrayLike, first_token: int, 
     src_at = src_ids[src_tok // bs] * (src_heads * bs * hb)
     dst_at = dst_ids[starts // bd] * (dst_heads * bd * hb)
     src_in, dst_in = src_tok % bs, starts % bd
+    slabs, k_elem = interior_of(geom.interior)
+    if not slabs:
+        raise ValueError("the blocks' interior is not known token by token: blocks copy whole only")
     if geom.layout == "HND":
-        unit = hb // geom.slabs                     # one token's bytes in one slab
-        heads = np.arange(n, dtype=np.int64)[None, :, None]
-        slab = np.arange(geom.slabs, dtype=np.int64)[None, None, :]
-        src = (src_at + src_in * unit)[:, None, None] + (route.src_head + heads) * bs * hb + slab * bs * unit
-        dst = (dst_at + dst_in * unit)[:, None, None] + (route.dst_head + heads) * bd * hb + slab * bd * unit
-        length = np.broadcast_to((seg_len * unit)[:, None, None], src.shape)
+        heads = np.arange(n, dtype=np.int64)[None, :]
+        src_head = src_at[:, None] + (route.src_head + heads) * bs * hb     # [segment, head]
+        dst_head = dst_at[:, None] + (route.dst_head + heads) * bd * hb
+        unit = hb // slabs                          # one token's bytes in one slab
+        parts = []
+        for slab in range(slabs):
+            if slab == 0 and k_elem:                # K as [head size][tokens]: one span per element row
+                row = np.arange(unit // k_elem, dtype=np.int64)[None, None, :]
+                parts.append(((src_head + src_in[:, None] * k_elem)[:, :, None] + row * bs * k_elem,
+                              (dst_head + dst_in[:, None] * k_elem)[:, :, None] + row * bd * k_elem,
+                              np.broadcast_to((seg_len * k_elem)[:, None, None], (len(seg_len), n, row.size))))
+            else:
+                parts.append(((src_head + slab * bs * unit + src_in[:, None] * unit)[:, :, None],
+                              (dst_head + slab * bd * unit + dst_in[:, None] * unit)[:, :, None],
+                              np.broadcast_to((seg_len * unit)[:, None, None], (len(seg_len), n, 1))))
+        src, dst, length = (np.concatenate([np.ascontiguousarray(part[i]).reshape(len(seg_len), -1)
+                                            for part in parts], axis=1) for i in range(3))
     elif n == src_heads == dst_heads:               # NHD, every head: a segment is one run
         src, dst = src_at + src_in * n * hb, dst_at + dst_in * n * hb
         length = seg_len * n * hb

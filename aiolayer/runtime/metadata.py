@@ -60,7 +60,7 @@ class RemoteLayout(msgspec.Struct, frozen=True):
     block_size: int = 0
     head_bytes: int = 0
     kv_layout: str = ""
-    kv_slabs: int = 1
+    kv_interior: str = ""
 
     @property
     def num_layers(self) -> int:
@@ -71,7 +71,7 @@ class RemoteLayout(msgspec.Struct, frozen=True):
         return cls(endpoint, reply.engine_id, reply.incarnation, reply.session, reply.block_bytes,
                    reply.num_blocks, np.array([r.k_base for r in reply.layers], dtype=np.int64),
                    np.array([r.v_base for r in reply.layers], dtype=np.int64),
-                   reply.kv_heads, reply.block_size, reply.head_bytes, reply.kv_layout, reply.kv_slabs)
+                   reply.kv_heads, reply.block_size, reply.head_bytes, reply.kv_layout, reply.kv_interior)
 
 
 _Item = tuple[Credentials, asyncio.Future[RemoteLayout]]   # one fetch: its credentials, its future

@@ -243,7 +243,7 @@ class Runtime:
         if geometry is not None:
             reply = msgspec.structs.replace(reply, kv_heads=kv_heads, block_size=geometry.block_size,
                                             head_bytes=geometry.head_bytes, kv_layout=geometry.layout,
-                                            kv_slabs=geometry.slabs)
+                                            kv_interior=geometry.interior)
         self.layout_reply = reply
 
     def set_integrity_sample(self, share: float) -> None:

@@ -170,11 +170,11 @@ def _token_spans(local: LocalLayout, spec: TransferSpec, layout: RemoteLayout) -
     """Spans copying the request's tokens from ours into D's blocks of another size, per request."""
     geom = local.geometry
     assert geom is not None   # other_block_size
-    theirs = (layout.head_bytes, layout.kv_layout, layout.kv_slabs)
-    if theirs != (geom.head_bytes, geom.layout, geom.slabs):
+    theirs = (layout.head_bytes, layout.kv_layout, layout.kv_interior)
+    if theirs != (geom.head_bytes, geom.layout, geom.interior):
         raise LayoutMismatch(f"D has blocks of {layout.block_size} tokens, P of {geom.block_size}, and their heads "
-                             f"differ: (head bytes, layout, slabs) {theirs} at D, "
-                             f"{(geom.head_bytes, geom.layout, geom.slabs)} at P")
+                             f"differ: (head bytes, layout, interior) {theirs} at D, "
+                             f"{(geom.head_bytes, geom.layout, geom.interior)} at P")
     if layout.block_bytes != layout.kv_heads * layout.block_size * geom.head_bytes:
         raise LayoutMismatch(f"D's {layout.block_bytes}-byte blocks do not hold {layout.kv_heads} heads "
                              f"of {layout.block_size} x {geom.head_bytes} bytes")

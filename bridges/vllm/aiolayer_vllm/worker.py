@@ -51,12 +51,14 @@ def stage(transfer_id: str, name: str, at: float | None = None) -> None:
 class WorkerSide:
     def __init__(self, config: BridgeConfig, is_producer: bool, is_consumer: bool, num_blocks: int,
                  topology: Topology | None = None, block_size: int = 16, head_size: int = 64,
-                 engine_core_pid: int | None = None, model_facts: dict | None = None) -> None:
+                 engine_core_pid: int | None = None, model_facts: dict | None = None,
+                 cpu_kernel: str | None = None) -> None:
         self.config = config
         self.topology = topology or Topology()
         self.model_facts = dict(model_facts or {})   # identity.model_facts: the model's part of the fingerprint
         self.num_blocks = num_blocks
         self.block_size, self.head_size = block_size, head_size
+        self.cpu_kernel = cpu_kernel     # vLLM CPU's attention kernel: what a block holds token by token
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.runtime: Runtime | None = None
@@ -94,7 +96,8 @@ class WorkerSide:
         head geometry (``layout``), so that engines of another TP size can write head slices. The
         runtime answers topology queries with this rank's identity (``identity``) from its start."""
         topo, node = self.topology, self.config.node
-        layout = describe(kv_caches, self.num_blocks, self.block_size, self.head_size, topo.local_heads(), topo.mla)
+        layout = describe(kv_caches, self.num_blocks, self.block_size, self.head_size, topo.local_heads(), topo.mla,
+                          cpu_kernel=self.cpu_kernel)
         self._views = layout.views
         self.layer_index = {name: i for i, name in enumerate(layout.names)}
         node = msgspec.structs.replace(node, engine_id=topo.engine_id(node.engine_id),
