@@ -198,11 +198,8 @@ class SchedulerSide:
         block for block (``pair_groups``: one block size on both sides)."""
         null = self._null_block()
         if len(groups) == 1 and null not in send.dst_blocks and null not in groups[0][:needed]:
-            src = list(groups[0][:needed])
-            if send.first_block > len(src):
-                return [], [], (f"D holds {send.first_block} blocks of the request already, "
-                                f"P only {len(src)}: P and D do not agree on the prompt"), 0
-            return src, list(send.dst_blocks), "", send.first_block
+            # first_block counts D's blocks: whether they fit ours is the runtime's check (check_layout)
+            return list(groups[0][:needed]), list(send.dst_blocks), "", send.first_block
         return (*pair_groups([ids[send.first_block:needed] for ids in groups], send.dst_blocks, null), 0)
 
     def _cancels_for(self, scheduler_output) -> list[tuple[str, str]]:
