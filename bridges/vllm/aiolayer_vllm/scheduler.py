@@ -12,6 +12,8 @@ by layer in that step), and its blocks are held until the worker reports the sen
 Every KV cache group's blocks go (``SupportsHMA``): D registers its groups' block ids one group after
 the other, P pairs them with its own group by group, and a block D's sliding-window group has already
 replaced with vLLM's null block (outside the window at D's first decode step) is not moved.
+With one KV cache group P sends its blocks from the request's first and D's ``first_block`` as
+``src_from``: D's blocks may then hold another number of tokens than P's (the runtime maps tokens).
 
 Each request uses its parameters once: vLLM asks ``get_num_new_matched_tokens`` again whenever a
 waiting request has no computed token (after a preemption, or after the load of a 1-token prompt,
