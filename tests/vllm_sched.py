@@ -31,13 +31,13 @@ def model_dir() -> str:
     return _MODEL_DIR[0]
 
 
-def vllm_config(role: str, extra: dict, policy: str = "fail", max_batched: int = 1024):
+def vllm_config(role: str, extra: dict, policy: str = "fail", max_batched: int = 1024, block_size: int = BLOCK_SIZE):
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     model = ModelConfig(model=model_dir(), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=4096)
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=4096,
                             enable_chunked_prefill=True, is_encoder_decoder=False)
-    cache = CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto",
+    cache = CacheConfig(block_size=block_size, gpu_memory_utilization=0.9, cache_dtype="auto",
                         enable_prefix_caching=False)
     ktc = KVTransferConfig(kv_connector="AiolayerConnector", kv_role=role, kv_connector_extra_config=extra,
                            kv_load_failure_policy=policy)
@@ -48,7 +48,7 @@ def vllm_config(role: str, extra: dict, policy: str = "fail", max_batched: int =
 class Engine:
     def __init__(self, role: str, extra: dict, policy: str = "fail", max_batched: int = 1024,
                  layout: str = "cpu", num_blocks: int = NUM_BLOCKS, asynchronous: bool = False,
-                 window: int = 0) -> None:
+                 window: int = 0, block_size: int = BLOCK_SIZE) -> None:
         from aiolayer_vllm.connector import AiolayerConnector
         from aiolayer_vllm.plugin import register
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -58,13 +58,13 @@ class Engine:
         from vllm.v1.structured_output import StructuredOutputManager
 
         register()
-        self.config = vllm_config(role, extra, policy, max_batched)
-        full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float32)
+        self.config = vllm_config(role, extra, policy, max_batched, block_size)
+        full = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float32)
         # window: vLLM's hybrid KV cache manager, layer 0 full attention and layer 1 a sliding window of
         # that many tokens, in two KV cache groups overlaid on one tensor (as vLLM allocates them)
         groups = [KVCacheGroupSpec(LAYERS, full)] if not window else [
             KVCacheGroupSpec(LAYERS[:1], full),
-            KVCacheGroupSpec(LAYERS[1:], SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64,
+            KVCacheGroupSpec(LAYERS[1:], SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=64,
                                                            dtype=torch.float32, sliding_window=window))]
         kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.config.cache_config.num_gpu_blocks = num_blocks
@@ -73,11 +73,11 @@ class Engine:
         cls = AsyncScheduler if asynchronous else Scheduler
         self.scheduler = cls(vllm_config=self.config, kv_cache_config=kv_cache_config, log_stats=True,
                                    structured_output_manager=StructuredOutputManager(self.config),
-                                   block_size=BLOCK_SIZE)
+                                   block_size=block_size)
         self.worker = AiolayerConnector(self.config, KVConnectorRole.WORKER, kv_cache_config)
         # "cpu": vLLM's CPU backend, [num_blocks, kv_heads, block_size, 2 * head_size] (K and V in
         # each block); "split": [2, num_blocks, block_size, kv_heads, head_size] (flash on CUDA)
-        shape = (num_blocks, 1, BLOCK_SIZE, 128) if layout == "cpu" else (2, num_blocks, BLOCK_SIZE, 1, 64)
+        shape = (num_blocks, 1, block_size, 128) if layout == "cpu" else (2, num_blocks, block_size, 1, 64)
         self.layout = layout
         shared = torch.zeros(shape)
         self.kv = {name: shared if window else torch.zeros(shape) for name in LAYERS}

@@ -75,6 +75,7 @@ class LayoutReply(_Msg, tag="layout", frozen=True):
     block_size: int = 0        # tokens per block
     head_bytes: int = 0        # head_dim * dtype bytes
     kv_layout: str = ""        # "NHD" or "HND" (protocol.plan.HeadGeometry)
+    kv_interior: str = ""      # what a head's bytes hold token by token (HeadGeometry.interior)
 
 
 # --- transfer outcome (P tells D) ----------------------------------------------------------------

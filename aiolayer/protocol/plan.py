@@ -183,11 +183,34 @@ class HeadGeometry(msgspec.Struct, frozen=True):
     block_size: int     # tokens per block
     head_bytes: int     # head_dim * dtype bytes
     layout: str = "NHD"  # "NHD": [block, token, head, dim]; "HND": [block, head, token, dim]
+    # What a head's bytes in one block hold token by token (copying tokens between blocks of other
+    # sizes needs it; whole blocks and head slices do not): "" rows, one per token; "kv-slabs" (HND) a
+    # K slab then a V slab, each a row per token; "kv-slabs-kt<e>" (HND) the same but the K slab is
+    # [head size][tokens] of e-byte elements (vLLM CPU's "vec" kernels); "opaque": not known.
+    interior: str = ""
 
     def __post_init__(self) -> None:
         _check_positive(block_size=self.block_size, head_bytes=self.head_bytes)
         if self.layout not in ("NHD", "HND"):
             raise ValueError(f"layout must be 'NHD' or 'HND', got {self.layout!r}")
+        slabs, k_elem = interior_of(self.interior)
+        if slabs > 1 and (self.layout != "HND" or self.head_bytes % (2 * max(k_elem, 1))):
+            raise ValueError(f"interior {self.interior!r} needs an HND layout and head bytes that split into "
+                             f"K and V of whole elements, got {self.layout} and {self.head_bytes}")
+
+
+def interior_of(interior: str) -> tuple[int, int]:
+    """(slabs per head, bytes of a K element stored tokens innermost or 0) of ``HeadGeometry.interior``;
+    slabs 0: not known token by token. ``ValueError`` for anything else."""
+    if interior == "":
+        return 1, 0
+    if interior == "opaque":
+        return 0, 0
+    if interior == "kv-slabs":
+        return 2, 0
+    if interior.startswith("kv-slabs-kt") and interior[11:].isdigit() and 0 < int(interior[11:]) <= 16:
+        return 2, int(interior[11:])
+    raise ValueError(f"unknown block interior {interior[:40]!r}")
 
 
 def check_geometry(block_bytes: int, kv_heads: int, geometry: HeadGeometry | None) -> None:
@@ -258,3 +281,67 @@ def slice_addresses(runs: BlockRuns, src_base: int, dst_base: int, src_heads: in
         dst = (dst_block[:, None] + (tokens * dst_heads + route.dst_head) * hb).reshape(-1)
         span = n * hb
     return _merge_spans(src, dst, np.full(src.shape, span, dtype=np.int64))
+
+
+def token_spans(src_blocks: ArrayLike, dst_blocks: ArrayLike, first_token: int, geom: HeadGeometry,
+                dst_block_size: int, src_heads: int, dst_heads: int, route: RankRoute | None = None) -> Spans:
+    """Byte spans (src, dst, lengths) relative to one plane's base, copying tokens between blocks of
+    other sizes: token ``first_token + i`` of ``src_blocks`` (``geom.block_size`` tokens each,
+    counted from the first one's first token) into token ``i`` of ``dst_blocks`` (``dst_block_size``
+    tokens each), for every token both hold. Both sides share ``geom`` but for the block size; every
+    local head moves, or ``route``'s. A span never crosses a block on either side.
+    """
+    src_ids = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
+    dst_ids = np.asarray(dst_blocks, dtype=np.int64).reshape(-1)
+    _check_positive(dst_block_size=dst_block_size, src_heads=src_heads, dst_heads=dst_heads)
+    bs, bd, hb = geom.block_size, dst_block_size, geom.head_bytes
+    count = min(src_ids.size * bs - first_token, dst_ids.size * bd)
+    if first_token < 0 or count <= 0:
+        raise ValueError(f"no token to copy: {src_ids.size} source blocks of {bs} tokens from token "
+                         f"{first_token}, {dst_ids.size} destination blocks of {bd}")
+    if route is None:
+        if src_heads != dst_heads:
+            raise ValueError(f"{src_heads} source heads but {dst_heads} destination heads and no route")
+        route = RankRoute(0, 0, 0, 0, src_heads)
+    n = route.num_heads
+    if route.src_head < 0 or route.src_head + n > src_heads or route.dst_head < 0 or route.dst_head + n > dst_heads:
+        raise ValueError(f"route {route} outside {src_heads} source / {dst_heads} destination heads")
+    # a segment: tokens in one block on both sides (cut where either side's next block begins)
+    starts = np.union1d(np.arange(0, count, bd, dtype=np.int64),
+                        np.arange((-first_token) % bs, count, bs, dtype=np.int64))
+    seg_len = np.diff(np.append(starts, count))
+    src_tok = starts + first_token
+    src_at = src_ids[src_tok // bs] * (src_heads * bs * hb)
+    dst_at = dst_ids[starts // bd] * (dst_heads * bd * hb)
+    src_in, dst_in = src_tok % bs, starts % bd
+    slabs, k_elem = interior_of(geom.interior)
+    if not slabs:
+        raise ValueError("the blocks' interior is not known token by token: blocks copy whole only")
+    if geom.layout == "HND":
+        heads = np.arange(n, dtype=np.int64)[None, :]
+        src_head = src_at[:, None] + (route.src_head + heads) * bs * hb     # [segment, head]
+        dst_head = dst_at[:, None] + (route.dst_head + heads) * bd * hb
+        unit = hb // slabs                          # one token's bytes in one slab
+        parts = []
+        for slab in range(slabs):
+            if slab == 0 and k_elem:                # K as [head size][tokens]: one span per element row
+                row = np.arange(unit // k_elem, dtype=np.int64)[None, None, :]
+                parts.append(((src_head + src_in[:, None] * k_elem)[:, :, None] + row * bs * k_elem,
+                              (dst_head + dst_in[:, None] * k_elem)[:, :, None] + row * bd * k_elem,
+                              np.broadcast_to((seg_len * k_elem)[:, None, None], (len(seg_len), n, row.size))))
+            else:
+                parts.append(((src_head + slab * bs * unit + src_in[:, None] * unit)[:, :, None],
+                              (dst_head + slab * bd * unit + dst_in[:, None] * unit)[:, :, None],
+                              np.broadcast_to((seg_len * unit)[:, None, None], (len(seg_len), n, 1))))
+        src, dst, length = (np.concatenate([np.ascontiguousarray(part[i]).reshape(len(seg_len), -1)
+                                            for part in parts], axis=1) for i in range(3))
+    elif n == src_heads == dst_heads:               # NHD, every head: a segment is one run
+        src, dst = src_at + src_in * n * hb, dst_at + dst_in * n * hb
+        length = seg_len * n * hb
+    else:                                           # NHD head slice: one span per token
+        tok = np.arange(count, dtype=np.int64)
+        s_tok = tok + first_token
+        src = src_ids[s_tok // bs] * (src_heads * bs * hb) + ((s_tok % bs) * src_heads + route.src_head) * hb
+        dst = dst_ids[tok // bd] * (dst_heads * bd * hb) + ((tok % bd) * dst_heads + route.dst_head) * hb
+        length = np.full(count, n * hb, dtype=np.int64)
+    return _merge_spans(src.reshape(-1), dst.reshape(-1), np.ascontiguousarray(length).reshape(-1))

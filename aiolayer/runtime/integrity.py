@@ -48,14 +48,17 @@ def _split_planes(local: LocalLayout) -> bool | None:
     return False if not split.any() else None
 
 
-def sample_check(local: LocalLayout | None, runs: BlockRuns, spans: Spans | None, rate: float) -> m.LayerCheck | None:
+def sample_check(local: LocalLayout | None, runs: BlockRuns | None, spans: Spans | None,
+                 rate: float) -> m.LayerCheck | None:
     """P: a check for this transfer, when it is sampled and can be checked; None else. Runs in a
     worker thread (it reads every byte of the transfer's source)."""
     if local is None or not local.host or rate <= 0.0:
         return None
     layers = [layer for layer in range(local.num_layers) if random.random() < rate]
     split = _split_planes(local)
-    rel = spans if spans is not None else run_addresses(runs, 0, 0, local.block_bytes)
+    rel = spans if spans is not None or runs is None else run_addresses(runs, 0, 0, local.block_bytes)
+    if rel is None:   # check_layout gives spans wherever the blocks do not pair
+        return None
     src, dst, lengths = (np.asarray(a, dtype=np.int64) for a in rel)
     if not layers or split is None or not 0 < len(lengths) <= m.MAX_CHECK_RUNS:
         return None

@@ -242,7 +242,8 @@ class Runtime(ReceiveApi):
             layers=[m.LayerRegion(int(k), int(v)) for k, v in zip(k_base, v_base)])
         if geometry is not None:
             reply = msgspec.structs.replace(reply, kv_heads=kv_heads, block_size=geometry.block_size,
-                                            head_bytes=geometry.head_bytes, kv_layout=geometry.layout)
+                                            head_bytes=geometry.head_bytes, kv_layout=geometry.layout,
+                                            kv_interior=geometry.interior)
         self.layout_reply = reply
 
     def set_integrity_sample(self, share: float) -> None:

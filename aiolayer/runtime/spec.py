@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import ConfigError, LayoutMismatch
 from ..protocol import messages as m
 from ..protocol.plan import (BlockRuns, HeadGeometry, RankRoute, Spans, check_block_bounds, run_addresses,
-                             slice_addresses)
+                             slice_addresses, token_spans)
 
 
 class Registered(Protocol):
@@ -50,6 +50,11 @@ class TransferSpec(msgspec.Struct, frozen=True, kw_only=True):
     # How many P ranks write into this D transfer by our plan (head slices from several TP ranks): D
     # refuses the layout when it registered another number. 0 = not said (D trusts its registration).
     writers: int = 0
+    # D's first destination block is the request's block ``src_from`` (D holds the earlier ones), and
+    # src_blocks are the request's blocks from its first: with blocks of one size src_blocks[src_from:]
+    # pair with dst_blocks; where D's blocks hold another number of tokens than ours, the tokens from
+    # src_from x D's block size on are copied into D's blocks token by token (``check_layout``).
+    src_from: int = 0
 
     @classmethod
     def from_registration(cls, reg: Registered, *, src_blocks: list[int], peer: str = "", layerwise: bool = True,
@@ -114,6 +119,7 @@ class RemoteLayout(msgspec.Struct, frozen=True):
     block_size: int = 0
     head_bytes: int = 0
     kv_layout: str = ""
+    kv_interior: str = ""
 
     @property
     def num_layers(self) -> int:
@@ -124,7 +130,7 @@ class RemoteLayout(msgspec.Struct, frozen=True):
         return cls(endpoint, reply.engine_id, reply.incarnation, reply.session, reply.block_bytes,
                    reply.num_blocks, np.array([r.k_base for r in reply.layers], dtype=np.int64),
                    np.array([r.v_base for r in reply.layers], dtype=np.int64),
-                   reply.kv_heads, reply.block_size, reply.head_bytes, reply.kv_layout)
+                   reply.kv_heads, reply.block_size, reply.head_bytes, reply.kv_layout, reply.kv_interior)
 
 
 def check_spec(spec: object) -> None:
@@ -144,6 +150,9 @@ def check_spec(spec: object) -> None:
                              f"got {value!r:.80}")
     if isinstance(spec.writers, bool) or not isinstance(spec.writers, int) or not 0 <= spec.writers <= 1 << 16:
         raise ValueError(f"writers must be an integer in 0..65536, got {spec.writers!r:.80}")
+    # in D's blocks, which may be of another size than ours: check_layout checks it against both sides
+    if isinstance(spec.src_from, bool) or not isinstance(spec.src_from, int) or not 0 <= spec.src_from < 1 << 31:
+        raise ValueError(f"src_from must be an integer in 0..2**31-1, got {spec.src_from!r:.80}")
     if spec.route is not None and not isinstance(spec.route, RankRoute):
         raise ValueError(f"route must be a RankRoute or None, got {type(spec.route).__name__}")
 
@@ -156,11 +165,13 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def check_layout(local: LocalLayout, spec: TransferSpec, runs: BlockRuns, layout: RemoteLayout) -> Spans | None:
+def check_layout(local: LocalLayout, spec: TransferSpec, runs: BlockRuns | None, layout: RemoteLayout) -> Spans | None:
     """D's layout must fit ours and the spec's blocks (``LayoutMismatch``, ``ValueError``);
-    returns the head-slice spans of a routed spec (None: whole blocks)."""
+    returns the spans of a routed spec or of blocks of other sizes (None: whole blocks). ``runs``
+    is None when the spec's blocks do not pair one to one (blocks of other sizes only)."""
     route = spec.route
-    sliced = route is not None   # then block sizes differ legitimately: the geometry must match
+    tokens = other_block_size(local, layout)
+    sliced = route is not None or tokens   # then block sizes differ legitimately: the geometry must match
     if layout.num_layers != local.num_layers or (not sliced and layout.block_bytes != local.block_bytes):
         raise LayoutMismatch(
             f"D has {layout.num_layers} layers of {layout.block_bytes}-byte blocks, "
@@ -168,7 +179,37 @@ def check_layout(local: LocalLayout, spec: TransferSpec, runs: BlockRuns, layout
     if bool((layout.v_base == 0).any()) != bool((local.v_base == 0).any()):
         raise LayoutMismatch("one side keeps K and V in separate tensors, the other in one")
     check_block_bounds(spec.dst_blocks, layout.num_blocks, "destination")
+    if tokens:
+        return _token_spans(local, spec, layout)
+    if runs is None:
+        raise LayoutMismatch(f"D's {len(spec.dst_blocks)} blocks do not pair with our "
+                             f"{len(spec.src_blocks) - spec.src_from} and D's blocks are of our size")
     return _route_spans(local, route, runs, layout) if route is not None else None
+
+
+def other_block_size(local: LocalLayout, layout: RemoteLayout) -> bool:
+    """D published blocks of another number of tokens than ours (then both need the head geometry)."""
+    geom = local.geometry
+    return geom is not None and bool(layout.block_size) and layout.block_size != geom.block_size
+
+
+def _token_spans(local: LocalLayout, spec: TransferSpec, layout: RemoteLayout) -> Spans:
+    """Spans copying the request's tokens from ours into D's blocks of another size, per request."""
+    geom = local.geometry
+    assert geom is not None   # other_block_size
+    theirs = (layout.head_bytes, layout.kv_layout, layout.kv_interior)
+    if theirs != (geom.head_bytes, geom.layout, geom.interior):
+        raise LayoutMismatch(f"D has blocks of {layout.block_size} tokens, P of {geom.block_size}, and their heads "
+                             f"differ: (head bytes, layout, interior) {theirs} at D, "
+                             f"{(geom.head_bytes, geom.layout, geom.interior)} at P")
+    if layout.block_bytes != layout.kv_heads * layout.block_size * geom.head_bytes:
+        raise LayoutMismatch(f"D's {layout.block_bytes}-byte blocks do not hold {layout.kv_heads} heads "
+                             f"of {layout.block_size} x {geom.head_bytes} bytes")
+    try:
+        return token_spans(spec.src_blocks, spec.dst_blocks, spec.src_from * layout.block_size, geom,
+                           layout.block_size, local.heads, layout.kv_heads, spec.route)
+    except ValueError as exc:
+        raise LayoutMismatch(f"blocks of {geom.block_size} tokens at P, {layout.block_size} at D: {exc}") from None
 
 
 def _route_spans(local: LocalLayout, route: RankRoute, runs: BlockRuns, layout: RemoteLayout) -> Spans:
@@ -190,7 +231,8 @@ def _route_spans(local: LocalLayout, route: RankRoute, runs: BlockRuns, layout: 
         raise LayoutMismatch(f"route {route}: {exc}") from None
 
 
-def layer_runs(local: LocalLayout, runs: BlockRuns, spans: Spans | None, layout: RemoteLayout, layer: int) -> Spans:
+def layer_runs(local: LocalLayout, runs: BlockRuns | None, spans: Spans | None, layout: RemoteLayout,
+               layer: int) -> Spans:
     """(src, dst, lengths) int64 arrays of one layer's K and V writes."""
     planes = [(local.k_base, layout.k_base)]
     if local.v_base[layer]:   # 0: K and V share each block (one plane), as on vLLM's CPU backend
@@ -200,6 +242,7 @@ def layer_runs(local: LocalLayout, runs: BlockRuns, spans: Spans | None, layout:
         src, dst, lengths = zip(*((rel_src + int(mine[layer]), rel_dst + int(theirs[layer]), rel_len)
                                   for mine, theirs in planes))
     else:
+        assert runs is not None   # check_layout gives spans wherever the blocks do not pair
         src, dst, lengths = zip(*(run_addresses(runs, int(mine[layer]), int(theirs[layer]), local.block_bytes)
                                   for mine, theirs in planes))
     return np.concatenate(src), np.concatenate(dst), np.concatenate(lengths)

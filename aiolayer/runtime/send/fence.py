@@ -50,9 +50,9 @@ class Request:
     __slots__ = ("spec", "runs", "spans", "feed", "cursor", "_waiter", "state", "timings", "bytes", "pending",
                  "quiet")
 
-    def __init__(self, spec: TransferSpec, runs: BlockRuns, feed: StepLayers | None = None) -> None:
+    def __init__(self, spec: TransferSpec, runs: BlockRuns | None, feed: StepLayers | None = None) -> None:
         self.spec = spec
-        self.runs = runs
+        self.runs = runs                               # None: blocks of other sizes (spans say it all)
         self.spans: Spans | None = None                # head slice, relative to the layer bases
         self.feed = feed if feed is not None else StepLayers()
         self.cursor = 0                                # feed.items[:cursor] taken

@@ -218,7 +218,9 @@ class Sender(TransferEnding):
         try:
             check_spec(spec)
             check_block_bounds(spec.src_blocks, self._local().num_blocks, "source")
-            runs = merge_runs(spec.src_blocks, spec.dst_blocks)
+            paired = spec.src_blocks[spec.src_from:]
+            # blocks that do not pair one to one can only be D's of another size: check_layout decides
+            runs = merge_runs(paired, spec.dst_blocks) if len(paired) == len(spec.dst_blocks) else None
         except Exception as exc:  # noqa: BLE001 - ValueError, OverflowError (ids >= 2**63), TypeError...
             self._refuse(spec, f"invalid transfer spec: {type(exc).__name__}: {exc}")
             return

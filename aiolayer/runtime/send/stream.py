@@ -53,13 +53,15 @@ class LayerPlan:
 
     __slots__ = ("_args", "_rows")
 
-    def __init__(self, local: LocalLayout, runs: BlockRuns, spans: Spans | None, layout: RemoteLayout) -> None:
+    def __init__(self, local: LocalLayout, runs: BlockRuns | None, spans: Spans | None, layout: RemoteLayout) -> None:
         self._args = (local, runs, spans, layout)
         self._rows: _Rows | None = None
         split = local.v_base != 0   # per layer: K and V in separate tensors (else one plane)
         if not (split.all() or not split.any()):
             return   # mixed: layer_runs decides per layer
-        rel = spans if spans is not None else run_addresses(runs, 0, 0, local.block_bytes)
+        rel = spans if spans is not None or runs is None else run_addresses(runs, 0, 0, local.block_bytes)
+        if rel is None:   # check_layout gives spans wherever the blocks do not pair
+            return
         planes = [(local.k_base, layout.k_base)] + ([(local.v_base, layout.v_base)] if split.all() else [])
         if local.num_layers * len(planes) * len(rel[2]) > _PLAN_MAX:
             return

@@ -14,6 +14,7 @@ from aiolayer.errors import ConfigError, RuntimeStateError
 from . import ranks
 from .config import check_extra_config, from_extra_config
 from .identity import model_facts
+from .layout import cpu_kernel
 from .metadata import AiolayerMetadata
 from .scheduler import SchedulerSide
 from .spin import cap_spin
@@ -101,7 +102,7 @@ class AiolayerConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = WorkerSide(self.config, producer, consumer, kv_cache_config.num_blocks,
                                       ranks.from_vllm(vllm_config), block_size=vllm_config.cache_config.block_size,
                                       head_size=vllm_config.model_config.get_head_size(),
-                                      engine_core_pid=engine_core_pid(executor),
+                                      engine_core_pid=engine_core_pid(executor), cpu_kernel=cpu_kernel(vllm_config),
                                       # P and D must agree on the groups: the fingerprint covers them
                                       model_facts=model_facts(vllm_config) | (
                                           {"kv_cache_groups": ";".join(groups)} if len(groups) > 1 else {}))

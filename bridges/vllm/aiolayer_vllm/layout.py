@@ -11,7 +11,10 @@ Accepted, per layer (B blocks, N tokens per block, H local KV heads, D head size
 - ``[2, B, N, H, D]`` tensor, K = t[0], V = t[1] (flash/triton/ROCm); its memory NHD or HND.
 - ``[2, B, H, N, D]`` tensor (vLLM 0.11-era CPU backend): the same, logical HND.
 - ``[B, H, N, 2D]`` tensor: K and V in one plane (vLLM's CPU backend: per (block, head) a K slab
-  then a V slab; vLLM >= 0.32 flash: per (token, head) a K|V cell), memory HND or NHD.
+  then a V slab; vLLM >= 0.32 flash: per (token, head) a K|V cell), memory HND or NHD. In host
+  memory and HND it is the CPU backend's, whose "vec"/"vec16" kernels keep K as [D][N] and V as
+  [N][D] (checked against ``cpu_attn_reshape_and_cache``): published as that interior, so that P
+  and D of other block sizes copy tokens; under another kernel the interior is "opaque".
 - ``(k, v)`` list/tuple, each ``[B, N, H, D]`` (vLLM-Ascend), memory NHD or HND.
 - MLA: one latent plane ``[B, N, L]`` (CUDA), ``[B, 1, N, L]`` (CPU_MLA, vLLM >= 0.32) or a
   1-tuple of it; whole blocks, published as one HND head so that ``map_ranks(mla=True)`` routes
@@ -35,6 +38,21 @@ from aiolayer.errors import ConfigError
 from aiolayer.protocol.plan import HeadGeometry
 
 _LAYER_NUMBER = re.compile(r"\.(\d+)\.")
+# vLLM CPU kernels whose cache holds per (block, head) K as [head size][tokens] then V as [tokens][head size]
+TOKEN_MINOR_K_KERNELS = ("vec", "vec16")
+
+
+def cpu_kernel(vllm_config) -> str | None:
+    """vLLM CPU's attention kernel for this engine ("vec", "amx"...), None off the CPU backend."""
+    try:
+        from vllm.platforms import current_platform
+        if not current_platform.is_cpu():
+            return None
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        model, cache = vllm_config.model_config, vllm_config.cache_config
+        return str(_get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype))
+    except Exception:  # noqa: BLE001 - another vLLM: the interior is then not known ("opaque")
+        return None
 
 
 def layer_order(names) -> list[str]:
@@ -80,12 +98,13 @@ class _Plane:
 
 
 def describe(kv_caches: Mapping, num_blocks: int, block_size: int, head_size: int, local_kv_heads: int,
-             use_mla: bool, logical: str | None = None) -> KVLayout:
+             use_mla: bool, logical: str | None = None, cpu_kernel: str | None = None) -> KVLayout:
     """The layout of vLLM's per-layer caches; ``ConfigError`` for anything not listed in the module doc.
 
     ``logical`` ("NHD" or "HND") names which of a K/V plane's two middle dims is heads, needed only
     where ``local_kv_heads == block_size`` makes the shape ambiguous; by default ``[2, B, ...]`` and
     tuple planes follow flash's [B, N, H, D] and a one-plane cache vLLM's [B, H, N, 2D].
+    ``cpu_kernel`` is vLLM CPU's attention kernel ("vec", "amx"...; None: not the CPU backend).
     """
     if not kv_caches:
         raise ConfigError("no KV caches to register")
@@ -101,7 +120,7 @@ def describe(kv_caches: Mapping, num_blocks: int, block_size: int, head_size: in
     for name in order:
         planes = _planes(name, kv_caches[name], num_blocks, use_mla)
         found = _analyse(name, kv_caches[name], planes, num_blocks, block_size, head_size, local_kv_heads,
-                         use_mla, logical)
+                         use_mla, logical, cpu_kernel)
         if first is None:
             first = (name, found)
         elif found != first[1]:
@@ -176,7 +195,8 @@ def _dense(plane: torch.Tensor) -> bool:
     return not dims or plane.shape[0] == 1 or dims[0] == 0
 
 
-def _analyse(name, cache, planes, num_blocks, block_size, head_size, heads, use_mla, logical) -> _Plane:
+def _analyse(name, cache, planes, num_blocks, block_size, head_size, heads, use_mla, logical,
+             cpu_kernel=None) -> _Plane:
     """Block bytes, heads and geometry of one layer's planes (``cache`` as handed over, for messages)."""
     if not all(_dense(p) for p in planes):
         _refuse(name, cache, "a KV plane is not dense with the blocks outermost (layer-interleaved or padded "
@@ -208,7 +228,10 @@ def _analyse(name, cache, planes, num_blocks, block_size, head_size, heads, use_
         _refuse(name, cache, f"the block's middle dims are not {block_size} tokens and {heads} heads")
     memory = "HND" if cell[head][1] > cell[1 - head][1] else "NHD"   # a tie: a head dim of 1 inside tokens
     kind = ("K, V planes" if len(planes) == 2 else "one K+V plane") + f", memory {memory}"
-    return _Plane(len(planes), block_bytes, heads, HeadGeometry(block_size, content * size, memory), kind)
+    interior = ""   # flash's one plane: K|V per token, a row per token
+    if len(planes) == 1 and memory == "HND" and plane.device.type == "cpu":
+        interior = f"kv-slabs-kt{size}" if cpu_kernel in TOKEN_MINOR_K_KERNELS else "opaque"
+    return _Plane(len(planes), block_bytes, heads, HeadGeometry(block_size, content * size, memory, interior), kind)
 
 
 def _head_axis(first: int, second: int, heads: int, block_size: int, logical: str) -> int | None:

@@ -47,6 +47,7 @@ class SendReq:
     decode_ranks: tuple[tuple[str, str], ...] = ()   # (control, incarnation) per D TP rank when several
     prefill_tp: int = 0                              # P's TP size the plan assumed (0: not said)
     refused: str = ""                                # why nothing can be sent (D is told); "" = send
+    src_from: int = 0                                # D's first block is the request's block src_from (TransferSpec)
 
     @property
     def d_ranks(self) -> list[tuple[str, str]]:

@@ -12,6 +12,8 @@ by layer in that step), and its blocks are held until the worker reports the sen
 Every KV cache group's blocks go (``SupportsHMA``): D registers its groups' block ids one group after
 the other, P pairs them with its own group by group, and a block D's sliding-window group has already
 replaced with vLLM's null block (outside the window at D's first decode step) is not moved.
+With one KV cache group P sends its blocks from the request's first and D's ``first_block`` as
+``src_from``: D's blocks may then hold another number of tokens than P's (the runtime maps tokens).
 
 Each request uses its parameters once: vLLM asks ``get_num_new_matched_tokens`` again whenever a
 waiting request has no computed token (after a preemption, or after the load of a 1-token prompt,
@@ -180,16 +182,27 @@ class SchedulerSide:
                 continue  # not scheduled, or an earlier chunk: the whole KV is final only at the last one
             del self._to_send[req_id]
             needed = math.ceil(request.num_prompt_tokens / self.block_size)
-            groups = [ids[send.first_block:needed] for ids in self._block_ids(req_id)]
-            src, dst, refused = pair_groups(groups, send.dst_blocks, self._null_block())
+            src, dst, refused, src_from = self._pair(self._block_ids(req_id), needed, send)
             self._sent[req_id] = send.transfer_id
             out.append(SendReq(req_id, send.transfer_id, src, send.decode_control, dst,
-                               send.dst_incarnation, refused=refused,
+                               send.dst_incarnation, refused=refused, src_from=src_from,
                                layerwise=use_layerwise(request.num_prompt_tokens, self.config.layerwise_min_tokens),
                                token=send.token,
                                decode_ranks=tuple((r.decode_control, r.dst_incarnation) for r in send.decode_ranks),
                                prefill_tp=send.prefill_tp))
         return out
+
+    def _pair(self, groups: tuple[list[int], ...], needed: int,
+              send: SendParams) -> tuple[list[int], list[int], str, int]:
+        """P: (source, destination, refusal, src_from) of one request. One KV cache group without a
+        null block goes whole from its first block, so that D's blocks may hold another number of
+        tokens than ours (the runtime maps tokens, ``TransferSpec.src_from``); several groups pair
+        block for block (``pair_groups``: one block size on both sides)."""
+        null = self._null_block()
+        if len(groups) == 1 and null not in send.dst_blocks and null not in groups[0][:needed]:
+            # first_block counts D's blocks: whether they fit ours is the runtime's check (check_layout)
+            return list(groups[0][:needed]), list(send.dst_blocks), "", send.first_block
+        return (*pair_groups([ids[send.first_block:needed] for ids in groups], send.dst_blocks, null), 0)
 
     def _cancels_for(self, scheduler_output) -> list[tuple[str, str]]:
         """P: sends whose request vLLM preempted, and so freed its blocks at once (vLLM's

@@ -48,12 +48,14 @@ def stage(transfer_id: str, name: str, at: float | None = None) -> None:
 class WorkerSide:
     def __init__(self, config: BridgeConfig, is_producer: bool, is_consumer: bool, num_blocks: int,
                  topology: Topology | None = None, block_size: int = 16, head_size: int = 64,
-                 engine_core_pid: int | None = None, model_facts: dict | None = None) -> None:
+                 engine_core_pid: int | None = None, model_facts: dict | None = None,
+                 cpu_kernel: str | None = None) -> None:
         self.config = config
         self.topology = topology or Topology()
         self.model_facts = dict(model_facts or {})   # identity.model_facts: the model's part of the fingerprint
         self.num_blocks = num_blocks
         self.block_size, self.head_size = block_size, head_size
+        self.cpu_kernel = cpu_kernel     # vLLM CPU's attention kernel: what a block holds token by token
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.runtime: Runtime | None = None
@@ -91,12 +93,16 @@ class WorkerSide:
         head geometry (``layout``), so that engines of another TP size can write head slices. The
         runtime answers topology queries with this rank's identity (``identity``) from its start."""
         topo, node = self.topology, self.config.node
-        layout = describe(kv_caches, self.num_blocks, self.block_size, self.head_size, topo.local_heads(), topo.mla)
+        layout = describe(kv_caches, self.num_blocks, self.block_size, self.head_size, topo.local_heads(), topo.mla,
+                          cpu_kernel=self.cpu_kernel)
         self._views = layout.views
         self.layer_index = {name: i for i, name in enumerate(layout.names)}
         node = msgspec.structs.replace(node, engine_id=topo.engine_id(node.engine_id),
                                        control_port=topo.control_port(node.control_port))
-        facts = {**self.model_facts, "layers": len(layout.names), "block_size": self.block_size,
+        # P and D may differ in block size (the runtime copies tokens between blocks of other sizes) but
+        # for a hybrid KV cache, whose groups pair block for block (scheduler.pair_groups)
+        hybrid = {"block_size": self.block_size} if "kv_cache_groups" in self.model_facts else {}
+        facts = {**self.model_facts, **hybrid, "layers": len(layout.names),
                  "head_size": self.head_size, "total_kv_heads": topo.total_kv_heads, "mla": topo.mla,
                  "cache_tensor_dtype": str(next(iter(layout.views.values()))[0].dtype)}
         with unpinned():   # the loop and Mooncake's threads must not share the forward's pinned core
@@ -252,7 +258,7 @@ class WorkerSide:
             control, incarnation = d_ranks[route.d_rank]
             specs.append(TransferSpec(transfer_id=tid, peer=control, src_blocks=send.src_blocks,
                                       dst_blocks=send.dst_blocks, dst_incarnation=incarnation, token=send.token,
-                                      layerwise=send.layerwise,
+                                      layerwise=send.layerwise, src_from=send.src_from,
                                       route=None if whole_blocks(route, self.topology, len(d_ranks)) else route,
                                       writers=writers_into(self.topology, len(d_ranks), route.d_rank)))
         return specs
