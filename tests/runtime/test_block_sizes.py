@@ -8,7 +8,7 @@ import pytest
 
 from aiolayer.errors import LayoutMismatch
 from aiolayer.protocol.plan import HeadGeometry
-from aiolayer.runtime.metadata import RemoteLayout
+from aiolayer.runtime.spec import RemoteLayout
 from aiolayer.runtime.spec import LocalLayout, TransferSpec, check_layout, check_spec
 
 HEAD = 256      # bytes of one head's K and V per token (bf16, head size 64)

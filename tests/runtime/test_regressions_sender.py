@@ -287,7 +287,10 @@ def test_bad_specs_fail_alone_and_the_runtime_keeps_serving(memory_runtime, memo
         assert p.sender.wait(spec.transfer_id, 5).ok, spec.transfer_id
     for tid in bad:
         out = p.sender.wait(tid, 5)
-        assert not out.ok and "invalid transfer spec" in out.reason, (tid, out)
+        # unequal block lists are a valid spec (P's and D's blocks may differ in size): D's layout, whose
+        # blocks are of P's size here, refuses that one
+        why = "do not pair with our 3" if tid == "lengths" else "invalid transfer spec"
+        assert not out.ok and why in out.reason, (tid, out)
     for tid in ("huge", "negative", "lengths", "garbage"):   # D heard FAILED: it frees at once
         deadline = time.monotonic() + 3
         while d_state(p, ep, tid) != "failed" and time.monotonic() < deadline:

@@ -224,7 +224,8 @@ def test_mismatched_block_counts_fail(pd, small_shape):
     rep = alloc(p, d, "mm", 3, True)
     run_step(p, 0, [spec(d, "mm", [0, 1], rep)], small_shape.num_layers)
     out = p.sender.wait("mm", 10)
-    assert not out.ok and "destination blocks" in out.reason
+    # D's blocks are of P's size: 2 of P's cannot pair with D's 3 (of other sizes they may, by tokens)
+    assert not out.ok and "D's 3 blocks do not pair with our 2" in out.reason, out
     assert status_when(p, d, "mm", "failed").state == "failed"
 
 

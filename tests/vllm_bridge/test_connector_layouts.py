@@ -102,7 +102,7 @@ def test_fp8_kv_cache_one_plane_from_the_installed_vllm(cache_dtype):
     assert dtype == torch.uint8
     caches = _vllm_views(KVCacheLayout.LBHNC, dtype=dtype)
     kl = describe(caches, B, N, D, H, use_mla=False)
-    assert (kl.block_bytes, kl.kv_heads, kl.geometry) == (H * N * 2 * D, H, HeadGeometry(N, 2 * D, "HND"))
+    assert (kl.block_bytes, kl.kv_heads, kl.geometry) == (H * N * 2 * D, H, HeadGeometry(N, 2 * D, "HND", "opaque"))
     assert kl.k_base == tuple(caches[n].data_ptr() for n in kl.names)
 
 
