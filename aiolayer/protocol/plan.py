@@ -283,6 +283,20 @@ def slice_addresses(runs: BlockRuns, src_base: int, dst_base: int, src_heads: in
     return _merge_spans(src, dst, np.full(src.shape, span, dtype=np.int64))
 
 
+def _tokens_both_hold(src_n: int, dst_n: int, first_token: int, bs: int, bd: int) -> int:
+    """The tokens to copy. Each side's blocks hold one request's tokens (from ``first_token`` on), its last
+    block partly filled: both must end in each other's last block, or one side would keep tokens the
+    other never got (a D whose tail blocks nobody writes would decode from stale KV)."""
+    have, room = src_n * bs - first_token, dst_n * bd
+    if first_token < 0 or have <= 0 or room <= 0:
+        raise ValueError(f"no token to copy: {src_n} source blocks of {bs} tokens from token "
+                         f"{first_token}, {dst_n} destination blocks of {bd}")
+    if not (have > room - bd and room > have - bs):
+        raise ValueError(f"{src_n} source blocks of {bs} tokens from token {first_token} ({have} tokens) and "
+                         f"{dst_n} destination blocks of {bd} ({room}) cannot hold the same request")
+    return min(have, room)
+
+
 def token_spans(src_blocks: ArrayLike, dst_blocks: ArrayLike, first_token: int, geom: HeadGeometry,
                 dst_block_size: int, src_heads: int, dst_heads: int, route: RankRoute | None = None) -> Spans:
     """Byte spans (src, dst, lengths) relative to one plane's base, copying tokens between blocks of
@@ -295,10 +309,7 @@ def token_spans(src_blocks: ArrayLike, dst_blocks: ArrayLike, first_token: int, 
     dst_ids = np.asarray(dst_blocks, dtype=np.int64).reshape(-1)
     _check_positive(dst_block_size=dst_block_size, src_heads=src_heads, dst_heads=dst_heads)
     bs, bd, hb = geom.block_size, dst_block_size, geom.head_bytes
-    count = min(src_ids.size * bs - first_token, dst_ids.size * bd)
-    if first_token < 0 or count <= 0:
-        raise ValueError(f"no token to copy: {src_ids.size} source blocks of {bs} tokens from token "
-                         f"{first_token}, {dst_ids.size} destination blocks of {bd}")
+    count = _tokens_both_hold(src_ids.size, dst_ids.size, first_token, bs, bd)
     if route is None:
         if src_heads != dst_heads:
             raise ValueError(f"{src_heads} source heads but {dst_heads} destination heads and no route")

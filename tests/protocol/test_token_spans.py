@@ -149,3 +149,21 @@ def test_nothing_to_copy_unknown_interiors_or_heads_that_do_not_fit_are_refused(
         token_spans([0], [0], 0, HeadGeometry(32, 8, "HND", "opaque"), 64, 1, 1)
     with pytest.raises(ValueError, match="unknown block interior"):
         HeadGeometry(32, 8, "HND", "kv-slabs-kt")
+
+
+@pytest.mark.parametrize("p_blocks,d_blocks,first,fits", [
+    (4, 2, 0, True),      # P 4 x 32: 97..128 tokens; D 2 x 64: 65..128
+    (4, 3, 0, False),     # D 3 x 64: 129..192 tokens: its last block would stay unwritten
+    (4, 1, 0, False),     # D 1 x 64: P holds tokens D has no room for
+    (8, 3, 64, True),     # from D's second block: P's 256 tokens less 64, D 3 x 64 = 129..192
+])
+def test_block_lists_that_cannot_end_together_are_refused(p_blocks, d_blocks, first, fits):
+    """P's blocks of 32 and D's of 64 hold one request's tokens, each side's last block partly filled:
+    lists that cannot end in each other's last block belong to different requests, and a copy of the
+    shorter one would leave D's tail blocks with stale KV that D then reports as received."""
+    geom = HeadGeometry(32, 8, "HND", "kv-slabs")
+    if fits:
+        assert token_spans(list(range(p_blocks)), list(range(d_blocks)), first, geom, 64, 1, 1)[0].size
+        return
+    with pytest.raises(ValueError, match="cannot hold the same request"):
+        token_spans(list(range(p_blocks)), list(range(d_blocks)), first, geom, 64, 1, 1)
