@@ -17,7 +17,9 @@ PASS, FAIL, SKIP = "OK", "FAIL", "SKIP"
 # distribution under this entry-point group: None when valid, else (what is wrong, how to fix it). No I/O.
 CONFIG_CHECK_GROUP = "aiolayer.config_checks"
 ConfigChecker = Callable[[dict[str, Any] | None], tuple[str, str] | None]
-LAYOUT_FIELDS = ("num_layers", "block_size", "head_bytes", "kv_layout")
+LAYOUT_FIELDS = ("num_layers", "head_bytes", "kv_layout")
+# blocks of other sizes copy token by token where both publish one interior the runtime knows
+# (protocol.plan.HeadGeometry: "" is a row per token, "opaque" unknown)
 
 
 @dataclass
@@ -166,11 +168,17 @@ def check_layout(p: Side, d: Side) -> Check:
         diffs.append(f"KV heads (per rank x TP): P {pt.kv_heads} x {pt.tp_size}, D {dt.kv_heads} x {dt.tp_size}")
     if pt.model and dt.model and pt.model != dt.model:
         diffs.append(f"model: P {pt.model!r}, D {dt.model!r}")
+    if pt.block_size != dt.block_size and (pt.kv_interior != dt.kv_interior or pt.kv_interior == "opaque"):
+        diffs.append(f"block_size: P {pt.block_size!r}, D {dt.block_size!r}, and blocks whose interiors "
+                     f"({pt.kv_interior!r:.40}, {dt.kv_interior!r:.40}) do not copy token by token")
     if diffs:
         return Check("layout", FAIL, "; ".join(diffs),
-                     "run the same model on both with the same block size (--block-size), KV cache dtype "
-                     "and KV layout; TP sizes may differ, the model's KV heads may not")
-    return Check("layout", PASS, f"{pt.num_layers} layers, {pt.block_size} tokens/block, "
+                     "run the same model on both with the same KV cache dtype and KV layout (the same block "
+                     "size where the kernels differ); TP sizes and block sizes may differ, the model's KV heads "
+                     "may not")
+    sizes = f"{pt.block_size}" if pt.block_size == dt.block_size else \
+        f"P {pt.block_size} and D {dt.block_size} (copied token by token)"
+    return Check("layout", PASS, f"{pt.num_layers} layers, {sizes} tokens/block, "
                  f"{pt.kv_heads * pt.tp_size} KV heads of {pt.head_bytes} B, {pt.kv_layout or 'NHD'} on both")
 
 

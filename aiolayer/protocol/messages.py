@@ -256,6 +256,7 @@ class TopologyReply(_Msg, tag="topology", frozen=True):
     kv_heads: int = 0
     head_bytes: int = 0
     kv_layout: str = ""
+    kv_interior: str = ""      # HeadGeometry.interior: blocks of other sizes copy token by token only if known
     # How it was started, so that ``aiolayer doctor`` can compare two hosts ("" / False from an older peer):
     version: str = ""          # its aiolayer version
     session: str = ""          # its Mooncake segment name (host:port), where P's writes go

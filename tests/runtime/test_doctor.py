@@ -85,6 +85,7 @@ def lab():
             "d": _node(hosts, hosts.b, "--bind-host", b),
             "d_loopback": _node(hosts, hosts.b, "--bind-host", "0.0.0.0", "--advertise-host", "127.0.0.1"),
             "d_block_size": _node(hosts, hosts.b, "--bind-host", b, "--block-size", "32"),
+            "d_head_dim": _node(hosts, hosts.b, "--bind-host", b, "--head-dim", "32"),
             "d_no_force_tcp": _node(hosts, hosts.b, "--bind-host", b, env=no_force_tcp),
             "d_other_version": _node(hosts, hosts.b, "--bind-host", b, code=OTHER_VERSION_NODE),
             "d_other_protocol": hosts.popen(hosts.b, [sys.executable, "-c", OTHER_PROTOCOL_PEER, b],
@@ -102,6 +103,7 @@ CASES = {   # name -> D's process, and the doctor's own flags
     "healthy": ("d", ()),
     "d-advertises-loopback": ("d_loopback", ("--no-transfer",)),
     "block-size": ("d_block_size", ("--no-transfer",)),
+    "head-dim": ("d_head_dim", ("--no-transfer",)),
     "mc-force-tcp": ("d_no_force_tcp", ("--no-transfer",)),
     "aiolayer-version": ("d_other_version", ("--no-transfer",)),
     "protocol-version": ("d_other_protocol", ("--no-transfer",)),
@@ -158,13 +160,21 @@ def test_a_healthy_pair_across_hosts_passes_every_check(runs):
 
 
 @needs_netns
+def test_blocks_of_other_sizes_pass_the_layout_check(runs):
+    """P's blocks of 16 tokens, D's of 32: the runtime copies them token by token (rows per token)."""
+    run = result(runs, "block-size")
+    assert run.rc == 0 and failed(run.out) == set(), run.out
+    assert re.search(r"^OK    layout .* P 16 and D 32 \(copied token by token\) tokens/block", run.out, re.M), run.out
+
+
+@needs_netns
 @pytest.mark.parametrize("name, check, needle", [
     ("d-advertises-loopback", "advertise D", "D advertises control at 127.0.0.1, Mooncake session at 127.0.0.1"),
-    ("block-size", "layout", "block_size: P 16, D 32"),
+    ("head-dim", "layout", "head_bytes: P "),
     ("mc-force-tcp", "mooncake transport", "MC_FORCE_TCP is set on P only"),
     ("aiolayer-version", "version", "P runs aiolayer 0.1.0, D runs 9.9.9"),
     ("protocol-version", "protocol", "protocol version 2 unsupported; this side speaks 1"),
-], ids=["d-advertises-loopback", "block-size", "mc-force-tcp", "aiolayer-version", "protocol-version"])
+], ids=["d-advertises-loopback", "head-dim", "mc-force-tcp", "aiolayer-version", "protocol-version"])
 def test_a_seeded_misconfiguration_is_flagged_by_name_with_a_fix(runs, name, check, needle):
     run = result(runs, name)
     assert run.rc == 1 and failed(run.out) == {check}, run.out

@@ -141,7 +141,8 @@ def _topology(rt: Host) -> m.TopologyReply:
         return reply
     return msgspec.structs.replace(
         reply, num_layers=len(layout.layers), block_bytes=layout.block_bytes, block_size=layout.block_size,
-        kv_heads=layout.kv_heads, head_bytes=layout.head_bytes, kv_layout=layout.kv_layout)
+        kv_heads=layout.kv_heads, head_bytes=layout.head_bytes, kv_layout=layout.kv_layout,
+        kv_interior=layout.kv_interior)
 
 
 async def stop_sender(rt: Host, endpoint: str, transfer_id: str, token: str, reason: str) -> bool:
