@@ -102,11 +102,23 @@ def test_full_attention_and_sliding_window_groups_start_and_enter_the_fingerprin
         if role == "WORKER":
             facts = connector._worker.model_facts
             assert facts["kv_cache_groups"] == f"FullAttentionSpecx1;SlidingWindowSpec(128)x{len(LAYERS) - 1}"
+            assert facts["block_size"] == BLOCK_SIZE          # groups pair block for block: one size
             hybrid, plain = fingerprint(facts), fingerprint({k: v for k, v in facts.items() if k != "kv_cache_groups"})
             assert hybrid.split("/")[0] == f"{facts['model']} (hybrid KV cache: 2 groups)", hybrid
             assert hybrid.split("/")[1] != plain.split("/")[1]
     finally:
         connector.shutdown()
+
+
+def test_the_block_size_enters_the_fingerprint_only_where_blocks_pair_block_for_block():
+    """One full-attention group may meet blocks of another size (tokens are copied); a sliding window's
+    blocks outside the window are null and pair block for block, like several groups'."""
+    from aiolayer_vllm.connector import group_facts
+
+    assert group_facts(["FullAttentionSpecx4"], 32) == {}
+    assert group_facts(["SlidingWindowSpec(128)x4"], 32) == {"block_size": 32}
+    assert group_facts(["FullAttentionSpecx1", "SlidingWindowSpec(128)x3"], 32) == {
+        "kv_cache_groups": "FullAttentionSpecx1;SlidingWindowSpec(128)x3", "block_size": 32}
 
 
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])

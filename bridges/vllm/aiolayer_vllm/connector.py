@@ -77,6 +77,17 @@ def check_cache_dtype(cache_dtype: str) -> None:
                           "not supported yet")
 
 
+def group_facts(groups: list[str], block_size: int) -> dict[str, object]:
+    """The groups' part of the fingerprint: P and D must agree on several groups, and where blocks pair
+    block for block (several groups, or a sliding window's, whose blocks outside it are null: the
+    scheduler's ``pair_groups``) on the block size too. One group of full attention may differ in it
+    (the runtime copies tokens between blocks of other sizes)."""
+    facts: dict[str, object] = {"kv_cache_groups": ";".join(groups)} if len(groups) > 1 else {}
+    if len(groups) > 1 or any(g.startswith("SlidingWindowSpec") for g in groups):
+        facts["block_size"] = block_size
+    return facts
+
+
 class AiolayerConnector(KVConnectorBase_V1, SupportsHMA):
     """Every KV cache group's blocks move (``SupportsHMA``: vLLM keeps its hybrid KV cache manager on),
     see ``scheduler`` (block ids per group) and ``layout`` (the groups' shared tensors)."""
@@ -103,9 +114,8 @@ class AiolayerConnector(KVConnectorBase_V1, SupportsHMA):
                                       ranks.from_vllm(vllm_config), block_size=vllm_config.cache_config.block_size,
                                       head_size=vllm_config.model_config.get_head_size(),
                                       engine_core_pid=engine_core_pid(executor), cpu_kernel=cpu_kernel(vllm_config),
-                                      # P and D must agree on the groups: the fingerprint covers them
-                                      model_facts=model_facts(vllm_config) | (
-                                          {"kv_cache_groups": ";".join(groups)} if len(groups) > 1 else {}))
+                                      model_facts=model_facts(vllm_config) | group_facts(
+                                          groups, vllm_config.cache_config.block_size))
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -99,10 +99,8 @@ class WorkerSide:
         self.layer_index = {name: i for i, name in enumerate(layout.names)}
         node = msgspec.structs.replace(node, engine_id=topo.engine_id(node.engine_id),
                                        control_port=topo.control_port(node.control_port))
-        # P and D may differ in block size (the runtime copies tokens between blocks of other sizes) but
-        # for a hybrid KV cache, whose groups pair block for block (scheduler.pair_groups)
-        hybrid = {"block_size": self.block_size} if "kv_cache_groups" in self.model_facts else {}
-        facts = {**self.model_facts, **hybrid, "layers": len(layout.names),
+        # the block size is in model_facts only where blocks pair block for block (connector.group_facts)
+        facts = {**self.model_facts, "layers": len(layout.names),
                  "head_size": self.head_size, "total_kv_heads": topo.total_kv_heads, "mla": topo.mla,
                  "cache_tensor_dtype": str(next(iter(layout.views.values()))[0].dtype)}
         with unpinned():   # the loop and Mooncake's threads must not share the forward's pinned core
