@@ -96,8 +96,9 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, bulk: bool):
             how["bytes"] = byte_checks(d)
 
 
-INTEGRITY = {"verified": "vllm:aiolayer_integrity_verified_total",
+INTEGRITY = {"verified": "vllm:aiolayer_integrity_verified_total",     # transfers D checked, bytes equal
              "mismatch": "vllm:aiolayer_integrity_mismatch_total",
+             "receives_finished": "vllm:aiolayer_receives_finished_total",
              "receives_failed": "vllm:aiolayer_receives_failed_total"}
 
 
@@ -115,9 +116,11 @@ def byte_checks(d, settle_s: float = 10.0) -> dict[str, float]:
 
 
 def bytes_verified(how: dict) -> bool:
-    """Every transfer of the row byte-checked and none mismatched or failed at D."""
+    """Every transfer of the row byte-checked (one check per transfer D finished: a transfer too
+    scattered to check, integrity.MAX_CHECK_RUNS, leaves it unverified) and none mismatched or failed."""
     checks = how.get("bytes")
-    return bool(checks) and checks["verified"] > 0 and checks["mismatch"] == 0 and checks["receives_failed"] == 0
+    return bool(checks) and checks["verified"] == checks.get("receives_finished") > 0 \
+        and checks["mismatch"] == 0 and checks["receives_failed"] == 0
 
 
 SYSTEMS = {

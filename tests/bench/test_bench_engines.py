@@ -39,7 +39,7 @@ def test_a_drift_with_every_byte_verified_is_numerics_and_a_byte_mismatch_fails(
     mismatch fails the row even with equal tokens, and a row without byte checks cannot excuse a drift."""
     ref = _row("aggregated", [[1, 2], [3, 4]])
     drift = [[1, 2], [3, 9]]
-    checked = {"verified": 40.0, "mismatch": 0.0, "receives_failed": 0.0}
+    checked = {"verified": 40.0, "mismatch": 0.0, "receives_finished": 40.0, "receives_failed": 0.0}
     numerics = {**_row("aiolayer", drift), "how": {"bytes": checked}}
     corrupt = {**_row("aiolayer-bulk", [[1, 2], [3, 4]]), "how": {"bytes": {**checked, "mismatch": 1.0}}}
     peer = _row("mooncake", drift)
@@ -50,6 +50,8 @@ def test_a_drift_with_every_byte_verified_is_numerics_and_a_byte_mismatch_fails(
     assert bad_rows(summary) == ["aiolayer-bulk", "mooncake"]
     unsettled = {**numerics, "how": {"bytes": {**checked, "receives_failed": 1.0}}}
     assert bad_rows(summarize([ref, unsettled])) == ["aiolayer"]   # a failed receive: not all verified
+    unchecked = {**numerics, "how": {"bytes": {**checked, "verified": 39.0}}}
+    assert bad_rows(summarize([ref, unchecked])) == ["aiolayer"]   # one transfer not checked: drift unexplained
 
 
 def test_an_unknown_row_is_refused_before_any_engine_starts():
@@ -75,5 +77,6 @@ def test_a_small_real_run_verifies_aiolayer_against_the_aggregated_engine(tmp_pa
         assert (stats["verified"], stats["failed"], stats["differ"]) == (2, 0, 0), stats
         assert stats["ttft_ms_median"] > 0
     checks = rows["aiolayer"]["how"]["bytes"]         # every layer of every transfer byte-checked at D
-    assert checks["verified"] > 0 and checks["mismatch"] == 0 == checks["receives_failed"], checks
+    assert checks["verified"] == checks["receives_finished"] > 0, checks
+    assert checks["mismatch"] == 0 == checks["receives_failed"], checks
     assert (tmp_path / "engines.png").stat().st_size > 1000
