@@ -323,6 +323,20 @@ def _counted_by(reports, key: str, reported) -> int:
     raise AssertionError("the transfer was never reported")
 
 
+def test_timings_past_the_report_cap_are_counted_as_dropped():
+    """A report holds at most MAX_OBSERVATIONS timings per histogram; the rest are counted, so that an
+    under-counting histogram says so (vllm:aiolayer_timings_dropped_total)."""
+    from aiolayer import Received
+    from aiolayer_vllm.stats import MAX_OBSERVATIONS, Observations
+
+    seen = Observations()
+    for i in range(MAX_OBSERVATIONS + 3):
+        seen.received(Received(transfer_id=str(i), ok=True, finished_s=2.0, registered_s=1.0))
+    data = seen.into({})
+    assert (len(data["receive_seconds"]), data["timings_dropped"]) == (MAX_OBSERVATIONS, 3)
+    assert seen.into({})["timings_dropped"] == 0          # a fresh interval
+
+
 def test_connector_stats_report_the_transfer_and_feed_prometheus(engines):
     """vLLM's stats path: the worker's deltas, aggregated across workers, observed into Prometheus."""
     from prometheus_client import REGISTRY, Counter, Gauge, Histogram

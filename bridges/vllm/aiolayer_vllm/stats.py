@@ -25,7 +25,7 @@ FAILURE_CAUSES = ("deadline", "aborted", "prefill_failed")
 COUNTERS = ("bytes_sent", "bytes_received", "sends_finished", "sends_failed", "receives_finished",
             "receives_failed", "control_rejected", "deadline_expiries", "integrity_verified", "integrity_mismatch",
             "fence_timeouts", "fences_unconfirmed", *(f"receives_failed_{c}" for c in FAILURE_CAUSES),
-            "receives_refused")
+            "receives_refused", "timings_dropped")
 # levels: the worst across workers
 GAUGES = ("bridge_depth", "sending", "receiving", "writes_in_flight", "handoff_p99_s")
 _TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -63,6 +63,7 @@ def totals(snap: dict) -> dict[str, float]:
         # D: receives_failed by cause (receiver.FAILURE_CAUSES); a refused registration is no receive
         **{f"receives_failed_{c}": failures.get(c, 0) for c in FAILURE_CAUSES},
         "receives_refused": failures.get("refused", 0),
+        "timings_dropped": 0,   # the worker's own (Observations.into): past MAX_OBSERVATIONS per report
         "bridge_depth": snap["queues"]["bridge"], "sending": snap["queues"]["sending"],
         "receiving": snap["queues"]["receiving"], "writes_in_flight": snap["queues"]["writes_in_flight"],
         "handoff_p99_s": p99 if p99 != float("inf") else 1.0,   # beyond the last bucket: at least 1 s
@@ -103,8 +104,9 @@ class Observations:
         """``data`` with the interval's observations (the non-empty ones) and refusals; a fresh interval."""
         data.update((name, values) for name, values in self.taken.items() if values)
         data["receives_refused"] = data.get("receives_refused", 0) + self.refused
+        data["timings_dropped"] = data.get("timings_dropped", 0) + self.dropped   # the histograms under-count
         self.taken = {name: [] for name in HISTOGRAMS}
-        self.refused = 0
+        self.refused = self.dropped = 0
         return data
 
 
