@@ -184,6 +184,8 @@ def test_vllms_engine_id_and_kv_port_stand_in_for_absent_aiolayer_keys():
     assert (config.node.engine_id, config.node.control_port) == ("prefill-a", 17000)
     data_parallel = _ktc(engine_id="prefill-a_dp1")   # vLLM appends the DP rank; aiolayer adds its own suffix
     assert from_extra_config({}, "fallback", data_parallel).node.engine_id == "prefill-a"
+    # an empty engine_id is no engine id (as aiolayer reads it alone), not a conflict with vLLM's
+    assert from_extra_config({"engine_id": ""}, "fallback", _ktc(engine_id="prefill-a")).node.engine_id == "prefill-a"
 
 
 def test_vllms_kv_ip_stands_in_for_the_bind_host():

@@ -102,7 +102,7 @@ def vllm_fields(extra: dict[str, Any], kv_transfer_config: Any) -> dict[str, Any
             where = where.setdefault(key, {})
         else:
             ours = where.get(path[-1])
-            if ours is None:
+            if ours is None or ours == "":   # absent, as from_extra_config reads an empty engine id
                 where[path[-1]] = theirs
             elif ours != theirs:
                 raise ConfigError(f"kv_connector_extra_config {'.'.join(path)}={ours!r} conflicts with "

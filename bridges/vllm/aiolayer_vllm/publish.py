@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from aiolayer import Registration, Timeouts
+from aiolayer import ControlError, Registration, Timeouts
 
 from .ranks import Topology
 
@@ -49,7 +49,7 @@ class RegistrationPublisher:
                 if reply.status_code < 500:
                     break  # the proxy refused it (e.g. 404 unknown transfer): retrying will not help
             await asyncio.sleep(0.05 * (attempt + 1))
-        raise ConnectionError(f"registration not published to {url}: {error}")
+        raise ControlError(f"registration not published to {url}: {error}")
 
     async def close(self) -> None:
         client, self._http = self._http, None

@@ -38,6 +38,7 @@ def pytest_collection_modifyitems(config, items):
     items[:] = rest[:first] + ordered + rest[first:]
 
 
+@pytest.hookimpl(trylast=True)   # after pytest's own teardown of the item's narrower fixtures
 def pytest_runtest_teardown(item, nextitem):
     # leaving the folder: stop the pair now, not at the end of the session (idle engines hold ~2 GiB)
     if _OPEN and (nextitem is None or not str(nextitem.path).startswith(HERE + "/")):
