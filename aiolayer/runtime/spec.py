@@ -199,8 +199,9 @@ def _token_spans(local: LocalLayout, spec: TransferSpec, layout: RemoteLayout) -
     assert geom is not None   # other_block_size
     theirs = (layout.head_bytes, layout.kv_layout, layout.kv_interior)
     if theirs != (geom.head_bytes, geom.layout, geom.interior):
+        shown = (layout.head_bytes, layout.kv_layout[:40], layout.kv_interior[:40])   # D's strings: from the network
         raise LayoutMismatch(f"D has blocks of {layout.block_size} tokens, P of {geom.block_size}, and their heads "
-                             f"differ: (head bytes, layout, interior) {theirs} at D, "
+                             f"differ: (head bytes, layout, interior) {shown} at D, "
                              f"{(geom.head_bytes, geom.layout, geom.interior)} at P")
     if layout.block_bytes != layout.kv_heads * layout.block_size * geom.head_bytes:
         raise LayoutMismatch(f"D's {layout.block_bytes}-byte blocks do not hold {layout.kv_heads} heads "
