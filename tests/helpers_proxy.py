@@ -166,6 +166,9 @@ class FakeEngine:
                     break
                 if i == fake.get("fail_at"):
                     raise RuntimeError("D died mid-stream")   # uvicorn drops the connection mid-body
+                if i == fake.get("error_at"):   # vLLM's end of a request that failed (e.g. its KV never came)
+                    yield f"data: {json.dumps({'error': VLLM_STREAM_ERROR})}\n\n"
+                    break
                 yield f"data: {json.dumps({'choices': [{'text': f'{self.name}-{i}'}]})}\n\n"
                 await asyncio.sleep(fake.get("interval_s", 0))
             yield "data: [DONE]\n\n"
@@ -173,6 +176,10 @@ class FakeEngine:
         finally:
             if self.streams[transfer_id] == "open":
                 self.streams[transfer_id] = "closed"
+
+
+# what vLLM's OpenAI server streams when a request fails in its engine (create_streaming_error_response)
+VLLM_STREAM_ERROR = {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
 
 
 class StandInRanks:

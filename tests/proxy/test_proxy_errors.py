@@ -109,8 +109,10 @@ def test_a_prefill_past_its_deadline_is_a_504_that_says_so(stack):
     assert error["message"] == f"P ({p.url}) did not answer within 2s", error
 
 
-@pytest.mark.parametrize("fake", [{"p_status": 500, "hold_s": 2}, {"fail_at": 0}], ids=["p_fails", "d_breaks"])
+@pytest.mark.parametrize("fake", [{"p_status": 500, "hold_s": 2}, {"fail_at": 0}, {"error_at": 0}],
+                         ids=["p_fails", "d_breaks", "d_ends_in_an_error_event"])
 def test_a_stream_failing_before_its_first_token_is_an_http_error(stack, fake):
+    """Also when D's first event is vLLM's error event (its request failed, e.g. the KV never came)."""
     with httpx.Client(timeout=30, trust_env=False) as client, \
             client.stream("POST", stack["proxy"].url + "/v1/completions",
                           json={"prompt": "x", "stream": True, "fake": fake}) as r:
@@ -118,6 +120,17 @@ def test_a_stream_failing_before_its_first_token_is_an_http_error(stack, fake):
     assert r.status_code == 502, (r.status_code, r.text)
     error = _openai_error(r)
     assert error["type"] == ("prefill_error" if "p_status" in fake else "decode_error"), error
+    if "error_at" in fake:
+        assert "answered HTTP 500 in its stream, before any token" in error["message"], error
+        assert "Internal server error" in error["message"], error
+
+
+def test_an_error_event_after_the_first_token_ends_the_stream_as_d_sent_it(stack):
+    with httpx.Client(timeout=30, trust_env=False) as client, \
+            client.stream("POST", stack["proxy"].url + "/v1/completions",
+                          json={"prompt": "x", "stream": True, "fake": {"error_at": 1}}) as r:
+        text = r.read().decode()
+    assert r.status_code == 200 and "\"InternalServerError\"" in text and "\"d-0\"" in text, text
 
 
 def test_the_proxys_own_errors_are_openai_shaped(stack):

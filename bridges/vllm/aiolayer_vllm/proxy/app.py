@@ -23,7 +23,7 @@ from aiolayer.config import Timeouts
 from aiolayer.protocol import messages as m
 from aiolayer import ControlPeers, RuntimeStateError
 
-from .failures import ExchangeError, answered_error, call_failed
+from .failures import ExchangeError, answered_error, call_failed, error_event
 from .flow import Exchange, ProxyTimeouts, check_body, forwarded_headers
 from .metrics import CONTENT_TYPE, ProxyMetrics
 from .pool import NoBackend, Pool
@@ -199,6 +199,10 @@ class ProxyState:
             first = await anext(chunks, None)
         except httpx.HTTPError as exc:
             raise call_failed(exc, "D", exchange.decode.url, self.timeouts.request_s) from None
+        failed = error_event(first)   # D failed the request before its first token: not a 200
+        if failed is not None:
+            raise answered_error("D", exchange.decode.url, failed[0], failed[1], "application/json",
+                                 " in its stream, before any token")
         try:
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype)]})
             exchange.relaying = True

@@ -59,3 +59,20 @@ def answered_error(who: str, url: str, status: int, content: bytes, media_type: 
                              media_type=media_type)
     text = content[:300].decode(errors="replace")
     return ExchangeError(502, f"{role}_error", f"{who} ({url}) answered HTTP {status}{what}: {text}")
+
+
+def error_event(chunk: bytes | None) -> tuple[int, bytes] | None:
+    """(status, error JSON) when a stream's first event is an error (vLLM ends a request that failed
+    before any token so: ``data: {"error": {..., "code": 500}}`` under a 200), else None."""
+    if not chunk or not chunk.startswith(b"data: {"):
+        return None
+    data = chunk[6:].split(b"\n", 1)[0]
+    try:
+        event = json.loads(data)
+    except ValueError:   # an event split across chunks: not one to judge here
+        return None
+    error = event.get("error") if isinstance(event, dict) else None
+    if not isinstance(error, dict):
+        return None
+    code = error.get("code")
+    return (code if isinstance(code, int) and 400 <= code < 600 else 500), data
