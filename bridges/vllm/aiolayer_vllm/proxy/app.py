@@ -27,6 +27,7 @@ from .failures import ExchangeError, answered_error, call_failed, error_event
 from .flow import Exchange, ProxyTimeouts, check_body, forwarded_headers
 from .metrics import CONTENT_TYPE, ProxyMetrics
 from .pool import NoBackend, Pool
+from .tracing import Tracing
 
 log = logging.getLogger(__name__)
 REGISTER_PATH = "/internal/aiolayer/registered"
@@ -52,9 +53,10 @@ def _stage(kind: str, relaying: bool) -> str:
 
 
 class ProxyState:
-    def __init__(self, pool: Pool, public_url: str, timeouts: ProxyTimeouts) -> None:
+    def __init__(self, pool: Pool, public_url: str, timeouts: ProxyTimeouts, tracing: Tracing | None = None) -> None:
         self.pool = pool
         self.timeouts = timeouts
+        self.tracing = tracing or Tracing()
         self.notify_url = public_url.rstrip("/") + REGISTER_PATH
         self.pending: dict[str, Exchange] = {}
         self.metrics = ProxyMetrics(self)
@@ -92,6 +94,7 @@ class ProxyState:
             await self.peers.close()
         if self.client is not None:
             await self.client.aclose()
+        await asyncio.to_thread(self.tracing.close)   # the spans still buffered, bounded
 
     # --- registration (D -> proxy) -------------------------------------------------------------
 
@@ -140,11 +143,24 @@ class ProxyState:
             failed = exc if isinstance(exc, ExchangeError) else ExchangeError(503, "no_backend", str(exc))
             return await self._answer(self._error(failed, headers.get("x-request-id")), scope, receive, send)
         exchange = Exchange(self, path, body, prefill, decode, headers)   # leases both
+        span = self.tracing.start(headers, path, exchange.started)
+        if span is not None:   # P and D see the proxy's span as their parent
+            exchange.headers.update(span.trace_headers())
+        response = None
         try:
             self.pending[exchange.transfer_id] = exchange
             response = await self._exchange(exchange, receive, send)
         finally:
             await exchange.close()
+            if span is not None:
+                status = response.status_code if response is not None else None
+                span.finish(exchange.stamps, {"aiolayer.request_id": exchange.request_id,
+                                              "aiolayer.transfer_id": exchange.transfer_id,
+                                              "aiolayer.prefill": exchange.prefill.url,
+                                              "aiolayer.decode": exchange.decode.url,
+                                              "aiolayer.outcome": exchange.outcome or None,
+                                              "http.response.status_code": status},
+                            error="" if exchange.outcome == "ok" else f"HTTP {status}" if status else "failed")
         if response is not None:
             await self._answer(response, scope, receive, send)
 
@@ -292,8 +308,9 @@ class _OpenAIRoute:
         await self.state.serve(scope, receive, send, self.path)
 
 
-def create_app(pool: Pool, public_url: str, timeouts: ProxyTimeouts | None = None) -> FastAPI:
-    state = ProxyState(pool, public_url, timeouts or ProxyTimeouts())
+def create_app(pool: Pool, public_url: str, timeouts: ProxyTimeouts | None = None,
+               tracing: Tracing | None = None) -> FastAPI:
+    state = ProxyState(pool, public_url, timeouts or ProxyTimeouts(), tracing)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

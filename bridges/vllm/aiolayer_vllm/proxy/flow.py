@@ -36,7 +36,7 @@ from .pool import Backend, Lease
 log = logging.getLogger(__name__)
 # Passed on to P and D as the client sent them: vLLM servers started with --api-key check the first,
 # and the second ties the engines' logs to the client's request.
-FORWARDED_HEADERS = ("authorization", "x-request-id")
+FORWARDED_HEADERS = ("authorization", "x-request-id", "traceparent", "tracestate")   # the last two: W3C trace context
 
 
 def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:

@@ -15,6 +15,7 @@ from . import logs
 from .flow import ProxyTimeouts
 from .pool import Backend, Pool
 from .topology import learn_pool
+from .tracing import Tracing, TracingUnavailable
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -52,6 +53,9 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", default="text", choices=logs.FORMATS,
                    help="text lines, or one JSON object per line (time, level, logger, message, and for a "
                         "request's lines request_id, stage, status, error_type)")
+    p.add_argument("--otlp-traces-endpoint", default="",
+                   help="send OpenTelemetry spans there (vLLM's flag and protocol variable: "
+                        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL grpc or http/protobuf); needs aiolayer-vllm[otel]")
 
 
 def public_url(host: str, port: int, given: str) -> str:
@@ -87,7 +91,12 @@ def run_proxy(args: argparse.Namespace) -> int:
         return 1
     timeouts = ProxyTimeouts(registration_s=args.registration_timeout, prefill_s=args.prefill_timeout,
                              request_s=args.request_timeout)
-    app = create_app(pool, url, timeouts)
+    try:
+        tracing = Tracing(args.otlp_traces_endpoint)
+    except TracingUnavailable as exc:
+        print(f"aiolayer proxy: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(pool, url, timeouts, tracing)
     logger.info("aiolayer proxy listening on http://%s:%d (D registers at %s), model %s; %s", url_host(args.host),
                 args.port, url, pool.model, "; ".join(_described(b) for b in pool.all))
     # log_config=None: uvicorn keeps the handler set above (its own config would replace it)
