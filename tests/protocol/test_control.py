@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import time
 
 import pytest
@@ -13,75 +12,11 @@ import zmq
 from aiolayer.config import Timeouts
 from aiolayer.errors import ControlError, ControlRejected, ControlTimeout, RuntimeStateError
 from aiolayer.protocol import messages as m
-from aiolayer.runtime.control.plane import ControlClient, ControlPeers, ControlServer, open_sockets, shared_context
+from aiolayer.runtime.control.plane import ControlClient, ControlServer, shared_context
 
 pytestmark = pytest.mark.timeout(30)
 
-MAX_FRAME = 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class EchoHandler:
-    """StatusRequest("sleep:0.1[#tag]") sleeps then echoes, ("boom") raises a bug; others are rejected."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    async def __call__(self, msg: m.Message) -> m.Message:
-        self.calls += 1
-        if isinstance(msg, m.StatusRequest):
-            tid = msg.transfer_id
-            if tid.startswith("sleep:"):
-                await asyncio.sleep(float(tid.split(":")[1].split("#")[0]))
-            if tid == "boom":
-                raise RuntimeError("handler bug")
-            return m.StatusReply(transfer_id=tid, state="echo")
-        if isinstance(msg, m.ReleaseRequest):
-            raise ControlRejected("busy", f"transfer {msg.transfer_id} is busy")
-        raise ControlRejected("unknown", f"{type(msg).__name__} is not served here")
-
-
-@pytest.fixture
-async def spawn():
-    tasks: list[asyncio.Task] = []
-
-    def spawn(coro, name=None):
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        tasks.append(task)
-        return task
-
-    yield spawn
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
-@pytest.fixture
-async def closer():
-    """Collects servers, clients and raw sockets; closes all of them at teardown."""
-    things: list = []
-    yield things.append
-    for thing in reversed(things):
-        if isinstance(thing, zmq.Socket):
-            thing.close(0)
-        else:
-            await thing.close()
-    assert open_sockets() == 0
-
-
-@pytest.fixture
-async def server(spawn, closer):
-    handler = EchoHandler()
-    srv = ControlServer("127.0.0.1", 0, handler, max_frame_bytes=MAX_FRAME)
-    closer(srv)
-    await srv.start(spawn)
-    srv.test_handler = handler
-    return srv
+from helpers_control import MAX_FRAME, EchoHandler, free_port
 
 
 async def make_client(endpoint, spawn, closer, **timeouts) -> ControlClient:
@@ -339,73 +274,3 @@ async def test_call_with_retries_does_not_retry_a_nack(server, spawn, closer):
         await client.call_with_retries(m.ReleaseRequest(transfer_id="t"), deadline_s=5)
     assert info.value.code == "busy"
     assert server.test_handler.calls == 1
-
-
-# --- peers, binding, leaks ---------------------------------------------------------------------------------
-
-async def test_bind_conflict_is_a_control_error(server, spawn):
-    other = ControlServer("127.0.0.1", server.port, EchoHandler())
-    with pytest.raises(ControlError, match="cannot bind"):
-        await other.start(spawn)
-    await other.close()
-
-
-async def test_peers_reuse_clients_and_close_all(server, spawn, closer):
-    peers = ControlPeers(Timeouts(), spawn)
-    closer(peers)
-    a = await peers.get(server.endpoint)
-    assert await peers.get(server.endpoint) is a
-    assert (await a.call(m.StatusRequest(transfer_id="p"))).transfer_id == "p"
-    before = open_sockets()
-    await peers.close()
-    assert open_sockets() == before - 1
-
-
-async def test_peers_close_idle_clients_of_departed_peers_and_keep_their_counts(server, spawn, closer):
-    """A long-lived P whose D peers restart on new ports must not keep a socket per departed peer."""
-    peers = ControlPeers(Timeouts(peer_idle=0.5, control_call=0.1), spawn)
-    closer(peers)
-    gone = await peers.get(f"tcp://127.0.0.1:{free_port()}")     # nobody there: its call times out
-    with pytest.raises(ControlTimeout):
-        await gone.call(m.StatusRequest(transfer_id="x"))
-    live = await peers.get(server.endpoint)
-    await live.call(m.StatusRequest(transfer_id="y"))
-    sockets = open_sockets()
-    await asyncio.sleep(0.6)
-    await peers.get(server.endpoint)                            # a known peer: nothing is evicted
-    assert len(peers) == 2
-    await peers.get(f"tcp://127.0.0.1:{free_port()}")           # a new peer: both idle clients go
-    assert len(peers) == 1 and peers.evicted == 2
-    assert open_sockets() == sockets - 1
-    assert peers.totals()["timeout"] == 1 and peers.totals()["ok"] == 1
-    fresh = await peers.get(server.endpoint)                    # a departed peer that comes back: new client
-    assert fresh is not live and (await fresh.call(m.StatusRequest(transfer_id="z"))).transfer_id == "z"
-
-
-async def test_concurrent_new_peers_while_evicting_neither_fail_nor_duplicate(server, spawn, closer):
-    peers = ControlPeers(Timeouts(peer_idle=0.05), spawn)
-    closer(peers)
-    for _ in range(5):
-        await peers.get(f"tcp://127.0.0.1:{free_port()}")
-    await asyncio.sleep(0.1)                                    # all five are stale now
-    endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(4)] * 2
-    clients = await asyncio.gather(*(peers.get(ep) for ep in endpoints))
-    assert peers.evicted == 5 and len(peers) == 4
-    assert all(clients[i] is clients[i + 4] for i in range(4))  # one client per endpoint
-
-
-async def test_everything_closed_leaves_no_socket(spawn):
-    handler = EchoHandler()
-    srv = ControlServer("127.0.0.1", 0, handler)
-    await srv.start(spawn)
-    clients = [ControlClient(srv.endpoint, Timeouts()) for _ in range(3)]
-    for c in clients:
-        await c.start(spawn)
-    await asyncio.gather(*(c.call(m.StatusRequest(transfer_id=str(i))) for i, c in enumerate(clients)))
-    assert open_sockets() == 4
-    for c in clients:
-        await c.close()
-        await c.close()                                 # idempotent
-    await srv.close()
-    await srv.close()
-    assert open_sockets() == 0
