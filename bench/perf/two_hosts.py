@@ -19,9 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..child import ChildProcess
-from ..netns import available, two_hosts
-from ..node import MOONCAKE_ENV, shape_flags
+from aiolayer.harness.child import ChildProcess
+from aiolayer.harness.netns import available, two_hosts
+from aiolayer.harness.node import MOONCAKE_ENV, shape_flags
+
 from .harness import MODES
 from .measure import shapes
 

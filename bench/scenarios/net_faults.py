@@ -16,9 +16,9 @@ import sys
 import tempfile
 import time
 
-from ..child import ChildProcess
-from ..netns import Host, Hosts, available, two_hosts
-from ..node import MOONCAKE_ENV
+from aiolayer.harness.child import ChildProcess
+from aiolayer.harness.netns import Host, Hosts, available, two_hosts
+from aiolayer.harness.node import MOONCAKE_ENV
 
 # The deadlines of P in these rows (net_p's defaults) and of D (the node's flags).
 CONTROL_S, LAYER_WRITE_S, DONE_DELIVERY_S = 5.0, 5.0, 5.0
