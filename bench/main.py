@@ -11,9 +11,9 @@ import os
 import sys
 
 from aiolayer.cli import HELP_FORMAT, Command
+from aiolayer.harness.node import MOONCAKE_ENV
 
 from . import scenarios
-from .node import MOONCAKE_ENV
 from .scenarios.options import add_out, add_run_args
 
 TRANSFER_REQUESTS = 7   # --requests by default of the transfer benchmark (measured requests per mode)

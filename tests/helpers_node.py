@@ -7,7 +7,7 @@ Use ``spawn_node(...)`` as a context manager (or wrap it in a fixture in your te
         ...
     node.returncode               # set once the context has stopped the process
 
-The process itself is ``aiolayer.bench.child.ChildProcess``, the bench's too: the node's stderr goes
+The process itself is ``aiolayer.harness.child.ChildProcess``, the bench's too: the node's stderr goes
 to a temporary file (a pipe nobody reads could fill up and freeze the node); its text is attached to
 every failure. Stopping is bounded: SIGTERM (or the signal asked for), ``wait`` with a deadline,
 then SIGKILL of its process group.
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from aiolayer.bench.child import KILL_TIMEOUT_S, STOP_TIMEOUT_S, ChildProcess, ChildStartError  # noqa: F401
-from aiolayer.bench.node import mooncake_env, shape_flags
+from aiolayer.harness.child import KILL_TIMEOUT_S, STOP_TIMEOUT_S, ChildProcess, ChildStartError  # noqa: F401
+from aiolayer.harness.node import mooncake_env, shape_flags
 from aiolayer.config import KVShape
 
 # Mooncake settings for every process that creates an engine (docs/mooncake.md).

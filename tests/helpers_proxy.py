@@ -27,7 +27,7 @@ from starlette.routing import Route
 from aiolayer import Identity, NodeConfig, Runtime
 from aiolayer.protocol import messages as m
 from aiolayer.runtime.control.plane import ControlServer
-from e2e.procs import free_ports
+from aiolayer.harness.procs import free_ports
 
 MODEL = "tiny/0123456789ab"            # the fingerprint every stand-in says unless told otherwise
 ROLES = {"prefill": "producer", "decode": "consumer"}

@@ -1,4 +1,4 @@
-"""Test plumbing around real vLLM servers that the harness (``e2e``) does not need: an HTTP hop that pins a
+"""Test plumbing around real vLLM servers that the harness (``aiolayer.harness``) does not need: an HTTP hop that pins a
 request to one data-parallel rank and can run a callback as it passes, a live count of the bytes a server's
 workers receive (to act the moment a peer's KV starts arriving), a way to stop a whole server (SIGSTOP)
 that cannot outlive the test, and a logging config that shows the bridge's INFO lines.
@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from e2e.procs import free_port
-from e2e.servers import VllmServer
+from aiolayer.harness.procs import free_port
+from aiolayer.harness.servers import VllmServer
 
 
 @functools.cache

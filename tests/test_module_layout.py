@@ -1,6 +1,7 @@
-"""bench/ laid out like the core. Its modules import each other without a cycle (read from
+"""bench/ and harness/ laid out like the core. Their modules import each other without a cycle (read from
 the source with ``ast``, imports inside functions included: a deferred import hides a cycle, it does not
-remove it), and the bench and the tests start their child processes through one helper. The runtime's
+remove it), the harness never imports the bench (the tests use it without the benchmark), and the bench
+and the tests start their child processes through one helper. The runtime's
 sides (send/ for P, receive/ for D, control/) import each other only as its layering allows. The vLLM bridge
 takes from aiolayer only its public names and a short list of modules, the core never imports the bridge,
 and type checkers see the public names ``aiolayer`` loads lazily."""
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
+HARNESS = BENCH.parent / "harness"
 # Like ``aiolayer node``, it handles SIGTERM (a default-fatal signal would kill it even while stopped).
 SLEEPER = ("import json, signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
            "print('sleeper-stderr', file=sys.stderr, flush=True); print(json.dumps({'port': 1}), flush=True); "
@@ -88,10 +90,27 @@ def import_cycles(root: Path, top: str) -> list[list[str]]:
     return cycles
 
 
-def test_no_import_cycle_in_bench():
-    assert _module_names(BENCH), "no bench modules found"
-    cycles = import_cycles(BENCH, "aiolayer.bench")
-    assert not cycles, "import cycles among bench modules: " + "; ".join(" -> ".join(c) for c in cycles)
+@pytest.mark.parametrize("root, top", [(BENCH, "aiolayer.bench"), (HARNESS, "aiolayer.harness")],
+                         ids=["bench", "harness"])
+def test_no_import_cycle_in_the_bench_or_the_harness(root, top):
+    assert _module_names(root), f"no {top} modules found"
+    cycles = import_cycles(root, top)
+    assert not cycles, f"import cycles among {top} modules: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_harness_never_imports_the_bench():
+    found = []
+    for path in sorted(HARNESS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            found += [f"{path.name}: {name}" for name in names if name.startswith("aiolayer.bench")]
+    assert _module_names(HARNESS), "no harness modules found"
+    assert not found, "the harness imports the bench:\n  " + "\n  ".join(found)
 
 
 @pytest.mark.parametrize("root, top", [(BENCH.parent / "aiolayer", "aiolayer"),
@@ -104,8 +123,8 @@ def test_no_import_cycle_in_the_core_or_the_bridge(root, top):
 
 def test_bench_and_tests_share_one_child_process_helper():
     import helpers_node
-    from aiolayer.bench import node
-    from aiolayer.bench.child import ChildProcess
+    from aiolayer.harness import node
+    from aiolayer.harness.child import ChildProcess
 
     assert issubclass(helpers_node.NodeProcess, ChildProcess)
     assert issubclass(node.NodeProcess, ChildProcess)
@@ -115,7 +134,7 @@ def test_bench_and_tests_share_one_child_process_helper():
 def test_child_process_stop_thaws_a_frozen_child_in_its_own_group():
     """The union of the two drifted copies: the bench's SIGCONT before SIGTERM (a frozen child must be able
     to act on it), the tests' own process group, stop timing, stderr kept in a file."""
-    from aiolayer.bench.child import ChildProcess
+    from aiolayer.harness.child import ChildProcess
 
     child = ChildProcess([sys.executable, "-c", SLEEPER], name="sleeper").start()
     try:
@@ -130,7 +149,7 @@ def test_child_process_stop_thaws_a_frozen_child_in_its_own_group():
 
 
 def test_child_process_first_line_has_a_deadline_and_carries_stderr():
-    from aiolayer.bench.child import ChildProcess, ChildStartError
+    from aiolayer.harness.child import ChildProcess, ChildStartError
 
     silent = "import sys, time; print('no line from me', file=sys.stderr, flush=True); time.sleep(60)"
     child = ChildProcess([sys.executable, "-c", silent], name="silent").start()

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# folders the core's pyproject maps into its package (``package-dir``): the benchmark and the test harness
+MAPPED = {"aiolayer.bench": ROOT / "bench", "aiolayer.harness": ROOT / "harness"}
 
 
 def build_wheel(project: Path, out: Path) -> Path:
@@ -28,16 +30,23 @@ def build_wheel(project: Path, out: Path) -> Path:
 
 
 def packages_under(root: Path, top: str) -> set[str]:
-    return {str(init.parent.relative_to(root)).replace("/", ".") for init in (root / top).rglob("__init__.py")
-            if "__pycache__" not in init.parts}
+    found = {str(init.parent.relative_to(root)).replace("/", ".") for init in (root / top).rglob("__init__.py")
+             if "__pycache__" not in init.parts}
+    for name, folder in (MAPPED if top == "aiolayer" else {}).items():
+        found |= {".".join([name, *init.parent.relative_to(folder).parts]) for init in folder.rglob("__init__.py")
+                  if "__pycache__" not in init.parts}
+    return found
 
 
 @pytest.mark.parametrize("project, top", [(ROOT / "bridges" / "vllm", "aiolayer_vllm"), (ROOT, "aiolayer")])
 def test_wheel_carries_every_subpackage(tmp_path, project, top):
-    """Every subpackage, the PEP 561 marker (the packages are typed) and the license."""
+    """Every subpackage (bench/ and harness/ under aiolayer), the PEP 561 marker (the packages are typed)
+    and the license; nothing else at the top (no tests)."""
     wheel = build_wheel(project, tmp_path)
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
+    tops = {name.split("/")[0] for name in names if ".dist-info/" not in name}
+    assert tops == {top}, f"{wheel.name} carries {sorted(tops - {top})} beside {top}"
     in_wheel = {str(Path(name).parent).replace("/", ".") for name in names if name.endswith("__init__.py")}
     missing = packages_under(project, top) - in_wheel
     assert not missing, f"{wheel.name} lacks {sorted(missing)}"

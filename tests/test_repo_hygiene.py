@@ -93,7 +93,7 @@ MARKDOWN_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 def documentation() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md",
-            ROOT / "examples" / "README.md"]
+            ROOT / "harness" / "README.md", ROOT / "examples" / "README.md"]
 
 
 def _prose(text: str) -> list[str]:

@@ -28,7 +28,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def engine(model: Path, name: str, core: str, args: argparse.Namespace, **kw):
     """A vLLM server of the run: pinned to ``core``, vLLM's defaults otherwise (``--eager`` aside)."""
-    from .vllm_server import VllmServer
+    from aiolayer.harness.vllm_server import VllmServer
 
     cpus = frozenset(int(c) for c in core.split("|")) if args.pin == "process" and core[:1].isdigit() else None
     return VllmServer(model, name=name, omp_bind=core, cpus=cpus, enforce_eager=args.eager, kv_cache_gib=2,

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import httpx
 
-from ..node import mooncake_env
-from .client import acompletion
+from aiolayer.harness.client import acompletion
+from aiolayer.harness.node import mooncake_env
+from aiolayer.harness.procs import free_port
+from aiolayer.harness.startup import running
+
 from .options import engine
-from .procs import free_port
-from .startup import running
 
 ROWS = ("mooncake", "nixl")
 SHIMS = "aiolayer.bench.engines.shim"

@@ -26,14 +26,15 @@ import sys
 import time
 from pathlib import Path
 
-from ..node import mooncake_env
+from aiolayer.harness.client import acompletion, metric_value, scrape_metrics
+from aiolayer.harness.node import mooncake_env
+from aiolayer.harness.pd import ProxyProcess, connector
+from aiolayer.harness.procs import free_port
+from aiolayer.harness.startup import running
+from aiolayer.harness.tiny_model import TinySpec, long_prompt, tiny_model_dir
+
 from . import peers
-from .client import acompletion, metric_value, scrape_metrics
-from .pd import ProxyProcess, connector
-from .procs import free_port
-from .tiny_model import TinySpec, long_prompt, tiny_model_dir
 from .options import ROWS, engine
-from .startup import running
 
 REQUEST_TIMEOUT_S = 300.0   # a 2,000-token prefill takes seconds on one loaded core; a burst queues 8
 

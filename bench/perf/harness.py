@@ -21,8 +21,8 @@ from aiolayer.kvcache import PagedKVCache
 from aiolayer.protocol import messages as m
 from aiolayer.protocol.plan import merge_runs, run_addresses, use_layerwise
 from aiolayer.transport import Transport
+from aiolayer.harness.node import NodeProcess
 
-from ..node import NodeProcess
 from .forward import RequestKV, SimulatedForward, expected_crcs, seeded_kv
 from .raw import (MOONCAKE_VARIANTS, ComputeLoad, TcpSinkProcess, busy_seconds, chunk_crcs, memcpy,
                   mooncake_paced, timed)

@@ -11,8 +11,8 @@ import sys
 import time
 
 from aiolayer.config import KVShape
+from aiolayer.harness.node import shape_from_args
 
-from ..node import shape_from_args
 from .harness import MODES, NEEDS_MOONCAKE, Harness
 from .report import Progress, derive, summarize
 

@@ -25,7 +25,8 @@ import zlib
 import numpy as np
 import torch
 
-from ..child import ChildProcess
+from aiolayer.harness.child import ChildProcess
+
 from .cpus import pin_this_thread
 from .tcp_sink import HEADER, recv_exact
 

@@ -27,8 +27,8 @@ import zmq
 from aiolayer import LayerTiming, Outcome
 from aiolayer.protocol import messages as m
 from aiolayer.protocol.plan import merge_runs, run_addresses
+from aiolayer.harness.node import MOONCAKE_ENV
 
-from ..node import MOONCAKE_ENV
 
 # A blocking receive with no timeout was seed fragility 3/4; the bench must not hang on a broken run,
 # and a healthy reply comes in well under a millisecond, so this bound never shapes a measurement.

@@ -1,6 +1,6 @@
 """``aiolayer bench transfer --two-hosts``: the transfer benchmark over a real link, P and D on two "hosts".
 
-Two network namespaces joined by one veth pair (``aiolayer.bench.netns``): D is an ``aiolayer node``
+Two network namespaces joined by one veth pair (``aiolayer.harness.netns``): D is an ``aiolayer node``
 bound to host B's address, P is this same benchmark re-run as a child inside host A with
 ``--d-control`` (D's endpoint: it starts no D of its own) and ``--bind-host`` (A's address, for its
 runtime and its own Mooncake engine). Nothing else joins the two, so every byte crosses the link.
@@ -19,9 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..child import ChildProcess
-from ..netns import available, two_hosts
-from ..node import MOONCAKE_ENV, shape_flags
+from aiolayer.harness.child import ChildProcess
+from aiolayer.harness.netns import available, two_hosts
+from aiolayer.harness.node import MOONCAKE_ENV, shape_flags
+
 from .harness import MODES
 from .measure import shapes
 

@@ -27,9 +27,9 @@ from aiolayer.config import KVShape, NodeConfig, Timeouts
 from aiolayer.errors import AiolayerError, DeadlineExceeded
 from aiolayer.kvcache import PagedKVCache, checksums
 from aiolayer.protocol import messages as m
+from aiolayer.harness.node import NodeProcess
 
 from ..perf.forward import RequestKV, SimulatedForward, seeded_kv
-from ..node import NodeProcess
 from . import net_faults
 
 # Short deadlines so a scenario ends in seconds; Mooncake gives up on a frozen peer after 5 s.

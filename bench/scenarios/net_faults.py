@@ -1,7 +1,7 @@
 """The network fault rows of ``aiolayer bench faults``: faults of the link, not of a process.
 
 P (``net_p.py``) and D (``aiolayer node``) run on two "hosts", network namespaces joined by one veth
-pair (``aiolayer.bench.netns``), so the only path between them is the link the row breaks: a partition
+pair (``aiolayer.harness.netns``), so the only path between them is the link the row breaks: a partition
 mid-transfer (the link down for longer than ``layer_write``, then up), a link slowed to a crawl (tbf),
 and D at a new address after a restart. Each row has the fields of the process rows (outcome,
 terminal_s after the fault, deadline_s, lost) plus its transfers. Without namespaces (not root, no
@@ -16,9 +16,9 @@ import sys
 import tempfile
 import time
 
-from ..child import ChildProcess
-from ..netns import Host, Hosts, available, two_hosts
-from ..node import MOONCAKE_ENV
+from aiolayer.harness.child import ChildProcess
+from aiolayer.harness.netns import Host, Hosts, available, two_hosts
+from aiolayer.harness.node import MOONCAKE_ENV
 
 # The deadlines of P in these rows (net_p's defaults) and of D (the node's flags).
 CONTROL_S, LAYER_WRITE_S, DONE_DELIVERY_S = 5.0, 5.0, 5.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..node import add_shape_args
+from aiolayer.harness.node import add_shape_args
 
 
 def add_out(p: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from aiolayer.bench import netns
+from aiolayer.harness import netns
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "available")]

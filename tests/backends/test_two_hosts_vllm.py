@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from aiolayer.bench import netns
+from aiolayer.harness import netns
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.pd import ProxyProcess
-from e2e.servers import VllmServer, completion, running
-from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir
+from aiolayer.harness.pd import ProxyProcess
+from aiolayer.harness.servers import VllmServer, completion, running
+from aiolayer.harness.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir
 from helpers_node import MC_ENV
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm,

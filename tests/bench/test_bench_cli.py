@@ -106,7 +106,7 @@ def test_the_spellings_before_subcommands_still_run_and_name_the_new_command(old
 
 
 def test_bench_two_hosts_writes_json_and_png_and_every_rate_verifies(tmp_path):
-    from aiolayer.bench import netns
+    from aiolayer.harness import netns
 
     why = netns.available()
     if why:

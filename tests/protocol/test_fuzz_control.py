@@ -22,7 +22,7 @@ from aiolayer import Runtime, TransferSpec
 from aiolayer.config import KVShape, NodeConfig
 from aiolayer.kvcache import PagedKVCache, checksums
 from aiolayer.protocol import messages as m
-from aiolayer.bench.node import NodeProcess
+from aiolayer.harness.node import NodeProcess
 
 SHAPE = KVShape(num_layers=2, num_blocks=16, block_size=16, kv_heads=2, head_dim=64)
 VALID = [m.encode(x) for x in (m.StatusRequest(transfer_id="t"), m.LayoutRequest(requester="fuzz"),

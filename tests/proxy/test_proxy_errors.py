@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 
 import httpx
 
-from e2e.pd import ProxyProcess
+from aiolayer.harness.pd import ProxyProcess
 from helpers_proxy import FakeEngine, Hub, wait_for
 
 pytestmark = pytest.mark.timeout(90)

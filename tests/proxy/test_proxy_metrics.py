@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from aiolayer_vllm.proxy.app import ProxyState
 from aiolayer_vllm.proxy.flow import ProxyTimeouts
 from aiolayer_vllm.proxy.pool import Backend, Pool
-from e2e.pd import ProxyProcess
+from aiolayer.harness.pd import ProxyProcess
 from helpers_proxy import FakeEngine, Hub, wait_for
 
 pytestmark = pytest.mark.timeout(90)

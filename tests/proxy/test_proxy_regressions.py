@@ -20,8 +20,8 @@ pytest.importorskip("fastapi")
 
 import httpx
 
-from e2e.pd import ProxyProcess
-from e2e.servers import metric_value, parse_metrics
+from aiolayer.harness.pd import ProxyProcess
+from aiolayer.harness.servers import metric_value, parse_metrics
 from helpers_proxy import FakeEngine, Hub, wait_for as _wait_for
 
 pytestmark = pytest.mark.timeout(90)

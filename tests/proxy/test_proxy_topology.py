@@ -26,8 +26,8 @@ from aiolayer.protocol import messages as m
 from aiolayer.runtime.control.plane import ControlServer
 from aiolayer_vllm.proxy.pool import Backend, Pool
 from aiolayer_vllm.proxy.topology import learn_pool, recheck
-from e2e.pd import ProxyProcess
-from e2e.procs import free_port
+from aiolayer.harness.pd import ProxyProcess
+from aiolayer.harness.procs import free_port
 from helpers_proxy import FakeEngine, Hub, StandInRanks, wait_for
 
 pytestmark = pytest.mark.timeout(120)

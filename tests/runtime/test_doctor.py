@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from aiolayer.bench import netns
+from aiolayer.harness import netns
 
-from e2e.procs import free_port
+from aiolayer.harness.procs import free_port
 from helpers_node import SMALL_SHAPE, node_env, shape_args
 
 needs_netns = pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "available")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from aiolayer.bench.engines.procs import free_port
+from aiolayer.harness.procs import free_port
 from helpers_node import apply_mc_env
 
 apply_mc_env()
@@ -136,7 +136,7 @@ def test_restarted_d_on_the_same_port_is_never_written_at_stale_addresses(harnes
 
 # --- faults of the network (bench/scenarios/net_faults.py): P and D on two network namespaces -----------
 
-from aiolayer.bench import netns
+from aiolayer.harness import netns
 from aiolayer.bench.scenarios import net_faults
 
 needs_netns = pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "available")

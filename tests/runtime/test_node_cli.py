@@ -22,7 +22,7 @@ from aiolayer.backends.memory import MemoryBackend
 from aiolayer.errors import ControlRejected
 from aiolayer.protocol import messages as m
 
-from e2e.procs import free_port
+from aiolayer.harness.procs import free_port
 from helpers_node import SMALL_SHAPE, apply_mc_env, run_node_cli, spawn_node
 
 apply_mc_env()

@@ -146,9 +146,9 @@ def test_a_kv_cache_with_scales_beside_its_values_is_refused_at_start(role, cach
 def test_vllm_serve_with_a_misspelt_setting_exits_before_loading_the_model(tmp_path):
     """A real ``vllm serve`` (CPU, the tiny model): it must stop while it builds its config, naming the
     key, not ~40 s later inside a worker's traceback once the model has loaded."""
-    from e2e.procs import ServerError
-    from e2e.servers import VllmServer
-    from e2e.tiny_model import tiny_model_dir
+    from aiolayer.harness.procs import ServerError
+    from aiolayer.harness.servers import VllmServer
+    from aiolayer.harness.tiny_model import tiny_model_dir
 
     server = VllmServer(tiny_model_dir(), name="misspelt", log_dir=tmp_path, enforce_eager=True, omp_bind="nobind",
                         max_model_len=512, startup_timeout_s=150,

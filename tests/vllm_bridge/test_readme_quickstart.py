@@ -59,7 +59,7 @@ def _environment(**values: str) -> dict[str, str]:
 
 
 def _server_class():
-    from e2e.servers import VllmServer
+    from aiolayer.harness.servers import VllmServer
 
     @dataclasses.dataclass(eq=False)
     class ReadmeBlock(VllmServer):
@@ -82,9 +82,9 @@ def _server_class():
 @pytest.mark.timeout(600)
 def test_the_readme_quickstart_serves_a_completion_with_kv_moved_from_p_to_d(tmp_path):
     pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
-    from e2e.procs import free_ports, shm_in_use
-    from e2e.servers import scrape_metrics, wait_started
-    from e2e.tiny_model import LLAMA_GQA, tiny_model_dir
+    from aiolayer.harness.procs import free_ports, shm_in_use
+    from aiolayer.harness.servers import scrape_metrics, wait_started
+    from aiolayer.harness.tiny_model import LLAMA_GQA, tiny_model_dir
 
     blocks = quickstart_blocks()
     cpus = sorted(os.sched_getaffinity(0))

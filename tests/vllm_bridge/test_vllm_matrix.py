@@ -34,10 +34,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.pd import DirectFlow, ProxyProcess, backend, connector
-from e2e.servers import (VllmServer, acompletion, completion, free_port, metric_value, parse_metrics,
+from aiolayer.harness.pd import DirectFlow, ProxyProcess, backend, connector
+from aiolayer.harness.servers import (VllmServer, acompletion, completion, free_port, metric_value, parse_metrics,
                          running, scrape_metrics)
-from e2e.tiny_model import (LLAMA_GQA, QWEN2_BIAS, SAMPLE_PROMPTS, TinySpec, long_prompt,
+from aiolayer.harness.tiny_model import (LLAMA_GQA, QWEN2_BIAS, SAMPLE_PROMPTS, TinySpec, long_prompt,
                             tiny_model_dir, tokenizer_dir, vocabulary)
 from helpers_node import MC_ENV
 

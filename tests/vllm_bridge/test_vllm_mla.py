@@ -24,10 +24,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.pd import ProxyProcess, connector
-from e2e.procs import free_ports
-from e2e.servers import VllmServer, completion, running, scrape_metrics
-from e2e.tiny_model import DEEPSEEK_V2_MLA, SAMPLE_PROMPTS, long_prompt, tiny_model_dir, tokenizer_dir
+from aiolayer.harness.pd import ProxyProcess, connector
+from aiolayer.harness.procs import free_ports
+from aiolayer.harness.servers import VllmServer, completion, running, scrape_metrics
+from aiolayer.harness.tiny_model import DEEPSEEK_V2_MLA, SAMPLE_PROMPTS, long_prompt, tiny_model_dir, tokenizer_dir
 from helpers_node import MC_ENV
 from helpers_relay import bridge_logging_config
 

@@ -24,10 +24,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.pd import ProxyProcess, connector
-from e2e.procs import free_ports
-from e2e.servers import VllmServer, completion, running, scrape_metrics, unconfirmed_releases
-from e2e.tiny_model import LLAMA_GQA, SAMPLE_PROMPTS, long_prompt, tiny_model_dir
+from aiolayer.harness.pd import ProxyProcess, connector
+from aiolayer.harness.procs import free_ports
+from aiolayer.harness.servers import VllmServer, completion, running, scrape_metrics, unconfirmed_releases
+from aiolayer.harness.tiny_model import LLAMA_GQA, SAMPLE_PROMPTS, long_prompt, tiny_model_dir
 from helpers_node import MC_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]

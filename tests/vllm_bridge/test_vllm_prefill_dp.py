@@ -37,11 +37,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.pd import ProxyProcess, connector
-from e2e.procs import free_port, free_ports
-from e2e.servers import (VllmServer, acompletion, completion, kv_cache_usage, metric_value, running,
+from aiolayer.harness.pd import ProxyProcess, connector
+from aiolayer.harness.procs import free_port, free_ports
+from aiolayer.harness.servers import (VllmServer, acompletion, completion, kv_cache_usage, metric_value, running,
                          scrape_metrics, unconfirmed_releases)
-from e2e.tiny_model import LLAMA_GQA, SAMPLE_PROMPTS, long_prompt, tiny_model_dir
+from aiolayer.harness.tiny_model import LLAMA_GQA, SAMPLE_PROMPTS, long_prompt, tiny_model_dir
 from helpers_node import MC_ENV
 from helpers_relay import Freezer, Relay, bytes_received, worker_ports
 

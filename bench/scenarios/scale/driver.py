@@ -46,9 +46,9 @@ from aiolayer.config import DTYPE_BYTES, NodeConfig, Timeouts
 from aiolayer.errors import AiolayerError
 from aiolayer.protocol import messages as m
 from aiolayer.protocol.plan import local_heads, map_ranks, routes_from
+from aiolayer.harness.child import ChildProcess
+from aiolayer.harness.node import MOONCAKE_ENV, NodeProcess
 
-from ...child import ChildProcess
-from ...node import MOONCAKE_ENV, NodeProcess
 from .model import PlanItem, ScaleConfig, kv_layer, rank_heads
 from .raw import METHODS, RawLayout
 from .report import build_report, print_scale, writes_per_peer

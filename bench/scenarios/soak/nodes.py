@@ -10,9 +10,9 @@ import threading
 import time
 
 from aiolayer.runtime.control.plane import ControlClient
+from aiolayer.harness.node import NodeProcess
 
 from ..faults import NODE_ARGS, NODE_ENV
-from ...node import NodeProcess
 from .common import DRIVER_TIMEOUTS, rss_mb
 
 

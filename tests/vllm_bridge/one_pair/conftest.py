@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.pd import ProxyProcess, backend
-from e2e.servers import VllmServer, free_port, running
-from e2e.tiny_model import tiny_model_dir
+from aiolayer.harness.pd import ProxyProcess, backend
+from aiolayer.harness.servers import VllmServer, free_port, running
+from aiolayer.harness.tiny_model import tiny_model_dir
 from helpers_pair import pair_connector, pair_settings
 
 HERE = __file__.rsplit("/", 1)[0]

@@ -23,8 +23,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 psutil = pytest.importorskip("psutil")
 
-from e2e.client import completion_body
-from e2e.servers import KV_USAGE_GAUGE, VllmServer, metric_value, scrape_metrics
+from aiolayer.harness.client import completion_body
+from aiolayer.harness.servers import KV_USAGE_GAUGE, VllmServer, metric_value, scrape_metrics
 
 from aiolayer import NodeConfig, Runtime
 from aiolayer.protocol import messages as m

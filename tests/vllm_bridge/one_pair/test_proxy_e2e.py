@@ -19,9 +19,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.client import StreamError
-from e2e.servers import acompletion, completion, kv_cache_usage, metric_value, scrape_metrics
-from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt
+from aiolayer.harness.client import StreamError
+from aiolayer.harness.servers import acompletion, completion, kv_cache_usage, metric_value, scrape_metrics
+from aiolayer.harness.tiny_model import SAMPLE_PROMPTS, long_prompt
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.vllm]
 MAX_TOKENS = 10

@@ -32,9 +32,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.pd import ProxyProcess
-from e2e.servers import completion
-from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt
+from aiolayer.harness.pd import ProxyProcess
+from aiolayer.harness.servers import completion
+from aiolayer.harness.tiny_model import SAMPLE_PROMPTS, long_prompt
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm]
 BOUND_MS = 250.0

@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.servers import VllmServer, completion, free_port, running, scrape_metrics
-from e2e.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir
+from aiolayer.harness.servers import VllmServer, completion, free_port, running, scrape_metrics
+from aiolayer.harness.tiny_model import SAMPLE_PROMPTS, long_prompt, tiny_model_dir
 from helpers_pair import pair_connector, pair_settings
 
 from aiolayer import NodeConfig, Runtime

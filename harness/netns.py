@@ -5,7 +5,7 @@
 exit, also on failure: the processes it started are killed, the namespaces (and with them the veth
 pair) deleted. Needs root and ``ip``/``tc`` (iproute2); ``available()`` says why not otherwise.
 A process in one namespace can reach the other only through the veth: a leaked 127.0.0.1 dials its
-own namespace's loopback and fails. Installed as ``aiolayer.bench.netns``: the bench's network fault
+own namespace's loopback and fails. Installed as ``aiolayer.harness.netns``: the bench's network fault
 rows and ``--two-hosts`` use it, and so do tests/backends/test_two_hosts*.py.
 """
 

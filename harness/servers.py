@@ -1,6 +1,6 @@
-"""The engine harness under one import (``from aiolayer.bench.engines.servers import VllmServer,
-completion``; tests: ``e2e.servers``): process supervision (``procs``), the vLLM server
-(``vllm_server``, started by ``startup``) and the client (``client``), re-exported."""
+"""The engine harness under one import (``from aiolayer.harness.servers import VllmServer, completion``):
+process supervision (``procs``), the vLLM server (``vllm_server``, started by ``startup``) and the client
+(``client``), re-exported."""
 
 from __future__ import annotations
 
