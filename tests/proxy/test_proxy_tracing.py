@@ -19,7 +19,7 @@ trace_pb = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_ser
 
 import httpx
 
-from e2e.pd import ProxyProcess
+from aiolayer.harness.pd import ProxyProcess
 from helpers_proxy import FakeEngine, Hub, wait_for
 
 pytestmark = pytest.mark.timeout(90)
