@@ -45,7 +45,6 @@ def stage(transfer_id: str, name: str, at: float | None = None) -> None:
         log.debug("timeline %s %s %.6f", transfer_id, name, time.perf_counter() if at is None else at)
 
 
-
 def _transfer_spec(send: SendReq, d_rank: int, **extra: Any) -> TransferSpec:
     """P's spec for one D rank of a request: the one place the request's ``SendParams`` become the core's."""
     params = send.params
@@ -53,6 +52,7 @@ def _transfer_spec(send: SendReq, d_rank: int, **extra: Any) -> TransferSpec:
     return TransferSpec(transfer_id=rank_transfer_id(params.transfer_id, d_rank, len(params.decode_ranks)),
                         peer=target.decode_control, src_blocks=send.src_blocks, dst_blocks=send.dst_blocks,
                         dst_incarnation=target.dst_incarnation, token=params.token, **extra)
+
 
 class WorkerSide:
     def __init__(self, config: BridgeConfig, is_producer: bool, is_consumer: bool, num_blocks: int,

@@ -49,7 +49,6 @@ def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
     return wanted
 
 
-
 @dataclass(frozen=True)
 class ProxyTimeouts:
     registration_s: float = 30.0   # D queued the request, allocated and POSTed its registration
