@@ -196,3 +196,18 @@ def test_aiolayers_threads_leave_the_forwards_pinned_core():
     assert out.returncode == 0, out.stderr
     thread, main = out.stdout.split("] [")
     assert thread.strip("[") == ", ".join(str(c) for c in sorted(os.sched_getaffinity(0))) and main.strip("]\n") == "0"
+
+
+async def test_d_does_not_post_a_registration_the_proxy_would_refuse():
+    """Checked with the proxy's own struct before any HTTP: the transfer is given up at once, saying why."""
+    from aiolayer import ControlError, Registration, Timeouts
+    from aiolayer_vllm.publish import RegistrationPublisher
+
+    reg = Registration(transfer_id="x.d1", block_ids=[1], first_block=0, token=TOKEN, incarnation="inc",
+                       decode_control="http://d:1")
+    publisher = RegistrationPublisher(Topology(tp_rank=1, tp_size=2, total_kv_heads=2))
+    try:
+        with pytest.raises(ControlError, match="tcp://host:port"):
+            await publisher.publish(reg, "http://127.0.0.1:9/registered", "x", Timeouts(control_retries=1))
+    finally:
+        await publisher.close()
