@@ -157,7 +157,7 @@ class DirectFlow:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             d_future = pool.submit(completion, self.d, prompt, max_tokens=max_tokens, stream=stream, path=path,
                                    timeout_s=self.timeout_s, kv_transfer_params={"aiolayer": {
-                                       "transfer_id": tid, "token": token, "prefill_control": self.p_ctl}})
+                                       "transfer_id": tid, "token": token, "prefill_controls": [self.p_ctl]}})
             try:
                 reg = self._lookup(tid, token, deadline)
             except TimeoutError:
@@ -165,7 +165,7 @@ class DirectFlow:
                 raise
             p_out = completion(self.p, prompt, max_tokens=1, path=path, timeout_s=self.timeout_s,
                                kv_transfer_params={"aiolayer": {
-                                   "transfer_id": tid, "token": token, "decode_control": self.d_ctl,
-                                   "dst_blocks": reg.block_ids, "dst_incarnation": reg.incarnation,
+                                   "transfer_id": tid, "token": token, "dst_blocks": reg.block_ids,
+                                   "decode_ranks": [{"decode_control": self.d_ctl, "dst_incarnation": reg.incarnation}],
                                    "first_block": reg.first_block}})
             return Handoff(d_future.result(timeout=max(1.0, deadline - time.monotonic())), p_out, reg)

@@ -19,18 +19,30 @@ import threading
 import time
 
 import httpx
+import msgspec
 import uvicorn
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from aiolayer import Identity, NodeConfig, Runtime
+from aiolayer import Identity, NodeConfig, Registration, Runtime
 from aiolayer.protocol import messages as m
 from aiolayer.runtime.control.plane import ControlServer
 from aiolayer.harness.procs import free_ports
 
 MODEL = "tiny/0123456789ab"            # the fingerprint every stand-in says unless told otherwise
 ROLES = {"prefill": "producer", "decode": "consumer"}
+
+
+def registration(transfer_id: str, token: str, incarnation: str, control: str, *, rank: int = 0, ranks: int = 1,
+                 blocks=(3, 4), first_block: int = 0) -> dict:
+    """D's rank's registration as the connector POSTs it to the proxy (``aiolayer_vllm.params``)."""
+    from aiolayer_vllm.params import DecodeRegistration
+    from aiolayer_vllm.ranks import rank_transfer_id
+
+    reg = Registration(transfer_id=rank_transfer_id(transfer_id, rank, ranks), block_ids=list(blocks),
+                       first_block=first_block, token=token, incarnation=incarnation, decode_control=control)
+    return msgspec.to_builtins(DecodeRegistration(transfer_id=transfer_id, registration=reg, rank=rank, ranks=ranks))
 
 
 def wait_for(check, timeout_s: float, what: str):
@@ -144,8 +156,7 @@ class FakeEngine:
         return JSONResponse({"choices": [{"text": f"{self.name}: done"}], "engine": self.name})
 
     async def _register(self, params: dict) -> None:
-        body = {"transfer_id": params["transfer_id"], "token": params["token"], "block_ids": [3, 4],
-                "first_block": 0, "incarnation": f"{self.name}-1", "decode_control": self.control}
+        body = registration(params["transfer_id"], params["token"], f"{self.name}-1", self.control)
         async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
             await client.post(params["notify_url"], json=body)
 

@@ -193,7 +193,7 @@ def tok(tid: str) -> str:
 
 def recv_params(p: Engine, tid: str) -> dict:
     """What the proxy gives D: the transfer, its token, and P's control endpoint."""
-    return {"aiolayer": {"transfer_id": tid, "token": tok(tid), "prefill_control": p.runtime.control_endpoint}}
+    return {"aiolayer": {"transfer_id": tid, "token": tok(tid), "prefill_controls": [p.runtime.control_endpoint]}}
 
 
 def lookup(p: Engine, d: Engine, tid: str, limit: float = 5.0):
@@ -213,8 +213,9 @@ def lookup(p: Engine, d: Engine, tid: str, limit: float = 5.0):
 
 def send_params(d: Engine, tid: str, reg) -> dict:
     """What the proxy gives P: D's registration of the transfer."""
-    return {"aiolayer": {"transfer_id": tid, "token": tok(tid), "decode_control": d.runtime.control_endpoint,
-                         "dst_blocks": reg.block_ids, "dst_incarnation": reg.incarnation,
+    return {"aiolayer": {"transfer_id": tid, "token": tok(tid), "dst_blocks": reg.block_ids,
+                         "decode_ranks": [{"decode_control": d.runtime.control_endpoint,
+                                           "dst_incarnation": reg.incarnation}],
                          "first_block": reg.first_block}}
 
 

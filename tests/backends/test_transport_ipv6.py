@@ -105,8 +105,8 @@ def test_the_proxy_takes_bracketed_ipv6_control_endpoints():
     from aiolayer_vllm.params import check_endpoint
     from aiolayer_vllm.proxy.pool import Backend
 
-    check_endpoint("tcp://[::1]:5600", "prefill_control")
+    check_endpoint("tcp://[::1]:5600", "prefill_controls[0]")
     backend = Backend.parse("prefill", "http://[::1]:8100,tcp://[::1]:5600,tp=2")
     assert backend.controls == ["tcp://[::1]:5600", "tcp://[::1]:5601"]
     with pytest.raises(ValueError):
-        check_endpoint("tcp://::1:5600", "prefill_control")   # unbracketed: host and port are ambiguous
+        check_endpoint("tcp://::1:5600", "prefill_controls[0]")   # unbracketed: host and port are ambiguous

@@ -171,11 +171,17 @@ async def test_proxy_takes_a_registration_only_with_the_transfers_token():
                         Backend.parse("decode", "http://d:1,tcp://d:2"))
     exchange.token = "a" * 32
     state.pending["t"] = exchange
-    body = {"transfer_id": "t", "block_ids": [1], "incarnation": "i", "decode_control": "tcp://127.0.0.1:9"}
-    forged = state.registered({**body, "token": WRONG})
+    from helpers_proxy import registration
+
+    def body(token: str) -> dict:
+        return registration("t", token, "i", "tcp://127.0.0.1:9", blocks=(1,))
+
+    forged = state.registered(body(WRONG))
     assert forged.status_code == 403 and json.loads(forged.body)["error"]["type"] == "auth"
-    assert state.registered(body).status_code == 403                # no token at all
+    tokenless = body("a" * 32)
+    del tokenless["registration"]["token"]
+    assert state.registered(tokenless).status_code == 400           # no token at all: not a registration
     assert not exchange.registered.done()
-    assert state.registered({**body, "token": "a" * 32}).status_code == 202
-    assert exchange.registered.result()[0]["block_ids"] == [1]   # one registration per D rank
-    assert "aiolayer_proxy_rejected_registrations_total 2.0" in state.metrics.text().decode()
+    assert state.registered(body("a" * 32)).status_code == 202
+    assert exchange.registered.result()[0].registration.block_ids == [1]   # one registration per D rank
+    assert "aiolayer_proxy_rejected_registrations_total 1.0" in state.metrics.text().decode()

@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 import httpx
 
 from aiolayer.harness.pd import ProxyProcess
-from helpers_proxy import FakeEngine, Hub, wait_for
+from helpers_proxy import FakeEngine, Hub, registration, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 # vLLM's OpenAI server's answer to an unknown model, byte for byte (spacing included)
@@ -140,8 +140,8 @@ def test_the_proxys_own_errors_are_openai_shaped(stack):
                    client.post(proxy.url + "/v1/completions", json={"prompt": "x", "n": 2}),
                    client.post(proxy.url + "/internal/aiolayer/registered", content=b"{"),
                    client.post(proxy.url + "/internal/aiolayer/registered", json={"transfer_id": "t"}),
-                   client.post(proxy.url + "/internal/aiolayer/registered", json={
-                       "transfer_id": "nope", "block_ids": [1], "incarnation": "i", "decode_control": "tcp://h:1"})]
+                   client.post(proxy.url + "/internal/aiolayer/registered",
+                               json=registration("nope", "t" * 32, "i", "tcp://h:1"))]
     assert [r.status_code for r in answers] == [400, 400, 400, 400, 404]
     for r in answers:
         _openai_error(r)

@@ -18,6 +18,8 @@ import httpx
 from aiolayer.config import Timeouts
 from aiolayer.protocol import messages as m
 from aiolayer.runtime.control.plane import ControlPeers, ControlServer
+from helpers_proxy import registration
+from aiolayer_vllm.params import read_registration
 from aiolayer_vllm.proxy.app import ProxyState
 from aiolayer_vllm.proxy.flow import Exchange, ExchangeError, ProxyTimeouts
 from aiolayer_vllm.proxy.pool import Backend, Pool
@@ -45,7 +47,8 @@ async def test_an_unexpected_client_error_calling_p_is_a_502_and_d_is_told_to_ab
         prefill = Backend("prefill", "http://127.0.0.1:9", "tcp://127.0.0.1:9")
         decode = Backend("decode", "http://127.0.0.1:8", endpoint)
         exchange = Exchange(state, "/v1/completions", {"prompt": "x"}, prefill, decode)
-        assert exchange.add_registration({"block_ids": [1], "incarnation": "i", "decode_control": endpoint}) == ""
+        reg = read_registration(registration(exchange.transfer_id, exchange.token, "i", endpoint, blocks=[1]))
+        assert exchange.add_registration(reg) == ""
         with pytest.raises(ExchangeError) as err:
             await exchange._prefill(exchange.registered.result())
         assert err.value.status == 502 and err.value.kind == "prefill_error"

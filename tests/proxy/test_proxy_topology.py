@@ -84,7 +84,6 @@ def test_the_proxy_given_only_url_and_control_plans_for_a_p_of_two_tp_ranks(engi
         health = _health(proxy)
     rank1 = f"tcp://127.0.0.1:{p_ranks.base + 1}"
     assert to_d.get("prefill_controls") == [p_ranks.control, rank1], to_d   # D waits for both P ranks
-    assert "prefill_control" not in to_d
     assert to_p.get("prefill_tp") == 2, to_p                                # P checks the plan's size
     learned = _backend(health, "prefill")["topology"]
     assert (learned["tp"], learned["dp"], learned["role"]) == (2, 1, "producer"), learned

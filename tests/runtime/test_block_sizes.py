@@ -56,10 +56,10 @@ def test_other_sizes_with_another_or_an_unknown_interior_are_refused():
 def test_bridge_sends_one_group_whole_from_its_first_block():
     pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
     from aiolayer_vllm.config import from_extra_config
-    from aiolayer_vllm.params import SendParams
+    from aiolayer_vllm.params import DecodeRank, SendParams
     from aiolayer_vllm.scheduler import SchedulerSide
 
     side = SchedulerSide(from_extra_config({"backend": "memory"}, "p"), 128, True, False)
-    send = SendParams(transfer_id="t", token="tok-0123456789abcdef", dst_blocks=[9], decode_control="tcp://h:1",
-                      dst_incarnation="inc", first_block=12)
+    send = SendParams(transfer_id="t", token="tok-0123456789abcdef", dst_blocks=[9], first_block=12,
+                      decode_ranks=[DecodeRank(decode_control="tcp://h:1", dst_incarnation="inc")])
     assert side._pair(([4, 5, 6, 7, 8],), 4, send) == ([4, 5, 6, 7], [9], "", 12)

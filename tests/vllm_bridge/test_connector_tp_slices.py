@@ -19,6 +19,7 @@ from aiolayer import NodeConfig, Runtime
 from aiolayer.protocol import messages as m
 from aiolayer_vllm.config import from_extra_config
 from aiolayer_vllm.metadata import AiolayerMetadata, RecvReq, SendReq
+from aiolayer_vllm.params import DecodeRank, RecvParams, SendParams
 from aiolayer_vllm.ranks import Topology, rank_transfer_id
 from aiolayer_vllm.worker import WorkerSide
 
@@ -54,19 +55,26 @@ def _ranks(role: str, tp: int, fill: bool, heads: int = HEADS) -> list[WorkerSid
     return workers
 
 
+def _recv(dst: list[int], p_controls: list[str]) -> RecvReq:
+    return RecvReq("rq-d", RecvParams(transfer_id="tx", token=TOKEN, prefill_controls=p_controls), dst, 0)
+
+
+def _send(src: list[int], dst: list[int], ds: list[WorkerSide], prefill_tp: int = 0) -> SendReq:
+    ranks = [DecodeRank(decode_control=d.runtime.control_endpoint, dst_incarnation=d.runtime.incarnation) for d in ds]
+    params = SendParams(transfer_id="tx", token=TOKEN, dst_blocks=dst, decode_ranks=ranks, prefill_tp=prefill_tp)
+    return SendReq("rq-p", params, src, dst)
+
+
 def _handoff(p_tp: int, d_tp: int, src: list[int], dst: list[int], heads: int):
     ps, ds = _ranks("p", p_tp, fill=True, heads=heads), _ranks("d", d_tp, fill=False, heads=heads)
     try:
-        p_controls = tuple(p.runtime.control_endpoint for p in ps)
+        p_controls = [p.runtime.control_endpoint for p in ps]
         for d in ds:   # the scheduler's one RecvReq goes to every D rank
-            d.bind(AiolayerMetadata(recvs=[RecvReq("rq-d", "tx", dst, 0, "", token=TOKEN,
-                                                   prefill_controls=p_controls if p_tp > 1 else ())]))
+            d.bind(AiolayerMetadata(recvs=[_recv(dst, p_controls)]))
         if p_tp == 1:
             for d in ds:
                 d.bind(AiolayerMetadata())
-        ranks = tuple((d.runtime.control_endpoint, d.runtime.incarnation) for d in ds)
-        send = SendReq("rq-p", "tx", src, ranks[0][0] if d_tp == 1 else "", dst, ranks[0][1] if d_tp == 1 else "",
-                       token=TOKEN, decode_ranks=ranks if d_tp > 1 else ())
+        send = _send(src, dst, ds)
         for p in ps:   # ... and the one SendReq to every P rank; each runs the forward
             p.bind(AiolayerMetadata(sends=[send]))
             for name in LAYERS:
@@ -120,9 +128,8 @@ def test_a_d_rank_waits_for_every_p_rank_that_writes_into_it():
     """P TP=2 -> D TP=1: only one P rank sends; D must not finish on its DONE alone."""
     ps, ds = _ranks("p", 2, fill=True), _ranks("d", 1, fill=False)
     try:
-        controls = tuple(p.runtime.control_endpoint for p in ps)
-        ds[0].bind(AiolayerMetadata(recvs=[RecvReq("rq-d", "tx", [1], 0, "", token=TOKEN, prefill_controls=controls)]))
-        send = SendReq("rq-p", "tx", [2], ds[0].runtime.control_endpoint, [1], ds[0].runtime.incarnation, token=TOKEN)
+        ds[0].bind(AiolayerMetadata(recvs=[_recv([1], [p.runtime.control_endpoint for p in ps])]))
+        send = _send([2], [1], ds)
         ps[0].bind(AiolayerMetadata(sends=[send]))
         for name in LAYERS:
             ps[0].save_kv_layer(name)
@@ -163,10 +170,8 @@ def test_a_p_of_another_tp_size_than_planned_writes_nothing_and_fails_d_at_once(
     finishes on rank 0's DONE with the other half of the heads never written."""
     ps, ds = _ranks("p", 2, fill=True), _ranks("d", 1, fill=False)
     try:
-        ds[0].bind(AiolayerMetadata(recvs=[RecvReq("rq-d", "tx", [1, 2], 0, ps[0].runtime.control_endpoint,
-                                                   token=TOKEN)]))
-        d = ds[0].runtime
-        send = SendReq("rq-p", "tx", [3, 4], d.control_endpoint, [1, 2], d.incarnation, token=TOKEN, prefill_tp=1)
+        ds[0].bind(AiolayerMetadata(recvs=[_recv([1, 2], [ps[0].runtime.control_endpoint])]))
+        send = _send([3, 4], [1, 2], ds, prefill_tp=1)
         started = time.monotonic()
         for p in ps:
             p.bind(AiolayerMetadata(sends=[send]))

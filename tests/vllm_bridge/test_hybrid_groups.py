@@ -63,7 +63,7 @@ def test_separate_tensors_stay_separate_layers():
 
 
 def _recv(p, tid: str) -> dict:
-    return {"aiolayer": {"transfer_id": tid, "token": tok(tid), "prefill_control": p.runtime.control_endpoint}}
+    return {"aiolayer": {"transfer_id": tid, "token": tok(tid), "prefill_controls": [p.runtime.control_endpoint]}}
 
 
 def test_each_group_lands_in_its_own_blocks_and_blocks_outside_d_window_are_not_sent(engines):

@@ -14,7 +14,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
 from aiolayer.errors import ConfigError
-from aiolayer_vllm.params import InvalidParams, RecvParams, SendParams, read
+from helpers_proxy import registration
+from aiolayer_vllm.params import DecodeRegistration, InvalidParams, RecvParams, SendParams, read, read_registration
 from aiolayer_vllm.proxy.flow import Exchange, ProxyTimeouts
 from aiolayer_vllm.proxy.pool import Backend
 from aiolayer_vllm.ranks import Topology, rank_transfer_id, routes_for_p, whole_blocks, writers_of_d
@@ -67,20 +68,24 @@ def test_transfer_ids_are_rank_qualified_only_with_several_d_ranks():
     assert [rank_transfer_id("x", d, 2) for d in range(2)] == ["x.d0", "x.d1"]
 
 
-def test_parameters_name_several_ranks_in_one_of_two_forms():
+def test_parameters_name_ranks_as_lists_only():
     send = read({"aiolayer": {"transfer_id": "x", "token": TOKEN, "dst_blocks": [3, 4], "decode_ranks": [
         {"decode_control": "tcp://10.0.0.2:5600", "dst_incarnation": "a"},
         {"decode_control": "tcp://10.0.0.2:5601", "dst_incarnation": "b"}]}})
-    assert isinstance(send, SendParams) and [r.dst_incarnation for r in send.ranks] == ["a", "b"]
+    assert isinstance(send, SendParams) and [r.dst_incarnation for r in send.decode_ranks] == ["a", "b"]
     recv = read({"aiolayer": {"transfer_id": "x", "token": TOKEN,
                               "prefill_controls": ["tcp://10.0.0.1:5600", "tcp://10.0.0.1:5601"]}})
-    assert isinstance(recv, RecvParams) and recv.prefill_ranks == ["tcp://10.0.0.1:5600", "tcp://10.0.0.1:5601"]
+    assert isinstance(recv, RecvParams) and recv.prefill_tp == 2
+    unnamed = read({"aiolayer": {"transfer_id": "x", "token": TOKEN}})
+    assert isinstance(unnamed, RecvParams) and unnamed.prefill_tp == 1   # one P rank nobody named
     for bad, why in [
-        ({"dst_blocks": [1], "decode_control": "tcp://h:1", "dst_incarnation": "i",
-          "decode_ranks": [{"decode_control": "tcp://h:2", "dst_incarnation": "j"}]}, "not both"),
-        ({"dst_blocks": [1], "decode_control": "tcp://h:1"}, "dst_incarnation is required"),
+        ({"dst_blocks": [1], "decode_control": "tcp://h:1", "dst_incarnation": "i"}, "unknown field `decode_control`"),
+        ({"dst_blocks": [1]}, "missing required field `decode_ranks`"),
+        ({"dst_blocks": [1], "decode_ranks": []}, "length >= 1"),
         ({"dst_blocks": [1], "decode_ranks": [{"decode_control": "http://h:2", "dst_incarnation": "j"}]}, "tcp://"),
-        ({"prefill_control": "tcp://h:1", "prefill_controls": ["tcp://h:2"]}, "not both"),
+        ({"dst_blocks": [1], "decode_ranks": [{"decode_control": "tcp://h:2"}]}, "dst_incarnation"),
+        ({"prefill_control": "tcp://h:1"}, "unknown field `prefill_control`"),
+        ({"prefill_controls": "tcp://h:1"}, "Expected `array`"),
         ({"prefill_controls": ["tcp://h:1", "nonsense"]}, r"prefill_controls\[1\]"),
     ]:
         with pytest.raises(InvalidParams, match=why):
@@ -101,9 +106,9 @@ class _State:
     timeouts = ProxyTimeouts()
 
 
-def _reg(rank: int, ranks: int, blocks=(7, 8), port: int = 5600) -> dict:
-    return {"transfer_id": "ignored", "token": TOKEN, "block_ids": list(blocks), "first_block": 0, "rank": rank,
-            "ranks": ranks, "incarnation": f"inc{rank}", "decode_control": f"tcp://d:{port + rank}"}
+def _reg(ex: Exchange, rank: int, ranks: int, blocks=(7, 8), port: int = 5600) -> DecodeRegistration:
+    return read_registration(registration(ex.transfer_id, ex.token, f"inc{rank}", f"tcp://d:{port + rank}",
+                                          rank=rank, ranks=ranks, blocks=blocks))
 
 
 async def test_the_proxy_calls_p_only_once_every_d_rank_registered():
@@ -111,19 +116,36 @@ async def test_the_proxy_calls_p_only_once_every_d_rank_registered():
     d = Backend.parse("decode", "http://d:8200,tcp://d:5600")
     ex = Exchange(_State(), "/v1/completions", {"prompt": "x"}, p, d)
     assert ex.d_body()["kv_transfer_params"]["aiolayer"]["prefill_controls"] == ["tcp://p:5600", "tcp://p:5601"]
-    assert ex.add_registration(_reg(1, 2)) == "" and not ex.registered.done()
-    assert "rank 0 registered other" in ex.add_registration(_reg(0, 2, blocks=(9,)))   # refused, not stored
-    assert "not a rank" in ex.add_registration(_reg(2, 2))
-    assert "tcp://host:port" in ex.add_registration({**_reg(1, 2), "decode_control": "http://d:1"})
-    assert ex.add_registration(_reg(0, 2)) == "" and ex.registered.done()
+    assert ex.add_registration(_reg(ex, 1, 2)) == "" and not ex.registered.done()
+    assert "rank 0 registered other" in ex.add_registration(_reg(ex, 0, 2, blocks=(9,)))   # refused, not stored
+    assert "registered twice, differently" in ex.add_registration(_reg(ex, 1, 2, port=5700))
+    assert ex.add_registration(_reg(ex, 0, 2)) == "" and ex.registered.done()
     params = ex.p_body(ex.registered.result())["kv_transfer_params"]["aiolayer"]
     assert params["decode_ranks"] == [{"decode_control": "tcp://d:5600", "dst_incarnation": "inc0"},
                                       {"decode_control": "tcp://d:5601", "dst_incarnation": "inc1"}]
+    assert (params["dst_blocks"], params["prefill_tp"]) == ([7, 8], 2)
     assert isinstance(read({"aiolayer": params}), SendParams)     # P accepts what the proxy sends
     one = Exchange(_State(), "/v1/completions", {"prompt": "x"}, Backend.parse("prefill", "http://p:1,tcp://p:2"), d)
-    assert one.add_registration(_reg(0, 1)) == "" and one.registered.done()
-    assert set(one.p_body(one.registered.result())["kv_transfer_params"]["aiolayer"]) >= {"decode_control",
-                                                                                         "dst_incarnation"}
+    assert one.d_body()["kv_transfer_params"]["aiolayer"]["prefill_controls"] == ["tcp://p:2"]
+    assert one.add_registration(_reg(one, 0, 1)) == "" and one.registered.done()
+    to_p = one.p_body(one.registered.result())["kv_transfer_params"]["aiolayer"]
+    assert to_p["decode_ranks"] == [{"decode_control": "tcp://d:5600", "dst_incarnation": "inc0"}]   # a list of one
+
+
+def test_a_registration_that_does_not_fit_the_contract_is_refused_whole():
+    good = registration("x", TOKEN, "inc", "tcp://d:1", rank=1, ranks=2)
+    assert read_registration(good).registration.transfer_id == "x.d1"
+    for bad, why in [
+        ({**good, "rank": 2}, "rank 2 of 2"),
+        ({**good, "ranks": 0}, r"\$.ranks"),
+        ({**good, "registration": {**good["registration"], "transfer_id": "x"}}, "not rank 1 of 2"),
+        ({**good, "registration": {**good["registration"], "decode_control": "http://d:1"}}, "tcp://host:port"),
+        ({**good, "registration": {**good["registration"], "block_ids": []}}, "block_ids"),
+        ({**good, "registration": {**good["registration"], "token": "short"}}, "token"),
+        ({**good, "registration": {**good["registration"], "incarnation": "a b"}}, "incarnation"),
+    ]:
+        with pytest.raises(InvalidParams, match=why):
+            read_registration(bad)
 
 
 def test_pipeline_parallel_is_refused_at_start():
@@ -174,3 +196,18 @@ def test_aiolayers_threads_leave_the_forwards_pinned_core():
     assert out.returncode == 0, out.stderr
     thread, main = out.stdout.split("] [")
     assert thread.strip("[") == ", ".join(str(c) for c in sorted(os.sched_getaffinity(0))) and main.strip("]\n") == "0"
+
+
+async def test_d_does_not_post_a_registration_the_proxy_would_refuse():
+    """Checked with the proxy's own struct before any HTTP: the transfer is given up at once, saying why."""
+    from aiolayer import ControlError, Registration, Timeouts
+    from aiolayer_vllm.publish import RegistrationPublisher
+
+    reg = Registration(transfer_id="x.d1", block_ids=[1], first_block=0, token=TOKEN, incarnation="inc",
+                       decode_control="http://d:1")
+    publisher = RegistrationPublisher(Topology(tp_rank=1, tp_size=2, total_kv_heads=2))
+    try:
+        with pytest.raises(ControlError, match="tcp://host:port"):
+            await publisher.publish(reg, "http://127.0.0.1:9/registered", "x", Timeouts(control_retries=1))
+    finally:
+        await publisher.close()

@@ -113,7 +113,7 @@ def test_d_async_load_finishes_and_p_frees_blocks_only_after_its_sends(engines, 
     p = engines("kv_producer", f"p-{layout}", layout=layout)
     prompt = list(range(3, 103))                       # 100 tokens: 4 blocks of 32
     d.add("d-1", prompt, 3, {"aiolayer": {"transfer_id": "t1", "token": tok("t1"),
-                                          "prefill_control": p.runtime.control_endpoint}})
+                                          "prefill_controls": [p.runtime.control_endpoint]}})
     d.step()
     assert _status(d, "d-1") is RequestStatus.WAITING_FOR_REMOTE_KVS
     reg = _run_prefill(p, d, "t1", prompt)
@@ -140,7 +140,7 @@ def test_failed_receive_ends_in_failed_recving_not_a_stuck_request(engines):
     p = engines("kv_producer", "p-fail")
     prompt = list(range(10, 74))
     d.add("d-2", prompt, 3, {"aiolayer": {"transfer_id": "t2", "token": tok("t2"),
-                                          "prefill_control": p.runtime.control_endpoint}})
+                                          "prefill_controls": [p.runtime.control_endpoint]}})
     d.step()
     d.runtime.backend.faults.fail = True              # every write into D is refused
     _run_prefill(p, d, "t2", prompt)
@@ -168,7 +168,7 @@ def test_abort_while_waiting_keeps_blocks_until_the_fence(engines, writer):
     d = engines("kv_consumer", f"d-abort-{writer}")
     p = engines("kv_producer", f"p-abort-{writer}")
     d.add("d-3", list(range(64)), 3, {"aiolayer": {"transfer_id": "t3", "token": tok("t3"),
-                                                   "prefill_control": "tcp://127.0.0.1:9"}})
+                                                   "prefill_controls": ["tcp://127.0.0.1:9"]}})
     d.step()
     blocks = d.blocks_of("d-3")
     assert blocks and _status(d, "d-3") is RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -201,7 +201,7 @@ def test_chunked_prefill_sends_every_block_in_the_last_chunk(engines):
     p = engines("kv_producer", "p-chunk", max_batched=64)
     prompt = list(range(5, 133))                       # 128 tokens in chunks of 64: 2 steps, 4 blocks
     d.add("d-4", prompt, 2, {"aiolayer": {"transfer_id": "t4", "token": tok("t4"),
-                                          "prefill_control": p.runtime.control_endpoint}})
+                                          "prefill_controls": [p.runtime.control_endpoint]}})
     d.step()
     reg = lookup(p, d, "t4")
     p.add("p-t4", prompt, 1, send_params(d, "t4", reg))
@@ -266,8 +266,10 @@ def test_d_publishes_its_registration_and_gives_up_if_nobody_takes_it(engines, s
             time.sleep(0.01)
         assert len(hub.bodies) == 1
         body = hub.bodies[0]
-        assert body["transfer_id"] == "t5" and body["block_ids"] == d.blocks_of("d-5")
-        assert body["decode_control"] == d.runtime.control_endpoint and body["incarnation"]
+        reg = body["registration"]   # the runtime's Registration as is, with D's rank
+        assert body["transfer_id"] == "t5" and reg["block_ids"] == d.blocks_of("d-5")
+        assert reg["decode_control"] == d.runtime.control_endpoint and reg["incarnation"]
+        assert (reg["transfer_id"], reg["token"], body["rank"], body["ranks"]) == ("t5", tok("t5"), 0, 1)
         if status == 202:
             assert _status(d, "d-5") is RequestStatus.WAITING_FOR_REMOTE_KVS
         else:   # refused: D gives the transfer up instead of waiting for a P that will never come
@@ -304,7 +306,7 @@ def test_the_step_that_reports_a_transfer_also_counts_it(engines):
     p = engines("kv_producer", "p-stats1")
     prompt = list(range(5, 69))
     d.add("d-61", prompt, 2, {"aiolayer": {"transfer_id": "t61", "token": tok("t61"),
-                                           "prefill_control": p.runtime.control_endpoint}})
+                                           "prefill_controls": [p.runtime.control_endpoint]}})
     d.step()
     _run_prefill(p, d, "t61", prompt)
     _steps_until(d, lambda: any("d-61" in (res.finished_recving or ()) for res, _ in d.reports))
@@ -347,7 +349,7 @@ def test_connector_stats_report_the_transfer_and_feed_prometheus(engines):
     p = engines("kv_producer", "p-stats")
     prompt = list(range(5, 69))                        # 64 tokens: 2 blocks of 32
     d.add("d-6", prompt, 2, {"aiolayer": {"transfer_id": "t6", "token": tok("t6"),
-                                          "prefill_control": p.runtime.control_endpoint}})
+                                          "prefill_controls": [p.runtime.control_endpoint]}})
     d.step()
     _run_prefill(p, d, "t6", prompt)
     _steps_until(d, lambda: d.runtime.receiver.outcome_counts["finished"] == 1)

@@ -20,6 +20,7 @@ import itertools
 import time
 
 import httpx  # noqa: F401 - imported here, not first on a loop thread (see _with_surrogate)
+import msgspec
 import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
@@ -62,10 +63,10 @@ def _nest(inner):
 
 JUNK = st.recursive(SCALAR, _nest, max_leaves=8)
 
-RECV = {"transfer_id": "fz", "token": "fz-token-0123456789abcdef", "prefill_control": "tcp://127.0.0.1:1",
+RECV = {"transfer_id": "fz", "token": "fz-token-0123456789abcdef", "prefill_controls": ["tcp://127.0.0.1:1"],
         "notify_url": "http://127.0.0.1:1/registered"}
-SEND = {"transfer_id": "fz", "token": "fz-token-0123456789abcdef", "decode_control": "tcp://127.0.0.1:1",
-        "dst_blocks": [1, 2], "dst_incarnation": "inc", "first_block": 0}
+SEND = {"transfer_id": "fz", "token": "fz-token-0123456789abcdef", "dst_blocks": [1, 2], "first_block": 0,
+        "decode_ranks": [{"decode_control": "tcp://127.0.0.1:1", "dst_incarnation": "inc"}]}
 
 
 def _mutate(base: dict, drop: set, junk: dict, extra: dict) -> dict:
@@ -137,6 +138,13 @@ def test_malformed_kv_transfer_params_never_raise_out_of_the_connector(trio, par
         eng.step()
 
 
+def _unchecked(struct, **fields):
+    """``struct`` holding what its checks refuse: what a worker must survive all the same."""
+    for name, value in fields.items():
+        msgspec.structs.force_setattr(struct, name, value)
+    return struct
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(tid=st.text(max_size=6) | SURROGATE, token=st.text(max_size=20) | SURROGATE,
        endpoint=st.sampled_from(["", "tcp://127.0.0.1:1", "tcp://127.0.0.1:\udc80", "nonsense"]),
@@ -145,11 +153,16 @@ def test_malformed_kv_transfer_params_never_raise_out_of_the_connector(trio, par
 def test_junk_worker_metadata_fails_alone(lone, tid, token, endpoint, blocks, first):
     """What the scheduler never builds, bound anyway: the worker refuses it without raising."""
     from aiolayer_vllm.metadata import AiolayerMetadata, RecvReq, SendReq
+    from aiolayer_vllm.params import DecodeRank, RecvParams, SendParams
 
-    meta = AiolayerMetadata(recvs=[RecvReq(f"fz-w{next(_ids)}", "fzw" + tid, blocks, first, endpoint,
-                                           token=token)],
-                            sends=[SendReq(f"fz-w{next(_ids)}", "fzw" + tid, blocks, endpoint, blocks, tid,
-                                           token=token)],
+    valid = {"transfer_id": "x", "token": "fz-token-0123456789abcdef"}
+    recv = _unchecked(RecvParams(**valid), transfer_id="fzw" + tid, token=token, prefill_controls=[endpoint])
+    rank = _unchecked(DecodeRank(decode_control="tcp://h:1", dst_incarnation="i"), decode_control=endpoint,
+                      dst_incarnation=tid)
+    send = _unchecked(SendParams(**valid, dst_blocks=[1], decode_ranks=[rank]), transfer_id="fzw" + tid,
+                      token=token, dst_blocks=blocks)
+    meta = AiolayerMetadata(recvs=[RecvReq(f"fz-w{next(_ids)}", recv, blocks, first)],
+                            sends=[SendReq(f"fz-w{next(_ids)}", send, blocks, blocks)],
                             aborts=[(f"fz-w{next(_ids)}", "fzw" + tid)],
                             cancels=[(f"fz-w{next(_ids)}", "fzw" + tid)])
     worker = lone.worker

@@ -8,6 +8,7 @@ finish reason) within a bound far below the receive deadline: a request left wai
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
@@ -142,9 +143,11 @@ def test_send_of_a_request_preempted_at_p_fails_and_never_says_done(engines, asy
 BAD_RECV = {
     "empty token": {"token": ""},
     "short token": {"token": "short"},
-    "surrogate endpoint": {"prefill_control": "tcp://127.0.0.1:\udc80"},
-    "endpoint without port": {"prefill_control": "tcp://127.0.0.1"},
-    "unknown field": {"prefil_control": "tcp://127.0.0.1:5555"},
+    "surrogate endpoint": {"prefill_controls": ["tcp://127.0.0.1:\udc80"]},
+    "endpoint without port": {"prefill_controls": ["tcp://127.0.0.1"]},
+    "endpoints not a list": {"prefill_controls": "tcp://127.0.0.1:5555"},
+    "unknown field": {"prefil_controls": ["tcp://127.0.0.1:5555"]},
+    "one rank's spelling": {"prefill_control": "tcp://127.0.0.1:5555"},
     "ftp notify_url": {"notify_url": "ftp://proxy/registered"},
     "surrogate notify_url": {"notify_url": "http://proxy\udc80/registered"},
     "empty transfer id": {"transfer_id": ""},
@@ -154,7 +157,7 @@ BAD_RECV = {
 @pytest.mark.parametrize("case", sorted(BAD_RECV))
 def test_bad_params_at_d_prefill_locally(engines, case):
     d = engines("kv_consumer", "d-f5")
-    params = {"transfer_id": "f5", "token": tok("f5"), "prefill_control": "tcp://127.0.0.1:5555", **BAD_RECV[case]}
+    params = {"transfer_id": "f5", "token": tok("f5"), "prefill_controls": ["tcp://127.0.0.1:5555"], **BAD_RECV[case]}
     d.add("d-bad", list(range(40)), 2, {"aiolayer": params})
     d.step()
     assert d.status("d-bad") is not _waiting_remote()
@@ -165,11 +168,14 @@ def test_bad_params_at_d_prefill_locally(engines, case):
 
 BAD_SEND = {
     "empty token": {"token": ""},
-    "empty dst_incarnation": {"dst_incarnation": ""},
+    "empty dst_incarnation": {"decode_ranks": [{"decode_control": "tcp://127.0.0.1:5555", "dst_incarnation": ""}]},
+    "no decode rank": {"decode_ranks": []},
+    "one rank's spelling": {"decode_control": "tcp://127.0.0.1:5555", "dst_incarnation": "inc"},
     "dst block 2**63": {"dst_blocks": [2**63, 1]},
     "negative dst block": {"dst_blocks": [-1, 1]},
-    "surrogate decode_control": {"decode_control": "tcp://127.0.0.1:\udc80"},
-    "decode_control not tcp": {"decode_control": "http://127.0.0.1:5555"},
+    "surrogate decode_control": {"decode_ranks": [{"decode_control": "tcp://127.0.0.1:\udc80",
+                                                   "dst_incarnation": "inc"}]},
+    "decode_control not tcp": {"decode_ranks": [{"decode_control": "http://127.0.0.1:5555", "dst_incarnation": "inc"}]},
     "negative first_block": {"first_block": -1},
     "huge first_block": {"first_block": 2**40},
 }
@@ -212,8 +218,9 @@ def test_worker_never_raises_for_one_bad_request(engines):
     out = p.scheduler.schedule()
     meta = out.kv_connector_metadata
     good = meta.sends[0]
-    meta.sends.insert(0, SendReq("p-ghost", "ghost", good.src_blocks, good.decode_control, good.dst_blocks,
-                                 "", token=""))            # empty incarnation and token: TransferSpec refuses
+    ghost = msgspec.structs.replace(good.params, transfer_id="ghost", token="", decode_ranks=[
+        msgspec.structs.replace(r, dst_incarnation="") for r in good.params.decode_ranks])
+    meta.sends.insert(0, SendReq("p-ghost", ghost, good.src_blocks, good.dst_blocks))   # TransferSpec refuses it
     assert isinstance(meta, AiolayerMetadata)
     p.worker.bind_connector_metadata(meta)
     for name in LAYERS:

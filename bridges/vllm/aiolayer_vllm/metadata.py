@@ -6,52 +6,46 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from .params import RecvParams, SendParams
+
 
 @dataclass(frozen=True)
 class RecvReq:
-    """D: register this transfer before its block ids are published."""
+    """D: register this transfer (its request's ``RecvParams``, as read) before its block ids are published."""
 
     req_id: str
-    transfer_id: str
+    params: RecvParams
     block_ids: list[int]
     first_block: int
-    prefill_control: str
-    notify_url: str = ""
-    token: str = ""
-    prefill_controls: tuple[str, ...] = ()   # P's TP ranks when it has several (then prefill_control is "")
     # block_ids holds every KV cache group's, group after group, with vLLM's null block where a sliding
     # window needs none: these are the blocks the transfer actually writes (None: all of block_ids)
     own_blocks: list[int] | None = None
 
     @property
-    def written(self) -> list[int]:
-        return self.block_ids if self.own_blocks is None else self.own_blocks
+    def transfer_id(self) -> str:
+        return self.params.transfer_id
 
     @property
-    def prefill_ranks(self) -> list[str]:
-        return list(self.prefill_controls) or [self.prefill_control]
+    def written(self) -> list[int]:
+        return self.block_ids if self.own_blocks is None else self.own_blocks
 
 
 @dataclass(frozen=True)
 class SendReq:
-    """P: this request's prefill completes in this step; stream its blocks to D layer by layer."""
+    """P: this request's prefill completes in this step; stream its blocks to D (its ``SendParams``, as
+    read) layer by layer."""
 
     req_id: str
-    transfer_id: str
+    params: SendParams
     src_blocks: list[int]
-    decode_control: str
-    dst_blocks: list[int]
-    dst_incarnation: str
+    dst_blocks: list[int]           # paired with src_blocks (params.dst_blocks less those D needs none of)
     layerwise: bool = True
-    token: str = ""
-    decode_ranks: tuple[tuple[str, str], ...] = ()   # (control, incarnation) per D TP rank when several
-    prefill_tp: int = 0                              # P's TP size the plan assumed (0: not said)
-    refused: str = ""                                # why nothing can be sent (D is told); "" = send
-    src_from: int = 0                                # D's first block is the request's block src_from (TransferSpec)
+    refused: str = ""               # why nothing can be sent (D is told); "" = send
+    src_from: int = 0               # D's first block is the request's block src_from (TransferSpec)
 
     @property
-    def d_ranks(self) -> list[tuple[str, str]]:
-        return list(self.decode_ranks) or [(self.decode_control, self.dst_incarnation)]
+    def transfer_id(self) -> str:
+        return self.params.transfer_id
 
 
 @dataclass

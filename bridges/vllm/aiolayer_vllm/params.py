@@ -1,18 +1,20 @@
-"""The request-level contract: what the proxy puts in ``kv_transfer_params["aiolayer"]``.
+"""The request-level contract of the bridge, one msgspec struct per message the engines and the proxy
+exchange about a request: what the proxy puts in ``kv_transfer_params["aiolayer"]`` and what D POSTs back.
 
-To D (remote prefill): ``{"transfer_id": str, "token": str, "prefill_control": "tcp://...",
-"notify_url": "http://..."}`` (P's control endpoint, so D can tell P to stop on abort or deadline;
-where to POST the registration); a P with several tensor-parallel ranks is named by
-``"prefill_controls": [rank 0's, rank 1's, ...]`` instead (D's ranks work out which P ranks write
-into them). To P (remote decode): ``{"transfer_id": str, "token": str, "decode_control": "tcp://...",
-"dst_blocks": [int], "dst_incarnation": str, "first_block": int, "prefill_tp": int}``, the registration
-D published and the P tensor-parallel size the plan assumed (optional; P refuses to send when its own
-differs, telling D at once); a D with several tensor-parallel ranks is named by ``"decode_ranks":
-[{"decode_control": ..., "dst_incarnation": ...}, ...]`` in rank order instead of the two single fields
-(the blocks are the same on every rank: one scheduler allocates them). Transfer ids are the proxy's
-own, never derived from vLLM's request ids. The token is a secret the proxy mints per transfer
-(``secrets.token_hex(16)``) and gives only to this transfer's D and P: D refuses layout requests and
-DONE/FAILED without it.
+To D (remote prefill), ``RecvParams``: ``{"transfer_id": str, "token": str, "prefill_controls":
+["tcp://...", ...], "notify_url": "http://..."}``: P's control endpoint per tensor-parallel rank in
+rank order (D's ranks work out which P ranks write into them) and where to POST the registration.
+D POSTs ``DecodeRegistration`` there, one per tensor-parallel rank: ``{"transfer_id": str,
+"registration": {...}, "rank": int, "ranks": int, "dp_rank": int}``, ``registration`` being the
+runtime's own ``aiolayer.Registration`` (its transfer id is this rank's, ``ranks.rank_transfer_id``).
+To P (remote decode), once every D rank registered, ``SendParams``: ``{"transfer_id": str, "token":
+str, "dst_blocks": [int], "first_block": int, "decode_ranks": [{"decode_control": "tcp://...",
+"dst_incarnation": str}, ...], "prefill_tp": int}``: D's ranks in rank order (the blocks are the same
+on every rank: one scheduler allocates them) and the P tensor-parallel size the plan assumed (0 = not
+said; P refuses to send when its own differs, telling D at once). Ranks are always lists, one entry
+for an engine without tensor parallelism. Transfer ids are the proxy's own, never derived from vLLM's
+request ids. The token is a secret the proxy mints per transfer (``secrets.token_hex(16)``) and gives
+only to this transfer's D and P: D refuses layout requests and DONE/FAILED without it.
 
 A request's parameters come from a client: ``read`` validates them whole (types, ranges, ASCII ids
 and endpoints, no unknown field) and tells the two shapes apart by their fields, so one engine can
@@ -28,7 +30,9 @@ from urllib.parse import urlsplit
 import msgspec
 from msgspec import Meta
 
-from aiolayer import MIN_TOKEN_CHARS   # the runtime's own minimum: refused here, before any I/O
+from aiolayer import MIN_TOKEN_CHARS, Registration   # the runtime's own minimum: refused here, before any I/O
+
+from .ranks import rank_transfer_id
 
 KEY = "aiolayer"
 MAX_ID_CHARS = 256
@@ -70,32 +74,36 @@ def check_url(value: str, field: str) -> None:
 
 
 MAX_RANKS = 1024
+Ranks = Annotated[int, Meta(ge=1, le=MAX_RANKS)]
+Rank = Annotated[int, Meta(ge=0, lt=MAX_RANKS)]
+BlockIds = Annotated[list[BlockId], Meta(min_length=1, max_length=MAX_BLOCKS)]
+FirstBlock = Annotated[int, Meta(ge=0, lt=MAX_FIRST_BLOCK)]
 
 
 class RecvParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """D's part of a request: the transfer, its secret, P's ranks and where to register."""
+
     transfer_id: Id
     token: Token
-    prefill_control: Url = ""   # "" = no P to tell on abort (D then waits fence_grace)
+    # P's control endpoint per tensor-parallel rank, in rank order; [] = one P rank nobody named
+    prefill_controls: Annotated[list[Url], Meta(max_length=MAX_RANKS)] = []
     notify_url: Url = ""        # where D POSTs its registration (the proxy); "" = LookupRequest only
-    prefill_controls: Annotated[list[Url], Meta(max_length=MAX_RANKS)] = []   # P's TP ranks, in rank order
 
     def __post_init__(self) -> None:
-        if self.prefill_control and self.prefill_controls:
-            raise ValueError("give prefill_control (one P rank) or prefill_controls (several), not both")
-        if self.prefill_control:
-            check_endpoint(self.prefill_control, "prefill_control")
         for i, control in enumerate(self.prefill_controls):
             check_endpoint(control, f"prefill_controls[{i}]")
         if self.notify_url:
             check_url(self.notify_url, "notify_url")
 
     @property
-    def prefill_ranks(self) -> list[str]:
-        """P's control endpoint per TP rank ("" = unknown: D cannot tell that P to stop)."""
-        return list(self.prefill_controls) or [self.prefill_control]
+    def prefill_tp(self) -> int:
+        """How many P ranks write this transfer (one where none was named)."""
+        return len(self.prefill_controls) or 1
 
 
 class DecodeRank(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One of D's tensor-parallel ranks as P addresses it."""
+
     decode_control: Url
     dst_incarnation: Id
 
@@ -104,31 +112,58 @@ class DecodeRank(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 
 class SendParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """P's part of a request: D's blocks (the same on every D rank: one scheduler allocates them) and
+    D's ranks in tensor-parallel order."""
+
     transfer_id: Id
     token: Token
-    dst_blocks: Annotated[list[BlockId], Meta(min_length=1, max_length=MAX_BLOCKS)]
-    decode_control: Url = ""
-    dst_incarnation: Annotated[str, Meta(max_length=MAX_ID_CHARS, pattern=r"^[\x21-\x7e]*$")] = ""
-    first_block: Annotated[int, Meta(ge=0, lt=MAX_FIRST_BLOCK)] = 0
-    decode_ranks: Annotated[list[DecodeRank], Meta(max_length=MAX_RANKS)] = []
+    dst_blocks: BlockIds
+    decode_ranks: Annotated[list[DecodeRank], Meta(min_length=1, max_length=MAX_RANKS)]
+    first_block: FirstBlock = 0
     # P's tensor-parallel size the proxy planned the request for (the P ranks it told D to wait for):
-    # P refuses to send when its own differs. 0 = not said (an older proxy): not checked.
+    # P refuses to send when its own differs. 0 = not said: not checked.
     prefill_tp: Annotated[int, Meta(ge=0, le=MAX_RANKS)] = 0
 
+    @classmethod
+    def for_registrations(cls, regs: list[DecodeRegistration], prefill_tp: int) -> SendParams:
+        """What P is told once every one of D's ranks registered (``regs`` in rank order, agreeing)."""
+        first = regs[0].registration
+        return cls(transfer_id=regs[0].transfer_id, token=first.token, dst_blocks=list(first.block_ids),
+                   first_block=first.first_block, prefill_tp=prefill_tp,
+                   decode_ranks=[r.decode_rank for r in regs])
+
+
+class DecodeRegistration(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What one of D's ranks POSTs to ``notify_url``: the runtime's registration as it made it, which
+    request transfer it belongs to, and which rank of how many (P goes once every rank registered)."""
+
+    transfer_id: Id                 # the request's (the proxy's); ``registration`` has this rank's
+    registration: Registration
+    rank: Rank
+    ranks: Ranks
+    dp_rank: Annotated[int, Meta(ge=0, lt=1 << 16)] = 0
+
     def __post_init__(self) -> None:
-        if self.decode_ranks:
-            if self.decode_control or self.dst_incarnation:
-                raise ValueError("give decode_control and dst_incarnation (one D rank) or decode_ranks, not both")
-            return
-        check_endpoint(self.decode_control, "decode_control")
-        if not self.dst_incarnation:
-            raise ValueError("dst_incarnation is required with decode_control")
+        reg = self.registration
+        if self.rank >= self.ranks:
+            raise ValueError(f"rank {self.rank} of {self.ranks}: not a rank")
+        if reg.transfer_id != rank_transfer_id(self.transfer_id, self.rank, self.ranks):
+            raise ValueError(f"registration.transfer_id {ascii(reg.transfer_id[:100])} is not rank {self.rank} "
+                             f"of {self.ranks}'s of transfer {self.transfer_id}")
+        if not 0 < len(reg.block_ids) <= MAX_BLOCKS or not all(0 <= b < 2**63 for b in reg.block_ids):
+            raise ValueError(f"registration.block_ids: 1 to {MAX_BLOCKS} block ids, each >= 0")
+        if not 0 <= reg.first_block < MAX_FIRST_BLOCK:
+            raise ValueError(f"registration.first_block must be in [0, {MAX_FIRST_BLOCK})")
+        if not MIN_TOKEN_CHARS <= len(reg.token) <= MAX_TOKEN_CHARS:
+            raise ValueError(f"registration.token must have {MIN_TOKEN_CHARS} to {MAX_TOKEN_CHARS} characters")
+        if len(reg.incarnation) > MAX_ID_CHARS or not re.fullmatch(r"[\x21-\x7e]+", reg.incarnation):
+            raise ValueError("registration.incarnation must be printable ASCII without spaces")
+        check_endpoint(reg.decode_control, "registration.decode_control")   # the proxy dials it to abort
 
     @property
-    def ranks(self) -> list[DecodeRank]:
-        """D's ranks in TP order (one for a D without tensor parallelism)."""
-        return list(self.decode_ranks) or [DecodeRank(decode_control=self.decode_control,
-                                                      dst_incarnation=self.dst_incarnation)]
+    def decode_rank(self) -> DecodeRank:
+        return DecodeRank(decode_control=self.registration.decode_control,
+                          dst_incarnation=self.registration.incarnation)
 
 
 _SEND_ONLY = frozenset(SendParams.__struct_fields__) - frozenset(RecvParams.__struct_fields__)
@@ -164,3 +199,11 @@ def read(params: Any) -> RecvParams | SendParams | None:
     except Exception as exc:  # noqa: BLE001 - msgspec raises more than ValidationError on odd input
         raise InvalidParams(_safe(f"kv_transfer_params[{KEY!r}] invalid for {kind.__name__}: {exc}")) from None
 
+
+
+def read_registration(body: Any) -> DecodeRegistration:
+    """A registration POSTed to the proxy, validated whole; ``InvalidParams`` (safe to log) otherwise."""
+    try:
+        return msgspec.convert(body, DecodeRegistration)
+    except Exception as exc:  # noqa: BLE001 - msgspec raises more than ValidationError on odd input
+        raise InvalidParams(_safe(f"invalid registration: {exc}")) from None

@@ -9,8 +9,11 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from aiolayer import ControlError, Registration, Timeouts
 
+from .params import DecodeRegistration
 from .ranks import Topology
 
 if TYPE_CHECKING:
@@ -30,10 +33,11 @@ class RegistrationPublisher:
         import httpx
 
         topo = self.topology
-        body = {"transfer_id": transfer_id, "token": reg.token, "block_ids": reg.block_ids,
-                "first_block": reg.first_block, "incarnation": reg.incarnation,
-                "decode_control": reg.decode_control, "rank": topo.tp_rank, "ranks": topo.tp_size,
-                "dp_rank": topo.dp_rank}
+        try:   # checked as the proxy will: a registration it would refuse is not sent
+            body = msgspec.to_builtins(DecodeRegistration(transfer_id=transfer_id, registration=reg,
+                                                          rank=topo.tp_rank, ranks=topo.tp_size, dp_rank=topo.dp_rank))
+        except ValueError as exc:
+            raise ControlError(f"registration not published to {url}: {exc}") from None
         error = ""
         if self._http is None:   # made once: a client's TLS set-up alone costs ~20 ms per request
             self._http = httpx.AsyncClient(timeout=timeouts.control_call)

@@ -151,9 +151,7 @@ class SchedulerSide:
                 groups = [ids[first:] for ids in self._block_ids(req_id)]
                 flat = [b for ids in groups for b in ids]
                 self._receiving[req_id] = recv.transfer_id
-                self._meta.recvs.append(RecvReq(req_id, recv.transfer_id, flat, first, recv.prefill_control,
-                                                recv.notify_url, token=recv.token,
-                                                prefill_controls=tuple(recv.prefill_controls),
+                self._meta.recvs.append(RecvReq(req_id, recv, flat, first,
                                                 own_blocks=[b for b in flat if b != self._null_block()]))
         if self.is_producer and req_id not in self._sent:
             send = self._read(request)
@@ -184,12 +182,8 @@ class SchedulerSide:
             needed = math.ceil(request.num_prompt_tokens / self.block_size)
             src, dst, refused, src_from = self._pair(self._block_ids(req_id), needed, send)
             self._sent[req_id] = send.transfer_id
-            out.append(SendReq(req_id, send.transfer_id, src, send.decode_control, dst,
-                               send.dst_incarnation, refused=refused, src_from=src_from,
-                               layerwise=use_layerwise(request.num_prompt_tokens, self.config.layerwise_min_tokens),
-                               token=send.token,
-                               decode_ranks=tuple((r.decode_control, r.dst_incarnation) for r in send.decode_ranks),
-                               prefill_tp=send.prefill_tp))
+            out.append(SendReq(req_id, send, src, dst, refused=refused, src_from=src_from,
+                               layerwise=use_layerwise(request.num_prompt_tokens, self.config.layerwise_min_tokens)))
         return out
 
     def _pair(self, groups: tuple[list[int], ...], needed: int,

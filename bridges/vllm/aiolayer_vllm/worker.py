@@ -45,6 +45,15 @@ def stage(transfer_id: str, name: str, at: float | None = None) -> None:
         log.debug("timeline %s %s %.6f", transfer_id, name, time.perf_counter() if at is None else at)
 
 
+def _transfer_spec(send: SendReq, d_rank: int, **extra: Any) -> TransferSpec:
+    """P's spec for one D rank of a request: the one place the request's ``SendParams`` become the core's."""
+    params = send.params
+    target = params.decode_ranks[d_rank]
+    return TransferSpec(transfer_id=rank_transfer_id(params.transfer_id, d_rank, len(params.decode_ranks)),
+                        peer=target.decode_control, src_blocks=send.src_blocks, dst_blocks=send.dst_blocks,
+                        dst_incarnation=target.dst_incarnation, token=params.token, **extra)
+
+
 class WorkerSide:
     def __init__(self, config: BridgeConfig, is_producer: bool, is_consumer: bool, num_blocks: int,
                  topology: Topology | None = None, block_size: int = 16, head_size: int = 64,
@@ -152,12 +161,12 @@ class WorkerSide:
         endpoint named in the request."""
         tid = self._rank_tid(recv.transfer_id)
         try:
-            p_ranks = recv.prefill_ranks
-            writers = writers_of_d(self.topology, len(p_ranks))
-            spec = ReceiveSpec(transfer_id=tid, block_ids=recv.block_ids, token=recv.token,
+            params = recv.params
+            writers = writers_of_d(self.topology, params.prefill_tp)
+            spec = ReceiveSpec(transfer_id=tid, block_ids=recv.block_ids, token=params.token,
                                first_block=recv.first_block, senders=len(writers))
-            announce = functools.partial(self._publish, url=recv.notify_url, transfer_id=recv.transfer_id) \
-                if recv.notify_url else None
+            announce = functools.partial(self._publish, url=params.notify_url, transfer_id=params.transfer_id) \
+                if params.notify_url else None
             stage(tid, "d_bound")
             self._rt.receive(spec, announce)
         except Exception as exc:  # noqa: BLE001 - a bad spec or a stopped runtime: this request fails
@@ -180,14 +189,14 @@ class WorkerSide:
         specs = []
         for send in sends:
             self._sending.add(send.req_id)
-            if send.prefill_tp and send.prefill_tp != self.topology.tp_size:
+            planned, d_tp = send.params.prefill_tp, len(send.params.decode_ranks)
+            if planned and planned != self.topology.tp_size:
                 reason = (f"P has tensor-parallel size {self.topology.tp_size} but the request was planned for "
-                          f"tensor-parallel size {send.prefill_tp} (prefill_tp): not sent")
-                self._refuse_send(send, reason, functools.partial(refused_d_ranks, self.topology, send.prefill_tp,
-                                                                  len(send.d_ranks)))
+                          f"tensor-parallel size {planned} (prefill_tp): not sent")
+                self._refuse_send(send, reason, functools.partial(refused_d_ranks, self.topology, planned, d_tp))
                 continue
             if send.refused:   # e.g. P's and D's KV cache groups disagree
-                self._refuse_send(send, send.refused, functools.partial(self._d_ranks_written, len(send.d_ranks)))
+                self._refuse_send(send, send.refused, functools.partial(self._d_ranks_written, d_tp))
                 continue
             try:
                 mine = self._rank_specs(send)
@@ -219,17 +228,13 @@ class WorkerSide:
         tensor-parallel size (the proxy's view of us is stale: writing would leave D with heads nobody
         wrote, or waiting for ranks that do not exist), or P's and D's KV cache groups disagree. Each D
         rank ``refused()`` lists (those waiting for this rank's word) gets FAILED with the reason."""
-        d_ranks = send.d_ranks
         log.error("request %s: transfer %s: %s", send.req_id, send.transfer_id, reason)
         specs = []
         try:
             for d_rank in refused():
-                tid = rank_transfer_id(send.transfer_id, d_rank, len(d_ranks))
-                control, incarnation = d_ranks[d_rank]
-                if tid not in self._req_of:   # else another request's live send: its outcome is its own
-                    specs.append(TransferSpec(transfer_id=tid, peer=control, src_blocks=send.src_blocks,
-                                              dst_blocks=send.dst_blocks, dst_incarnation=incarnation,
-                                              token=send.token))
+                spec = _transfer_spec(send, d_rank)
+                if spec.transfer_id not in self._req_of:   # else another request's live send: its outcome is its own
+                    specs.append(spec)
         except Exception as exc:  # noqa: BLE001 - D cannot be addressed: its own deadline ends the transfer
             log.error("request %s: D not told: %s", send.req_id, exc)
             specs = []
@@ -247,18 +252,16 @@ class WorkerSide:
 
     def _rank_specs(self, send: SendReq) -> list[TransferSpec]:
         """This P rank's transfers of one request: one per D rank it writes (whole blocks or head slices)."""
-        d_ranks = send.d_ranks
+        d_tp = len(send.params.decode_ranks)
         specs = []
-        for route in routes_for_p(self.topology, len(d_ranks)):
-            tid = rank_transfer_id(send.transfer_id, route.d_rank, len(d_ranks))
-            if tid in self._req_of:
-                raise ValueError(f"transfer {tid} is already sent by request {self._req_of[tid]}")
-            control, incarnation = d_ranks[route.d_rank]
-            specs.append(TransferSpec(transfer_id=tid, peer=control, src_blocks=send.src_blocks,
-                                      dst_blocks=send.dst_blocks, dst_incarnation=incarnation, token=send.token,
-                                      layerwise=send.layerwise, src_from=send.src_from,
-                                      route=None if whole_blocks(route, self.topology, len(d_ranks)) else route,
-                                      writers=writers_into(self.topology, len(d_ranks), route.d_rank)))
+        for route in routes_for_p(self.topology, d_tp):
+            spec = _transfer_spec(send, route.d_rank, layerwise=send.layerwise, src_from=send.src_from,
+                                  route=None if whole_blocks(route, self.topology, d_tp) else route,
+                                  writers=writers_into(self.topology, d_tp, route.d_rank))
+            if spec.transfer_id in self._req_of:
+                raise ValueError(f"transfer {spec.transfer_id} is already sent by request "
+                                 f"{self._req_of[spec.transfer_id]}")
+            specs.append(spec)
         return specs
 
     def _send_quiet(self, tid: str) -> None:

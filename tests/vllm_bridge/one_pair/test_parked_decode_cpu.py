@@ -84,7 +84,7 @@ def _open_parked(client: httpx.Client, d, n: int) -> tuple[contextlib.ExitStack,
             tid, token = uuid.uuid4().hex, secrets.token_hex(16)
             body = completion_body(d.served_model, "the king and the queen", max_tokens=4, stream=True,
                                    kv_transfer_params={"aiolayer": {"transfer_id": tid, "token": token,
-                                                                    "prefill_control": DEAD_P}})
+                                                                    "prefill_controls": [DEAD_P]}})
             r = held.enter_context(client.stream("POST", d.url("/v1/completions"), json=body))
             assert r.status_code == 200, r.read()
             parked.append((tid, token))

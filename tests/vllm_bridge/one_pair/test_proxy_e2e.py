@@ -22,6 +22,7 @@ pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 from aiolayer.harness.client import StreamError
 from aiolayer.harness.servers import acompletion, completion, kv_cache_usage, metric_value, scrape_metrics
 from aiolayer.harness.tiny_model import SAMPLE_PROMPTS, long_prompt
+from helpers_proxy import registration
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.vllm]
 MAX_TOKENS = 10
@@ -56,8 +57,8 @@ def _proxy_ok(proxy) -> float:
 
 def test_unknown_transfer_registration_is_a_404_with_a_json_error(stack):
     proxy = stack["proxy"]
-    r = httpx.post(proxy.url + "/internal/aiolayer/registered", timeout=5, json={
-        "transfer_id": "nope", "block_ids": [1], "incarnation": "x", "decode_control": "tcp://127.0.0.1:1"})
+    r = httpx.post(proxy.url + "/internal/aiolayer/registered", timeout=5,
+                   json=registration("nope", "t" * 32, "x", "tcp://127.0.0.1:1"))
     assert r.status_code == 404 and r.json()["error"]["type"] == "unknown_transfer"
     assert httpx.post(proxy.url + "/internal/aiolayer/registered", timeout=5, content=b"{").status_code == 400
     models = httpx.get(proxy.url + "/v1/models", timeout=5)

@@ -68,11 +68,11 @@ def disaggregated(c: dict, decode: str, prompt: str, max_tokens: int = MAX_TOKEN
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         d_future = pool.submit(completion, d_server, prompt, max_tokens=max_tokens, stream=stream, timeout_s=120,
                                kv_transfer_params={"aiolayer": {"transfer_id": tid, "token": token,
-                                                                "prefill_control": c["p_ctl"]}})
+                                                                "prefill_controls": [c["p_ctl"]]}})
         reg = _lookup(c["client"], d_ctl, tid, token)
         p_out = completion(c["p"], prompt, max_tokens=1, timeout_s=120, kv_transfer_params={"aiolayer": {
-            "transfer_id": tid, "token": token, "decode_control": d_ctl, "dst_blocks": reg.block_ids,
-            "dst_incarnation": reg.incarnation, "first_block": reg.first_block}})
+            "transfer_id": tid, "token": token, "dst_blocks": reg.block_ids, "first_block": reg.first_block,
+            "decode_ranks": [{"decode_control": d_ctl, "dst_incarnation": reg.incarnation}]}})
         return d_future.result(timeout=150), p_out
 
 

@@ -23,6 +23,7 @@ from aiolayer.config import Timeouts
 from aiolayer.protocol import messages as m
 from aiolayer import ControlPeers, RuntimeStateError
 
+from ..params import InvalidParams, read_registration
 from .failures import ExchangeError, answered_error, call_failed, error_event
 from .flow import Exchange, ProxyTimeouts, check_body, forwarded_headers
 from .metrics import CONTENT_TYPE, ProxyMetrics
@@ -98,19 +99,21 @@ class ProxyState:
 
     # --- registration (D -> proxy) -------------------------------------------------------------
 
-    def registered(self, body: dict) -> JSONResponse:
-        tid = body.get("transfer_id") if isinstance(body, dict) else None
-        needed = ("block_ids", "incarnation", "decode_control")
-        if not isinstance(tid, str) or not all(k in body for k in needed):
-            return error_response(400, "invalid_registration", f"need transfer_id and {', '.join(needed)}")
+    def registered(self, body) -> JSONResponse:
+        """One of D's ranks POSTed its registration (``params.DecodeRegistration``): 400 unless it fits the
+        contract, 404 for a transfer we are not running, 403 without its token, 409 against D's other ranks."""
+        try:
+            reg = read_registration(body)
+        except InvalidParams as exc:
+            return error_response(400, "invalid_registration", str(exc))
+        tid = reg.transfer_id
         exchange = self.pending.get(tid)
         if exchange is None:
             return error_response(404, "unknown_transfer", f"unknown transfer {tid}")
-        token = body.get("token")
-        if not isinstance(token, str) or not m.same_token(token, exchange.token):
+        if not m.same_token(reg.registration.token, exchange.token):
             self.metrics.rejected_registrations.inc()   # only the D we sent the token to may redirect P's writes
             return error_response(403, "auth", f"wrong token for transfer {tid}")
-        problem = exchange.add_registration(body)
+        problem = exchange.add_registration(reg)
         if problem:
             return error_response(409, "invalid_registration", problem)
         return JSONResponse({"accepted": tid}, 202)   # answered at once; P is dispatched by the exchange

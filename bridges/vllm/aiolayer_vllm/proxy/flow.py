@@ -22,14 +22,14 @@ import uuid
 from dataclasses import dataclass
 
 import httpx
+import msgspec
 
 from aiolayer import compat
 from aiolayer.errors import AiolayerError, ControlRejected
 from aiolayer.protocol import messages as m
 from aiolayer.protocol.codes import NackCode
 
-from ..params import check_endpoint
-from ..ranks import rank_transfer_id
+from ..params import KEY, DecodeRegistration, RecvParams, SendParams
 from .failures import ExchangeError, answered_error, call_failed
 from .pool import Backend, Lease
 
@@ -47,9 +47,6 @@ def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
         if key in FORWARDED_HEADERS:
             wanted[key] = value.decode("latin-1")
     return wanted
-
-
-MAX_D_RANKS = 1024
 
 
 @dataclass(frozen=True)
@@ -99,7 +96,7 @@ class Exchange:
         self.token = secrets.token_hex(16)   # only this transfer's D and P learn it
         self.stream = body.get("stream") is True
         self.registered: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.d_ranks: dict[int, dict] = {}   # D's tensor-parallel rank -> its registration
+        self.d_ranks: dict[int, DecodeRegistration] = {}   # D's tensor-parallel rank -> its registration
         self.d_task: asyncio.Task | None = None
         self.p_task: asyncio.Task | None = None
         self.started = time.perf_counter()
@@ -111,49 +108,31 @@ class Exchange:
         self._closing: asyncio.Task | None = None
 
     def d_body(self) -> dict:
-        params = {"transfer_id": self.transfer_id, "token": self.token, "notify_url": self.state.notify_url}
-        controls = self.p_controls
-        if len(controls) == 1:
-            params["prefill_control"] = controls[0]
-        else:
-            params["prefill_controls"] = controls
-        return {**self.body, "kv_transfer_params": {"aiolayer": params}}
+        params = RecvParams(transfer_id=self.transfer_id, token=self.token, prefill_controls=self.p_controls,
+                            notify_url=self.state.notify_url)
+        return {**self.body, "kv_transfer_params": {KEY: msgspec.to_builtins(params)}}
 
-    def add_registration(self, body: dict) -> str:
-        """One of D's ranks registered; P goes once every rank did. A problem with it, or ""."""
-        rank, ranks = body.get("rank", 0), body.get("ranks", 1)
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (rank, ranks)) \
-                or not 0 <= rank < ranks <= MAX_D_RANKS:
-            return f"rank {rank!r} of {ranks!r}: not a rank of at most {MAX_D_RANKS}"
-        control = body["decode_control"]
-        try:   # the proxy dials it to abort: refused here, not when a failure needs it
-            check_endpoint(control if isinstance(control, str) else "", "decode_control")
-        except ValueError as exc:
-            return str(exc)
-        first = next(iter(self.d_ranks.values()), body)
-        if (body.get("ranks", 1), body["block_ids"], body.get("first_block", 0)) != \
-                (first.get("ranks", 1), first["block_ids"], first.get("first_block", 0)):
-            return f"rank {rank} registered other ranks, blocks or first block than rank {first.get('rank', 0)}"
-        known = self.d_ranks.get(rank)
-        if known is not None and known != body:
-            return f"rank {rank} registered twice, differently"
-        self.d_ranks[rank] = body
-        if len(self.d_ranks) == ranks and not self.registered.done():
-            self.registered.set_result([self.d_ranks[r] for r in range(ranks)])
+    def add_registration(self, reg: DecodeRegistration) -> str:
+        """One of D's ranks registered (validated whole); P goes once every rank did. A conflict with
+        the ranks registered before, or ""."""
+        first = next(iter(self.d_ranks.values()), reg)
+        if (reg.ranks, reg.registration.block_ids, reg.registration.first_block) != \
+                (first.ranks, first.registration.block_ids, first.registration.first_block):
+            return f"rank {reg.rank} registered other ranks, blocks or first block than rank {first.rank}"
+        known = self.d_ranks.get(reg.rank)
+        if known is not None and known != reg:
+            return f"rank {reg.rank} registered twice, differently"
+        self.d_ranks[reg.rank] = reg
+        if len(self.d_ranks) == reg.ranks and not self.registered.done():
+            self.registered.set_result([self.d_ranks[r] for r in range(reg.ranks)])
         return ""
 
-    def p_body(self, regs: list[dict]) -> dict:
+    def p_body(self, regs: list[DecodeRegistration]) -> dict:
         body = {k: v for k, v in self.body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
         body["max_tokens"] = 1
-        params = {"transfer_id": self.transfer_id, "token": self.token, "dst_blocks": regs[0]["block_ids"],
-                  "first_block": regs[0].get("first_block", 0),
-                  "prefill_tp": len(self.p_controls)}   # the P ranks D was told of: P checks its own TP size
-        if len(regs) == 1:
-            params.update(decode_control=regs[0]["decode_control"], dst_incarnation=regs[0]["incarnation"])
-        else:
-            params["decode_ranks"] = [{"decode_control": r["decode_control"], "dst_incarnation": r["incarnation"]}
-                                      for r in regs]
-        body["kv_transfer_params"] = {"aiolayer": params}
+        # prefill_tp: the P ranks D was told of; P checks its own TP size against it
+        params = SendParams.for_registrations(regs, prefill_tp=len(self.p_controls))
+        body["kv_transfer_params"] = {KEY: msgspec.to_builtins(params)}
         return body
 
     async def open_decode(self) -> httpx.Response:
@@ -240,7 +219,7 @@ class Exchange:
         self.stamps[stage] = round((time.perf_counter() - self.started) * 1e3, 1)
         self.state.metrics.stage(stage, self.stamps[stage] / 1e3)
 
-    async def _prefill(self, regs: list[dict]) -> None:
+    async def _prefill(self, regs: list[DecodeRegistration]) -> None:
         client, t = self.state.client, self.state.timeouts
         try:
             reply = await client.post(self.prefill.url + self.path, json=self.p_body(regs), headers=self.headers,
@@ -281,8 +260,8 @@ class Exchange:
             return
         self.aborted_d = True
         regs = self.registered.result()
-        await asyncio.gather(*(self._abort_rank(reg["decode_control"], rank_transfer_id(self.transfer_id, i, len(regs)),
-                                                reason) for i, reg in enumerate(regs)))
+        await asyncio.gather(*(self._abort_rank(reg.registration.decode_control, reg.registration.transfer_id, reason)
+                               for reg in regs))
 
     async def _abort_rank(self, control: str, tid: str, reason: str) -> None:
         try:
