@@ -28,6 +28,7 @@ from starlette.routing import Route
 from aiolayer import Identity, NodeConfig, Registration, Runtime
 from aiolayer.protocol import messages as m
 from aiolayer.runtime.control.plane import ControlServer
+from aiolayer.harness.pd import ProxyProcess
 from aiolayer.harness.procs import free_ports
 
 MODEL = "tiny/0123456789ab"            # the fingerprint every stand-in says unless told otherwise
@@ -43,6 +44,22 @@ def registration(transfer_id: str, token: str, incarnation: str, control: str, *
     reg = Registration(transfer_id=rank_transfer_id(transfer_id, rank, ranks), block_ids=list(blocks),
                        first_block=first_block, token=token, incarnation=incarnation, decode_control=control)
     return msgspec.to_builtins(DecodeRegistration(transfer_id=transfer_id, registration=reg, rank=rank, ranks=ranks))
+
+
+@contextlib.contextmanager
+def proxied_pair(*proxy_args: str):
+    """A fake P and D sharing one ``Hub``, ``aiolayer proxy`` (a real process) in front of them with
+    ``proxy_args``; yields ``{"hub", "p", "d", "proxy"}`` and stops all of them on the way out."""
+    hub = Hub()
+    with contextlib.ExitStack() as stack:
+        p = FakeEngine("prefill", "p", hub).start()
+        stack.callback(p.stop)
+        d = FakeEngine("decode", "d", hub).start()
+        stack.callback(d.stop)
+        proxy = ProxyProcess([f"{p.url},{p.control}"], [f"{d.url},{d.control}"], startup_timeout_s=60,
+                             extra_args=proxy_args).start()
+        stack.callback(proxy.stop)
+        yield {"hub": hub, "p": p, "d": d, "proxy": proxy}
 
 
 def wait_for(check, timeout_s: float, what: str):

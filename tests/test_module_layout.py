@@ -98,17 +98,20 @@ def test_no_import_cycle_in_the_bench_or_the_harness(root, top):
     assert not cycles, f"import cycles among {top} modules: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+def _absolute_imports(path: Path) -> list[str]:
+    """The modules a file imports by absolute name (``import a.b``, ``from a.b import c``)."""
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+    return names
+
+
 def test_the_harness_never_imports_the_bench():
-    found = []
-    for path in sorted(HARNESS.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                names = [node.module]
-            elif isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            else:
-                continue
-            found += [f"{path.name}: {name}" for name in names if name.startswith("aiolayer.bench")]
+    found = [f"{path.name}: {name}" for path in sorted(HARNESS.rglob("*.py"))
+             for name in _absolute_imports(path) if name.startswith("aiolayer.bench")]
     assert _module_names(HARNESS), "no harness modules found"
     assert not found, "the harness imports the bench:\n  " + "\n  ".join(found)
 
@@ -251,17 +254,8 @@ def _aiolayer_imports(path: Path) -> list[tuple[str, str]]:
 def test_the_core_never_imports_the_vllm_bridge():
     """The core is engine-agnostic: what a connector adds to it (its ``aiolayer`` subcommand, its config
     check in ``aiolayer doctor``) the connector registers through entry points; the core names none."""
-    found = []
-    for path in sorted(CORE.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                names = [node.module]
-            elif isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            else:
-                continue
-            found += [f"{path.relative_to(CORE.parent)}: {name}" for name in names
-                      if name.split(".")[0] == BRIDGE.name]
+    found = [f"{path.relative_to(CORE.parent)}: {name}" for path in sorted(CORE.rglob("*.py"))
+             for name in _absolute_imports(path) if name.split(".")[0] == BRIDGE.name]
     assert not found, "the core imports the vLLM bridge:\n  " + "\n  ".join(found)
 
 

@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 import httpx
 
 from aiolayer.harness.pd import ProxyProcess
-from helpers_proxy import FakeEngine, Hub, registration, wait_for
+from helpers_proxy import proxied_pair, registration, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 # vLLM's OpenAI server's answer to an unknown model, byte for byte (spacing included)
@@ -27,10 +27,8 @@ UNKNOWN_MODEL = (b'{"error":{"message":"The model `nope` does not exist.","type"
 TOO_LONG = b'{"error": {"message": "This model\'s maximum context length is 512 tokens.", "type": "BadRequestError"}}'
 
 
-def _proxy(prefill: FakeEngine, decode: FakeEngine, *args: str) -> ProxyProcess:
-    return ProxyProcess([f"{prefill.url},{prefill.control}"], [f"{decode.url},{decode.control}"],
-                        startup_timeout_s=60, extra_args=("--registration-timeout", "5", "--prefill-timeout", "2",
-                                                          "--request-timeout", "20", *args)).start()
+def _stack(*args: str):
+    return proxied_pair("--registration-timeout", "5", "--prefill-timeout", "2", "--request-timeout", "20", *args)
 
 
 def _log_lines(proxy: ProxyProcess) -> list[str]:
@@ -41,17 +39,8 @@ def _log_lines(proxy: ProxyProcess) -> list[str]:
 
 @pytest.fixture(scope="module")
 def stack():
-    hub = Hub()
-    p, d = FakeEngine("prefill", "p", hub).start(), FakeEngine("decode", "d", hub).start()
-    try:
-        proxy = _proxy(p, d, "--health-interval", "0.2", "--log-format", "json")
-        try:
-            yield {"p": p, "d": d, "proxy": proxy}
-        finally:
-            proxy.stop()
-    finally:
-        p.stop()
-        d.stop()
+    with _stack("--health-interval", "0.2", "--log-format", "json") as stack:
+        yield stack
 
 
 def _post(proxy: ProxyProcess, body: dict, **kw) -> httpx.Response:
@@ -164,21 +153,13 @@ def test_each_failed_request_is_one_json_log_line_naming_its_stage(stack):
 @pytest.mark.parametrize("dead", ["prefill", "decode"])
 def test_a_backend_refusing_the_connection_is_a_502_that_says_so(dead):
     """The backend's HTTP server stops between two health checks: the call to it is refused."""
-    hub = Hub()
-    p, d = FakeEngine("prefill", "p", hub).start(), FakeEngine("decode", "d", hub).start()
-    try:
-        proxy = _proxy(p, d, "--health-interval", "600")
-        try:
-            gone = p if dead == "prefill" else d
-            gone.stop()
-            r = _post(proxy, {"prompt": "x"})
-            error = _openai_error(r)
-            who = "P" if dead == "prefill" else "D"
-            assert r.status_code == 502 and error["type"] == f"{dead}_unreachable", error
-            assert error["message"].startswith(f"could not connect to {who} ({gone.url})") \
-                and "refused" in error["message"], error
-        finally:
-            proxy.stop()
-    finally:
-        p.stop()
-        d.stop()
+    with _stack("--health-interval", "600") as stack:
+        proxy = stack["proxy"]
+        gone = stack["p"] if dead == "prefill" else stack["d"]
+        gone.stop()
+        r = _post(proxy, {"prompt": "x"})
+        error = _openai_error(r)
+        who = "P" if dead == "prefill" else "D"
+        assert r.status_code == 502 and error["type"] == f"{dead}_unreachable", error
+        assert error["message"].startswith(f"could not connect to {who} ({gone.url})") \
+            and "refused" in error["message"], error

@@ -17,7 +17,7 @@ from aiolayer_vllm.proxy.app import ProxyState
 from aiolayer_vllm.proxy.flow import ProxyTimeouts
 from aiolayer_vllm.proxy.pool import Backend, Pool
 from aiolayer.harness.pd import ProxyProcess
-from helpers_proxy import FakeEngine, Hub, wait_for
+from helpers_proxy import proxied_pair, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 HISTOGRAMS = ("aiolayer_proxy_time_to_first_token_seconds", "aiolayer_proxy_registration_seconds",
@@ -26,18 +26,8 @@ HISTOGRAMS = ("aiolayer_proxy_time_to_first_token_seconds", "aiolayer_proxy_regi
 
 @pytest.fixture(scope="module")
 def proxy():
-    hub = Hub()
-    p, d = FakeEngine("prefill", "p", hub).start(), FakeEngine("decode", "d", hub).start()
-    try:
-        proxy = ProxyProcess([f"{p.url},{p.control}"], [f"{d.url},{d.control}"], startup_timeout_s=60,
-                             extra_args=("--health-interval", "0.2")).start()   # the default log level and format
-        try:
-            yield proxy
-        finally:
-            proxy.stop()
-    finally:
-        p.stop()
-        d.stop()
+    with proxied_pair("--health-interval", "0.2") as stack:   # the default log level and format
+        yield stack["proxy"]
 
 
 def _families(proxy: ProxyProcess) -> dict:

@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 import httpx
 
 from aiolayer.harness.pd import ProxyProcess
-from helpers_proxy import FakeEngine, Hub, registration, wait_for
+from helpers_proxy import proxied_pair, registration, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 TOKEN = "w" * 32
@@ -26,18 +26,8 @@ TOKEN = "w" * 32
 
 @pytest.fixture(scope="module")
 def stack():
-    hub = Hub()
-    p, d = FakeEngine("prefill", "p", hub).start(), FakeEngine("decode", "d", hub).start()
-    try:
-        proxy = ProxyProcess([f"{p.url},{p.control}"], [f"{d.url},{d.control}"], startup_timeout_s=60,
-                             extra_args=("--health-interval", "0.2", "--registration-timeout", "20")).start()
-        try:
-            yield {"p": p, "d": d, "proxy": proxy}
-        finally:
-            proxy.stop()
-    finally:
-        p.stop()
-        d.stop()
+    with proxied_pair("--health-interval", "0.2", "--registration-timeout", "20") as stack:
+        yield stack
 
 
 def _register(proxy: ProxyProcess, body) -> httpx.Response:

@@ -19,8 +19,7 @@ trace_pb = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_ser
 
 import httpx
 
-from aiolayer.harness.pd import ProxyProcess
-from helpers_proxy import FakeEngine, Hub, wait_for
+from helpers_proxy import proxied_pair, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -75,20 +74,13 @@ def _env(**values: str):
 
 @pytest.fixture(scope="module")
 def stack():
-    hub, collector = Hub(), Collector()
+    collector = Collector()
     collector.thread.start()
-    p, d = FakeEngine("prefill", "p", hub).start(), FakeEngine("decode", "d", hub).start()
     try:
-        with _env(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf", OTEL_BSP_SCHEDULE_DELAY="100"):
-            proxy = ProxyProcess([f"{p.url},{p.control}"], [f"{d.url},{d.control}"], startup_timeout_s=60,
-                                 extra_args=("--otlp-traces-endpoint", collector.url)).start()
-        try:
-            yield {"p": p, "d": d, "proxy": proxy, "collector": collector}
-        finally:
-            proxy.stop()
+        with _env(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf", OTEL_BSP_SCHEDULE_DELAY="100"), \
+                proxied_pair("--otlp-traces-endpoint", collector.url) as stack:
+            yield {**stack, "collector": collector}
     finally:
-        p.stop()
-        d.stop()
         collector.server.shutdown()
         collector.server.server_close()
 
@@ -138,18 +130,12 @@ def test_a_failed_request_ends_its_span_in_error(stack):
     assert root.status.code == 2 and root.status.message == "HTTP 502", root.status   # STATUS_CODE_ERROR
 
 
-def test_without_tracing_the_clients_trace_context_reaches_the_engines(stack):
+def test_without_tracing_the_clients_trace_context_reaches_the_engines():
     """A proxy not tracing passes the client's ``traceparent`` on, so the engines' spans join its trace."""
-    hub = Hub()
-    p, d = FakeEngine("prefill", "p2", hub).start(), FakeEngine("decode", "d2", hub).start()
-    proxy = ProxyProcess([f"{p.url},{p.control}"], [f"{d.url},{d.control}"], startup_timeout_s=60).start()
-    try:
-        r = _request({"proxy": proxy}, TRACE_ID, False)
+    with proxied_pair() as untraced:
+        r = _request(untraced, TRACE_ID, False)
         assert r.status_code == 200, r.text
+        p, d = untraced["p"], untraced["d"]
         transfer_id = p.requests[-1]["kv_transfer_params"]["aiolayer"]["transfer_id"]
         for engine in (p, d):
             assert engine.headers[transfer_id]["traceparent"] == f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
-    finally:
-        proxy.stop()
-        p.stop()
-        d.stop()
