@@ -13,6 +13,7 @@ from aiolayer.errors import ConfigError, RuntimeStateError
 
 from . import ranks
 from .config import check_extra_config, from_extra_config
+from .draft import draft_facts, draft_start
 from .identity import model_facts
 from .layout import cpu_kernel
 from .metadata import AiolayerMetadata
@@ -114,8 +115,9 @@ class AiolayerConnector(KVConnectorBase_V1, SupportsHMA):
                                       ranks.from_vllm(vllm_config), block_size=vllm_config.cache_config.block_size,
                                       head_size=vllm_config.model_config.get_head_size(),
                                       engine_core_pid=engine_core_pid(executor), cpu_kernel=cpu_kernel(vllm_config),
-                                      model_facts=model_facts(vllm_config) | group_facts(
-                                          groups, vllm_config.cache_config.block_size))
+                                      model_facts=model_facts(vllm_config) | draft_facts(vllm_config) | group_facts(
+                                          groups, vllm_config.cache_config.block_size),
+                                      draft_start=draft_start(vllm_config))
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -6,7 +6,8 @@ fingerprints differ. The fingerprint is ``<model name>/<12 hex digits>``: the na
 the model's path or Hugging Face id, so that the same model under two paths on two hosts still
 matches) for people, and a hash of the name, dtypes, layers, total KV heads, head size, block size,
 MLA flag and (several of them) the KV cache groups, which any byte-for-byte copy between the two engines
-depends on; a hybrid KV cache's group count is named in the readable part too.
+depends on; a hybrid KV cache's group count and a speculative drafter with KV layers of its own (EAGLE,
+MTP: its layers move too, ``draft``) are named in the readable part too.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def fingerprint(facts: dict[str, object]) -> str:
     groups = str(facts.get("kv_cache_groups") or "")
     if groups:   # named, so that a P and a D differing only there see why the proxy refuses them
         name += f" (hybrid KV cache: {groups.count(';') + 1} groups)"
+    if facts.get("draft"):   # the same: a drafter's KV layers are moved too (``draft``)
+        name += f" (+ {facts['draft']} draft)"
     return f"{name}/{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 

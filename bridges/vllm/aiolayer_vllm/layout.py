@@ -55,12 +55,15 @@ def cpu_kernel(vllm_config) -> str | None:
         return None
 
 
+def layer_number(name: str) -> int:
+    """The layer number in a layer's name ("model.layers.3.self_attn.attn": 3); none: after every layer."""
+    found = _LAYER_NUMBER.search(name)
+    return int(found.group(1)) if found else 1 << 30
+
+
 def layer_order(names) -> list[str]:
     """Layer names in model order, by the layer number in each name (identity by name, not a counter)."""
-    def key(name: str):
-        found = _LAYER_NUMBER.search(name)
-        return (int(found.group(1)) if found else 1 << 30, name)
-    return sorted(names, key=key)
+    return sorted(names, key=lambda name: (layer_number(name), name))
 
 
 @dataclass(frozen=True)

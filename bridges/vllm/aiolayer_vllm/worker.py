@@ -24,6 +24,7 @@ from aiolayer.faults import install_hooks
 
 from .config import BridgeConfig
 from .debug import corrupter, zero_blocks
+from .draft import draft_layers
 from .identity import identity
 from .layout import describe
 from .metadata import AiolayerMetadata, RecvReq, SendReq
@@ -58,13 +59,15 @@ class WorkerSide:
     def __init__(self, config: BridgeConfig, is_producer: bool, is_consumer: bool, num_blocks: int,
                  topology: Topology | None = None, block_size: int = 16, head_size: int = 64,
                  engine_core_pid: int | None = None, model_facts: dict | None = None,
-                 cpu_kernel: str | None = None) -> None:
+                 cpu_kernel: str | None = None, draft_start: int | None = None) -> None:
         self.config = config
         self.topology = topology or Topology()
         self.model_facts = dict(model_facts or {})   # identity.model_facts: the model's part of the fingerprint
         self.num_blocks = num_blocks
         self.block_size, self.head_size = block_size, head_size
         self.cpu_kernel = cpu_kernel     # vLLM CPU's attention kernel: what a block holds token by token
+        self.draft_start = draft_start   # the drafter's first layer number (``draft``); None: no drafter KV
+        self._draft: tuple[int, ...] = ()   # its runtime layers: handed over when the step ends
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.runtime: Runtime | None = None
@@ -106,6 +109,7 @@ class WorkerSide:
                           cpu_kernel=self.cpu_kernel)
         self._views = layout.views
         self.layer_index = {name: i for i, name in enumerate(layout.names)}
+        self._draft = draft_layers(layout.names, self.draft_start)
         node = msgspec.structs.replace(node, engine_id=topo.engine_id(node.engine_id),
                                        control_port=topo.control_port(node.control_port))
         # the block size is in model_facts only where blocks pair block for block (connector.group_facts)
@@ -299,8 +303,8 @@ class WorkerSide:
 
     def save_kv_layer(self, layer_name: str) -> None:
         layer = self.layer_index.get(layer_name)
-        if self._active_step is None or layer is None:
-            return   # no send this step, or a layer whose KV we do not transfer
+        if self._active_step is None or layer is None or layer in self._draft:
+            return   # no send this step, a layer whose KV we do not transfer, or the drafter's (at the end)
         try:
             self._active_step.layer_ready(layer)
             if layer == len(self.layer_index) - 1:
@@ -314,6 +318,10 @@ class WorkerSide:
         step, self._active_step = self._active_step, None
         if step is not None:
             try:
+                for layer in self._draft:   # the drafter ran all its passes: its layers are final
+                    step.layer_ready(layer)
+                for tid in self._step_tids if self._draft else ():
+                    stage(tid, "p_last_layer")
                 step.end()
             except Exception:  # as in save_kv_layer
                 log.exception("aiolayer: step %d not closed", step.id)
