@@ -190,7 +190,7 @@ def _save_tokenizer(dest: Path, spec: TinySpec) -> None:
     fast.save_pretrained(str(dest / "tokenizer"))
 
 
-def _config(spec: TinySpec):
+def hf_config(spec: TinySpec):
     from transformers import DeepseekV2Config, GraniteMoeHybridConfig, LlamaConfig, Qwen2Config
 
     vocab = vocabulary()
@@ -244,7 +244,7 @@ def _save_model(spec: TinySpec, dest: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    cfg = _config(spec)
+    cfg = hf_config(spec)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():

@@ -13,8 +13,9 @@ a fifth runtime layer (``aiolayer_vllm.draft``):
   checked at D against P's CRC32 (integrity sample 1);
 - negative control: the same flow into a D that zeroes whatever KV it received
   (``AIOLAYER_DEBUG_ZERO_RECEIVED=1``) answers differently;
-- a P without the drafter (4 layers) and a D with it (5) are refused by the proxy at start, naming the
-  drafter in the fingerprints.
+- a P without the drafter and a D with it differ in their fingerprints, which name the drafter
+  (tests/vllm_bridge/test_connector_draft_layers.py), so the proxy refuses such a pair at start as it refuses
+  any two fingerprints that differ (tests/proxy/test_proxy_topology.py): no fourth engine here.
 
 Engines: P, D, and the aggregated engine (``kv_both``, zeroing what it receives), which answers the
 baseline on its own (a request without aiolayer parameters moves nothing) and is the negative control's
@@ -32,14 +33,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from e2e.pd import ProxyProcess, connector
-from e2e.procs import free_ports
-from e2e.servers import VllmServer, completion, running, scrape_metrics
-from e2e.tiny_model import LLAMA_GQA, SAMPLE_PROMPTS, long_prompt, tiny_model_dir
+from aiolayer.harness.pd import ProxyProcess, connector
+from aiolayer.harness.procs import free_ports
+from aiolayer.harness.servers import VllmServer, completion, running, scrape_metrics
+from aiolayer.harness.tiny_model import LLAMA_GQA, SAMPLE_PROMPTS, long_prompt, tiny_model_dir
 from helpers_node import MC_ENV
 from helpers_relay import bridge_logging_config
 
-from aiolayer.bench.engines.tiny_draft import eagle_config, tiny_draft_dir
+from aiolayer.harness.tiny_draft import eagle_config, tiny_draft_dir
 from aiolayer_vllm.config import DEBUG_ZERO_RECEIVED_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -164,18 +165,3 @@ def test_eagle_zeroed_kv_at_d_changes_the_answer(eagle):
         print(f"zeroed, {n} tokens: tokens {'differ' if tokens != want_tokens else 'equal'}, "
               f"largest logprob change {change:.4f}")
         assert tokens != want_tokens or change > ZEROED_MIN_DIFF, (n, tokens, want_tokens, logprobs)
-
-
-def test_a_p_without_the_drafter_and_a_d_with_it_are_refused(eagle):
-    """P's 4 layers against D's 5: the proxy does not start, and the fingerprints name the drafter.
-    Eager only to spare ~40 s of compile: this P serves nothing, its fingerprint is what is tested."""
-    port = free_ports(1)
-    plain = _engine("plain-p", port, "kv_producer", drafter=False, enforce_eager=True)
-    with running(plain):
-        with pytest.raises(RuntimeError) as refused:
-            with ProxyProcess([_backend(plain, port)], [_backend(eagle["d"], eagle["d_port"])],
-                              extra_args=PROXY_ARGS):
-                pass
-    text = str(refused.value)
-    assert "model fingerprints differ" in text, text
-    assert "(+ eagle tiny-eagle-" in text, text

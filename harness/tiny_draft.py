@@ -27,7 +27,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .tiny_model import LLAMA_GQA, TinySpec, _config, cache_root
+from .tiny_model import LLAMA_GQA, TinySpec, cache_root, hf_config
 
 DRAFT_VERSION = 1   # bump when the build below changes, so old cached folders are not reused
 # vLLM names the draft's attention layers after the target's (``start_layer_id`` = the target's layer
@@ -39,7 +39,7 @@ def _draft_config(target: TinySpec):
     """The target's Llama config with one layer: the draft's attention shape is the target's."""
     if target.architecture != "llama" or target.sliding_layers:
         raise ValueError("the tiny EAGLE draft is built for full-attention Llama targets only")
-    cfg = _config(dataclasses.replace(target, num_layers=DRAFT_LAYERS))
+    cfg = hf_config(dataclasses.replace(target, num_layers=DRAFT_LAYERS))
     cfg.architectures = ["LlamaForCausalLM"]   # vLLM's EAGLE config turns this into EagleLlamaForCausalLM
     return cfg
 
