@@ -18,6 +18,7 @@ from aiolayer_vllm.config import from_extra_config
 from aiolayer_vllm.draft import draft_facts, draft_layers, draft_start
 from aiolayer_vllm.identity import fingerprint
 from aiolayer_vllm.metadata import AiolayerMetadata, RecvReq, SendReq
+from aiolayer_vllm.params import DecodeRank, RecvParams, SendParams
 from aiolayer_vllm.ranks import Topology
 from aiolayer_vllm.worker import WorkerSide
 
@@ -56,10 +57,11 @@ def test_the_drafter_layer_is_sent_as_the_step_ends_with_its_last_pass():
     p, d = _worker("p"), _worker("d")
     try:
         src, dst = [1, 2], [3, 4]
-        d.bind(AiolayerMetadata(recvs=[RecvReq("rq-d", "tx", dst, 0, "", token=TOKEN)]))
+        d.bind(AiolayerMetadata(recvs=[RecvReq("rq-d", RecvParams(transfer_id="tx", token=TOKEN), dst, 0)]))
         d.bind(AiolayerMetadata())
-        p.bind(AiolayerMetadata(sends=[SendReq("rq-p", "tx", src, d.runtime.control_endpoint, dst,
-                                               d.runtime.incarnation, token=TOKEN)]))
+        rank = DecodeRank(decode_control=d.runtime.control_endpoint, dst_incarnation=d.runtime.incarnation)
+        params = SendParams(transfer_id="tx", token=TOKEN, dst_blocks=dst, decode_ranks=[rank])
+        p.bind(AiolayerMetadata(sends=[SendReq("rq-p", params, src, dst)]))
         for name in LAYERS:            # the target's forward, then the drafter's first pass
             p.save_kv_layer(name)
         time.sleep(0.3)                # time for a send of what was handed over to land
