@@ -177,3 +177,29 @@ def test_cancel_while_waiting_for_the_registration_ends_at_once(memory_runtime, 
     time.sleep(0.3)
     register(p, d, "cancel", token, 1)
     assert wait_d_state(p, d, "cancel", "failed") == "failed"
+
+
+def test_d_fences_against_the_writer_its_lookup_admitted(memory_runtime, memory_decode_node):
+    """P bound its transfer through the lookup (no layout request): D's abort still asks that P rank to
+    stop, and P, told, submits no further layer; nothing lands after D failed the transfer."""
+    d = memory_decode_node(SHAPE, engine_id="d-fence", timeouts=Timeouts(fence_grace=30))
+    p, _ = p_runtime(memory_runtime, "p-fence")
+    token, src = secrets.token_hex(16), [2, 3]
+    p.sender.begin_step(0, [late_spec(d, "fenced", token, src)])
+    p.sender.layer_ready(0, 0)
+    rep = register(p, d, "fenced", token, len(src))
+    end = time.monotonic() + 5
+    while not any(p.request(d.control_endpoint, m.VerifyRequest(transfer_id="fenced"), timeout=5).crc_k):
+        assert time.monotonic() < end, "layer 0 never landed"
+        time.sleep(0.01)
+    p.request(d.control_endpoint, m.AbortRequest(transfer_id="fenced", reason="client gone", token=token))
+    assert wait_d_state(p, d, "fenced", "failed") == "failed"
+    at_fail = p.request(d.control_endpoint, m.VerifyRequest(transfer_id="fenced"), timeout=5)
+    for layer in range(1, SHAPE.num_layers):                 # P's forward goes on
+        p.sender.layer_ready(0, layer)
+    p.sender.end_step(0)
+    out = p.sender.wait("fenced", 10)
+    assert not out.ok and "client gone" in out.reason, out   # the lookup's writer was the one asked to stop
+    after = p.request(d.control_endpoint, m.VerifyRequest(transfer_id="fenced"), timeout=5)
+    assert (after.crc_k, after.crc_v) == (at_fail.crc_k, at_fail.crc_v), "a layer landed after D failed it"
+    assert d.runtime.receiver.fences_unconfirmed == 0 and rep.block_ids
