@@ -86,8 +86,10 @@ def test_registration_that_never_comes_fails_p_at_its_deadline(memory_runtime, m
         assert time.monotonic() < end, "source never released"
         time.sleep(0.01)
     time.sleep(0.3)                                             # P's FAILED reached D (kept: not registered)
+    assert d.runtime.debug_tables()["receiver_lookups_waiting"] == 1   # D still holds P's (abandoned) lookup
     register(p, d, "never", token, 2)
     assert wait_d_state(p, d, "never", "failed") == "failed"   # D was told: its blocks are free at once
+    assert d.runtime.debug_tables()["receiver_lookups_waiting"] == 0
 
 
 def test_a_second_registration_or_lookup_writes_once_into_the_same_blocks(memory_runtime, memory_decode_node):

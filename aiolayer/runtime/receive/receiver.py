@@ -244,7 +244,7 @@ class Receiver:
         return entry.state.state.value, entry.state.reason
 
     def table_sizes(self) -> dict[str, int]:
-        return {"entries": len(self._entries), "early": len(self._early)}
+        return {"entries": len(self._entries), "early": len(self._early), "lookups_waiting": self.lookups.count}
 
     def release(self, transfer_id: str) -> bool:
         """Forget a terminal transfer and free its blocks; refused while P may still write."""
