@@ -279,17 +279,31 @@ class Exchange:
                               resp.headers.get("content-type", "application/json"), " before registering the transfer")
 
     async def abort_decode(self, reason: str) -> None:
-        """Tell each of D's ranks to give the transfer up (bounded, at once); D keeps the blocks until P is quiet."""
+        """Tell each of D's ranks to give the transfer up (bounded, at once); D keeps the blocks until P is
+        quiet. Late binding: P's transfers too, which may wait for a registration D will never make."""
         if self.aborted_d or not (self.late or self.registered.done()):
             return
         self.aborted_d = True
         if self.late:   # D may not have registered yet (unknown_transfer): closing D's call then ends it
             n = len(self.d_controls)
             ranks = [(c, rank_transfer_id(self.transfer_id, r, n)) for r, c in enumerate(self.d_controls)]
+            for control in self.p_controls:   # not awaited: P answers once its writes are quiet
+                for _, tid in ranks:
+                    self.state.spawn(self._stop_prefill(control, tid, reason), f"abort-p {tid}")
         else:
             regs = [reg.registration for reg in self.registered.result()]
             ranks = [(reg.decode_control, reg.transfer_id) for reg in regs]
         await asyncio.gather(*(self._abort_rank(control, tid, reason) for control, tid in ranks))
+
+    async def _stop_prefill(self, control: str, tid: str, reason: str) -> None:
+        """P's ``Abort`` for one of its transfers: stopped at once if it waits for D, refused when it
+        starts if it has not yet (P's early aborts); ``stopped`` for one P never ran or finished."""
+        try:
+            client = await self.state.peers.get(control)
+            await client.call(m.Abort(transfer_id=tid, reason=reason, token=self.token),
+                              timeout=self.state.timeouts.abort_s)
+        except AiolayerError as exc:
+            log.debug("transfer %s: P at %s did not confirm it stopped: %s", tid, control, exc)
 
     async def _abort_rank(self, control: str, tid: str, reason: str) -> None:
         try:
