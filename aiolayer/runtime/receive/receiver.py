@@ -216,13 +216,10 @@ class Receiver:
         return entry.block_ids
 
     async def wait_registered(self, transfer_id: str, token: str, limit: float) -> None:
-        """Until ``transfer_id`` is registered, at most ``limit`` seconds (a waiting lookup, late
-        binding); then ``registration`` answers. A settled id is answered at once (``ended``, or
-        ``auth`` with another token): it cannot be registered again."""
+        """Until ``transfer_id`` is registered (at most ``limit`` s); a settled id at once: ``ended``/``auth``."""
         if transfer_id in self._entries:
             return
-        settled = self._settled.word(transfer_id)
-        if settled is not None:
+        if (settled := self._settled.word(transfer_id)) is not None:
             code = NackCode.ENDED if m.same_token(token, settled[0]) else NackCode.AUTH
             raise ControlRejected(code, f"lookup: transfer {transfer_id} settled, or not with this token")
         if not await self.lookups.wait(transfer_id, limit):
