@@ -23,6 +23,8 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     control_call: float = 2.0        # one control request -> reply
     control_retries: int = 3         # attempts for DONE/FAILED delivery
     layout_fetch: float = 5.0        # remote layout prefetch, all attempts together
+    lookup_wait: float = 30.0        # D: a waiting lookup (late binding: P asks before D registered) is
+                                     # held this long for the registration, then answered not_registered
     layer_event: float = 30.0        # device event of a layer to complete
     layer_gap: float = 60.0          # next layer of a started request to arrive from the forward
     layer_write: float = 10.0        # one layer's writes to complete once submitted
@@ -74,6 +76,12 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         return self.layer_write + self.control_call + self.cleanup
 
     @property
+    def lookup_call(self) -> float:
+        """P binding a late transfer: D holds its lookup up to ``lookup_wait``, plus the round trip; past
+        it the transfer fails, having written nothing."""
+        return self.lookup_wait + self.control_call
+
+    @property
     def quarantine_wait(self) -> float:
         """P, a failed transfer: how long it waits for its writes to be quiet before FAILED goes to
         D; past it D is told nothing (its own deadline and fence take over)."""
@@ -95,6 +103,7 @@ COMPOSED: dict[str, tuple[str, ...]] = {
     "abort_settle": ("layer_write", "cleanup"),
     "abort_call": ("layer_write", "control_call"),
     "abort_ask": ("layer_write", "control_call", "cleanup"),
+    "lookup_call": ("lookup_wait", "control_call"),
     "quarantine_wait": ("quarantine", "cleanup"),
     "runtime_open": ("shutdown", "layout_fetch"),
     "runtime_close": ("shutdown", "backend_close"),

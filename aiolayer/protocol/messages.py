@@ -162,13 +162,25 @@ class AllocReply(_Msg, tag="alloc_ok", frozen=True):
     incarnation: str
     first_block: int = 0       # blocks before this index of the request were already at D (prefix hit)
     token: str = ""            # the transfer's secret, for whoever dispatches P
+    layout: Union[LayoutReply, None] = None   # to a writer's lookup (late binding): D's layout, as a LayoutRequest's
 
 
 class LookupRequest(_Msg, tag="lookup", frozen=True):
-    """To D: the registration of ``transfer_id`` (an AllocReply), once D registered it."""
+    """To D: the registration of ``transfer_id`` (an AllocReply), once D registered it.
+
+    ``wait``: D holds the answer until it registered the transfer (at most ``Timeouts.lookup_wait``)
+    instead of answering ``not_registered`` at once. A P rank binding a late transfer (its
+    destination left open, docs/fencing.md "late binding") names itself as a ``LayoutRequest`` does
+    (``requester``, its ``control`` endpoint, ``incarnation``, ``writers``): D then records it as a
+    writer before it answers, only while the transfer takes writes, and the reply carries D's layout."""
 
     transfer_id: str
     token: str = ""
+    wait: bool = False
+    requester: str = ""        # "" = not a writer (whoever dispatches P): no layout, no writer recorded
+    control: str = ""
+    incarnation: str = ""
+    writers: int = 0
 
 
 class VerifyRequest(_Msg, tag="verify", frozen=True):

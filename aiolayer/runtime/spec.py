@@ -55,6 +55,10 @@ class TransferSpec(msgspec.Struct, frozen=True, kw_only=True):
     # pair with dst_blocks; where D's blocks hold another number of tokens than ours, the tokens from
     # src_from x D's block size on are copied into D's blocks token by token (``check_layout``).
     src_from: int = 0
+    # Late binding: D's blocks are not known yet (``dst_blocks`` empty, ``dst_incarnation`` ""). The
+    # sender asks D for them (a waiting ``LookupRequest`` to ``peer``, bounded by ``lookup_call``) while
+    # the forward runs and binds the spec to D's answer (``bind``); docs/fencing.md "late binding".
+    late: bool = False
 
     @classmethod
     def from_registration(cls, reg: Registered, *, src_blocks: list[int], peer: str = "", layerwise: bool = True,
@@ -65,8 +69,23 @@ class TransferSpec(msgspec.Struct, frozen=True, kw_only=True):
                    src_blocks=list(src_blocks), dst_blocks=list(reg.block_ids), dst_incarnation=reg.incarnation,
                    token=reg.token, layerwise=layerwise, route=route)
 
+    @classmethod
+    def late_bound(cls, *, transfer_id: str, peer: str, src_blocks: list[int], token: str, layerwise: bool = True,
+                   route: RankRoute | None = None, writers: int = 0) -> "TransferSpec":
+        """P's spec before D registered: D's blocks, incarnation and first block come from D (``bind``)."""
+        return cls(transfer_id=transfer_id, peer=peer, src_blocks=list(src_blocks), dst_blocks=[],
+                   dst_incarnation="", token=token, layerwise=layerwise, route=route, writers=writers, late=True)
+
+    def bind(self, reg: Registered, first_block: int) -> "TransferSpec":
+        """The late spec bound to D's registration: D's blocks, from the request's block ``first_block``."""
+        return msgspec.structs.replace(self, dst_blocks=list(reg.block_ids), dst_incarnation=reg.incarnation,
+                                       src_from=first_block, late=False)
+
     def __post_init__(self) -> None:
-        if not self.dst_incarnation:
+        if self.late:
+            if self.dst_blocks or self.dst_incarnation or self.src_from:
+                raise ConfigError(f"transfer {self.transfer_id}: a late-bound spec names no destination yet")
+        elif not self.dst_incarnation:
             raise ConfigError(f"transfer {self.transfer_id}: dst_incarnation is required (D's AllocReply)")
         if not self.token:
             raise ConfigError(f"transfer {self.transfer_id}: token is required (minted with the transfer)")
@@ -141,7 +160,9 @@ def check_spec(spec: object) -> None:
     """
     if not isinstance(spec, TransferSpec):
         raise ValueError(f"not a TransferSpec: {type(spec).__name__}")
-    for name in ("transfer_id", "peer", "dst_incarnation", "token"):
+    if not isinstance(spec.late, bool):
+        raise ValueError(f"late must be a bool, got {spec.late!r:.80}")
+    for name in ("transfer_id", "peer", "token") if spec.late else ("transfer_id", "peer", "dst_incarnation", "token"):
         value = getattr(spec, name)
         if not isinstance(value, str) or not value:
             raise ValueError(f"{name} must be a non-empty string, got {value!r:.80}")

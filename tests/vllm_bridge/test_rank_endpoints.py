@@ -104,6 +104,7 @@ def test_the_proxy_backend_names_every_p_rank():
 class _State:
     notify_url = "http://proxy/internal/aiolayer/registered"
     timeouts = ProxyTimeouts()
+    binding = "d-first"
 
 
 def _reg(ex: Exchange, rank: int, ranks: int, blocks=(7, 8), port: int = 5600) -> DecodeRegistration:

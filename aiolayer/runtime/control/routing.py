@@ -60,6 +60,8 @@ class ReceiverPort(Protocol):
 
     def registration(self, transfer_id: str, token: str) -> tuple[list[int], int]: ...
 
+    async def wait_registered(self, transfer_id: str, token: str, limit: float) -> None: ...
+
 
 class Host(Protocol):
     """What routing reads of its runtime (``Runtime``'s public members); the optional parts exist once it started."""
@@ -120,6 +122,22 @@ def _grant_layout(rt: Host, msg: m.LayoutRequest) -> m.Ack:
     rt.receiver.admit_writer(msg)
     _published_layout(rt)
     return m.Ack()
+
+
+async def _lookup(rt: Host, msg: m.LookupRequest) -> m.AllocReply:
+    """A transfer's registration; a waiting lookup is held until D registered it (``lookup_wait``). A
+    writer's lookup (late binding) is a layout grant too: the P rank is admitted as a writer, by the
+    same rules, before the reply tells it where to write."""
+    if msg.wait:
+        await rt.receiver.wait_registered(msg.transfer_id, msg.token, rt.timeouts.lookup_wait)
+    block_ids, first = rt.receiver.registration(msg.transfer_id, msg.token)
+    layout = None
+    if msg.requester:
+        _grant_layout(rt, m.LayoutRequest(requester=msg.requester, transfer_id=msg.transfer_id, token=msg.token,
+                                          control=msg.control, incarnation=msg.incarnation, writers=msg.writers))
+        layout = _published_layout(rt)
+    return m.AllocReply(transfer_id=msg.transfer_id, block_ids=block_ids, incarnation=rt.incarnation,
+                        first_block=first, token=msg.token, layout=layout)
 
 
 def _published_layout(rt: Host) -> m.LayoutReply:
@@ -192,9 +210,7 @@ async def handle(rt: Host, hooks: Hooks, msg: m.Message) -> m.Message:
     if isinstance(msg, m.AbortRequest):
         return m.Ack(detail=rt.receiver.abort(msg.transfer_id, msg.reason, msg.token))
     if isinstance(msg, m.LookupRequest):
-        block_ids, first = rt.receiver.registration(msg.transfer_id, msg.token)
-        return m.AllocReply(transfer_id=msg.transfer_id, block_ids=block_ids, incarnation=rt.incarnation,
-                            first_block=first, token=msg.token)
+        return await _lookup(rt, msg)
     if isinstance(msg, m.LayoutRequest):
         _grant_layout(rt, msg)
         return _published_layout(rt)

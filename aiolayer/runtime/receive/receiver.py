@@ -43,6 +43,7 @@ from ...protocol.checks import check_senders, check_token
 from ...protocol.codes import AckDetail, NackCode
 from ...protocol.state import Event, IllegalTransition, State
 from .entry import Entry, Received, Release
+from .lookups import WaitingLookups
 from ..loop import Spawn, not_running
 from .settled import SettledTable
 from .writers import StopSender, ask_until_quiet
@@ -65,6 +66,7 @@ class Receiver:
         # early DONE cannot take the place of the real one, and by sender, so k senders are all kept
         self._early: dict[tuple[str, str, str], tuple[m.Done | m.Failed, float]] = {}
         self._settled = SettledTable(timeouts.receive)   # their late words and their ids are refused
+        self.lookups = WaitingLookups()                 # lookups held until their transfer is registered
         self._on_outcome: Callable[[], None] | None = None
         self._results: collections.deque[Received] = collections.deque()
         self._spawn: Spawn = not_running
@@ -111,6 +113,7 @@ class Receiver:
         entry.timer = asyncio.get_running_loop().call_later(self.timeouts.receive, self._expire, transfer_id)
         if self._early:
             self._apply_early(entry)
+        self.lookups.registered(transfer_id)   # after the early words: a lookup then sees the transfer as it is
 
     def authorize(self, transfer_id: str, token: str, what: str) -> Entry:
         """The registered transfer, if ``token`` is its own; else refused (code ``auth``) and counted."""
@@ -212,6 +215,16 @@ class Receiver:
             return None
         return entry.block_ids
 
+    async def wait_registered(self, transfer_id: str, token: str, limit: float) -> None:
+        """Until ``transfer_id`` is registered (at most ``limit`` s); a settled id at once: ``ended``/``auth``."""
+        if transfer_id in self._entries:
+            return
+        if (settled := self._settled.word(transfer_id)) is not None:
+            code = NackCode.ENDED if m.same_token(token, settled[0]) else NackCode.AUTH
+            raise ControlRejected(code, f"lookup: transfer {transfer_id} settled, or not with this token")
+        if not await self.lookups.wait(transfer_id, limit):
+            raise ControlRejected(NackCode.NOT_REGISTERED, f"transfer {transfer_id} not registered within {limit:g}s")
+
     def registration(self, transfer_id: str, token: str) -> tuple[list[int], int]:
         """(block ids, first block) of a registered transfer, for whoever dispatches P."""
         if transfer_id not in self._entries:
@@ -228,7 +241,7 @@ class Receiver:
         return entry.state.state.value, entry.state.reason
 
     def table_sizes(self) -> dict[str, int]:
-        return {"entries": len(self._entries), "early": len(self._early)}
+        return {"entries": len(self._entries), "early": len(self._early), "lookups_waiting": self.lookups.count}
 
     def release(self, transfer_id: str) -> bool:
         """Forget a terminal transfer and free its blocks; refused while P may still write."""
@@ -261,6 +274,7 @@ class Receiver:
         return self._unsettled
 
     def close(self) -> None:
+        self.lookups.close()
         for entry in self._entries.values():
             if entry.timer is not None:
                 entry.timer.cancel()

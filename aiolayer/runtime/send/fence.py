@@ -104,6 +104,14 @@ class Request:
         self.feed.waiting.append(self)
         return self._waiter
 
+    def stop_waiter(self) -> asyncio.Future[None]:
+        """A future set once the transfer is stopped (D's abort, our engine's cancel): what a wait
+        before the first layer (a late transfer's lookup) races against."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        if self.state.stopped:
+            self._waiter.set_result(None)
+        return self._waiter
+
     def wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():   # done: woken already, or its wait timed out

@@ -63,6 +63,7 @@ class LayoutCache:
         self._queued: dict[str, list[_Item]] = {}      # endpoint -> fetches of this pass, not sent yet
         self._singles: set[str] = set()                # Ds that did not know a batch: one by one
         self.fetches: collections.Counter[str] = collections.Counter()   # per endpoint: transfers asked for
+        self.lookups: collections.Counter[str] = collections.Counter()   # per endpoint: late transfers bound
         self.batches = 0                               # LayoutBatch frames answered
         self.batched = 0                               # the fetches they carried
         self.deadlines_expired = 0
@@ -182,6 +183,31 @@ class LayoutCache:
             raise
         except Exception as exc:  # noqa: BLE001 - the item's own error, as its transfer reports it
             settle_future(fut, exc=exc)
+
+    async def bind(self, endpoint: str, credentials: Credentials) -> tuple[m.AllocReply, RemoteLayout]:
+        """A late transfer's registration and D's layout, in one waiting lookup: D answers once it
+        registered the transfer, having recorded this P rank as a writer (as for a layout request),
+        within ``lookup_call``; ``DeadlineExceeded`` or ``MetadataError`` (cause: the control error) else."""
+        tid, token, *writers = credentials
+        request = m.LookupRequest(transfer_id=tid, token=token, wait=True, requester=self.requester,
+                                  control=self.control, incarnation=self.incarnation,
+                                  writers=writers[0] if writers else 0)
+        limit = self.timeouts.lookup_call
+        self.lookups[endpoint] += 1
+        try:
+            async with compat.timeout(limit):
+                client = await self.peers.get(endpoint)
+                reply = await client.call(request, timeout=limit)
+        except TimeoutError:   # a ControlTimeout too: one deadline, the lookup's
+            self.deadlines_expired += 1
+            raise DeadlineExceeded("lookup_call", limit, f"registration of {tid} at {endpoint}") from None
+        except ControlError as exc:
+            raise MetadataError(f"registration of {tid} at {endpoint} unavailable: {exc}") from exc
+        if (not isinstance(reply, m.AllocReply) or reply.transfer_id != tid or not reply.block_ids
+                or not isinstance(reply.layout, m.LayoutReply) or reply.layout.incarnation != reply.incarnation):
+            raise MetadataError(f"{endpoint} answered the lookup of {tid} with {type(reply).__name__} "
+                                "without its blocks and layout")
+        return reply, RemoteLayout.from_reply(endpoint, reply.layout)
 
     def _request(self, credentials: Credentials) -> m.LayoutRequest:
         tid, token, *writers = credentials

@@ -37,10 +37,10 @@ import numpy as np
 
 from ...backends.base import TransferBackend
 from ...config import Timeouts
-from ...errors import AiolayerError, ControlRejected, RuntimeStateError, TransferStopped
+from ...errors import AiolayerError, ControlRejected, MetadataError, RuntimeStateError, TransferStopped
 from ...protocol import messages as m
 from ...protocol.codes import AckDetail, NackCode
-from ...protocol.plan import HeadGeometry, check_block_bounds, check_geometry, merge_runs
+from ...protocol.plan import BlockRuns, HeadGeometry, check_block_bounds, check_geometry, merge_runs
 from ...protocol.state import Event
 from ...stats import LatencyHistogram
 from .bridge import LayerBridge
@@ -52,7 +52,7 @@ from .fence import MAX_EARLY_ABORTS, EarlyAborts, Request, StepLayers, guarded
 from ..loop import Spawn, not_running
 from .metadata import LayoutCache
 from .results import Results
-from ..spec import LayerTiming, LocalLayout, Outcome, TransferSpec, check_layout, check_spec
+from ..spec import LayerTiming, LocalLayout, Outcome, RemoteLayout, TransferSpec, check_layout, check_spec
 from .stream import LayerStreamer
 
 __all__ = ["MAX_EARLY_ABORTS", "LayerTiming", "LocalLayout", "Outcome", "Sender", "TransferSpec", "check_geometry"]
@@ -218,9 +218,7 @@ class Sender(TransferEnding):
         try:
             check_spec(spec)
             check_block_bounds(spec.src_blocks, self._local().num_blocks, "source")
-            paired = spec.src_blocks[spec.src_from:]
-            # blocks that do not pair one to one can only be D's of another size: check_layout decides
-            runs = merge_runs(paired, spec.dst_blocks) if len(paired) == len(spec.dst_blocks) else None
+            runs = None if spec.late else _pair(spec)   # a late spec's destination comes from D (_bind)
         except Exception as exc:  # noqa: BLE001 - ValueError, OverflowError (ids >= 2**63), TypeError...
             self._refuse(spec, f"invalid transfer spec: {type(exc).__name__}: {exc}")
             return
@@ -230,7 +228,8 @@ class Sender(TransferEnding):
             self._spawn(self._finish(req, "aborted by D before it started", None), name=f"fail {tid}")
             return
         try:
-            self.layouts.prefetch(spec.peer, (tid, spec.token, spec.writers))
+            if not spec.late:   # a late spec's layout comes with D's registration (_bind)
+                self.layouts.prefetch(spec.peer, (tid, spec.token, spec.writers))
         except Exception as exc:  # noqa: BLE001 - e.g. an endpoint the control plane cannot parse
             self._refuse(spec, f"layout prefetch failed: {type(exc).__name__}: {exc}")
             return
@@ -288,8 +287,11 @@ class Sender(TransferEnding):
         reason = ""
         settled = None
         try:
-            layout = await self.layouts.get(req.spec.peer, (req.spec.transfer_id, req.spec.token, req.spec.writers),
-                                            req.spec.dst_incarnation)
+            if req.spec.late:
+                layout = await self._bind(req)
+            else:
+                layout = await self.layouts.get(req.spec.peer, (req.spec.transfer_id, req.spec.token,
+                                                                req.spec.writers), req.spec.dst_incarnation)
             local = self._local()
             req.spans = check_layout(local, req.spec, req.runs, layout)
             req.state.apply(Event.LAYOUT_READY)
@@ -310,6 +312,30 @@ class Sender(TransferEnding):
             self.layouts.invalidate(req.spec.peer)  # the peer may have restarted: fetch afresh next time
         await self._finish(req, reason, settled)
 
+    async def _bind(self, req: Request) -> RemoteLayout:
+        """A late transfer's destination and D's layout, asked of D while our forward runs: its layers
+        queue in the step's feed and its source stays held meanwhile. Bounded by ``lookup_call``; a
+        stop (D's abort, our engine's cancel) ends the wait at once, having written nothing."""
+        spec = req.spec
+        lookup = asyncio.ensure_future(self.layouts.bind(spec.peer, (spec.transfer_id, spec.token, spec.writers)))
+        try:
+            await asyncio.wait((lookup, req.stop_waiter()), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not lookup.done():
+                lookup.cancel()
+        if not lookup.done() or lookup.cancelled():
+            raise TransferStopped(req.aborted or "stopped before D's registration came")
+        reply, layout = lookup.result()
+        try:
+            bound = spec.bind(reply, reply.first_block)
+            check_spec(bound)
+            runs = _pair(bound)
+        except Exception as exc:  # noqa: BLE001 - D's answer, from the network: this transfer fails
+            raise MetadataError(f"D's registration of {spec.transfer_id} does not fit: "
+                                f"{type(exc).__name__}: {exc}") from None
+        req.spec, req.runs = bound, runs
+        return layout
+
     def _local(self) -> LocalLayout:
         if self.local is None:
             raise RuntimeStateError("register the KV caches before the first step")
@@ -320,3 +346,9 @@ class Sender(TransferEnding):
         quiet): their writes may still land, so D's abort keeps getting ``settling``."""
         self.results.fail_unpublished(reason, self._live)
 
+
+def _pair(spec: TransferSpec) -> BlockRuns | None:
+    """The spec's source and destination blocks as runs; None where they do not pair one to one,
+    which only D's blocks of another size may do (``check_layout`` decides)."""
+    paired = spec.src_blocks[spec.src_from:]
+    return merge_runs(paired, spec.dst_blocks) if len(paired) == len(spec.dst_blocks) else None

@@ -7,11 +7,13 @@ rank order (D's ranks work out which P ranks write into them) and where to POST 
 D POSTs ``DecodeRegistration`` there, one per tensor-parallel rank: ``{"transfer_id": str,
 "registration": {...}, "rank": int, "ranks": int, "dp_rank": int}``, ``registration`` being the
 runtime's own ``aiolayer.Registration`` (its transfer id is this rank's, ``ranks.rank_transfer_id``).
-To P (remote decode), once every D rank registered, ``SendParams``: ``{"transfer_id": str, "token":
+To P (remote decode), once every D rank registered (D first), ``SendParams``: ``{"transfer_id": str, "token":
 str, "dst_blocks": [int], "first_block": int, "decode_ranks": [{"decode_control": "tcp://...",
 "dst_incarnation": str}, ...], "prefill_tp": int}``: D's ranks in rank order (the blocks are the same
 on every rank: one scheduler allocates them) and the P tensor-parallel size the plan assumed (0 = not
-said; P refuses to send when its own differs, telling D at once). Ranks are always lists, one entry
+said; P refuses to send when its own differs, telling D at once). With late binding P gets, at the same
+time as D, ``SendParams`` with ``"late": true`` and no ``dst_blocks``/``first_block``/``dst_incarnation``:
+each P transfer asks its D rank for them (a waiting ``LookupRequest``). Ranks are always lists, one entry
 for an engine without tensor parallelism. Transfer ids are the proxy's own, never derived from vLLM's
 request ids. The token is a secret the proxy mints per transfer (``secrets.token_hex(16)``) and gives
 only to this transfer's D and P: D refuses layout requests and DONE/FAILED without it.
@@ -102,10 +104,11 @@ class RecvParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 
 class DecodeRank(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One of D's tensor-parallel ranks as P addresses it."""
+    """One of D's tensor-parallel ranks as P addresses it; ``dst_incarnation`` "" in a late form (D
+    answers it with its registration)."""
 
     decode_control: Url
-    dst_incarnation: Id
+    dst_incarnation: Annotated[str, Meta(max_length=MAX_ID_CHARS, pattern=r"^[\x21-\x7e]*$")] = ""
 
     def __post_init__(self) -> None:
         check_endpoint(self.decode_control, "decode_control")
@@ -113,16 +116,36 @@ class DecodeRank(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 class SendParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """P's part of a request: D's blocks (the same on every D rank: one scheduler allocates them) and
-    D's ranks in tensor-parallel order."""
+    D's ranks in tensor-parallel order.
+
+    ``late``: sent to P at the same time as D's part, before D registered: no ``dst_blocks``,
+    ``first_block`` or incarnations; each of P's transfers asks its D rank for them (late binding,
+    docs/fencing.md) while P's forward runs."""
 
     transfer_id: Id
     token: Token
-    dst_blocks: BlockIds
     decode_ranks: Annotated[list[DecodeRank], Meta(min_length=1, max_length=MAX_RANKS)]
+    dst_blocks: Annotated[list[BlockId], Meta(max_length=MAX_BLOCKS)] = []
     first_block: FirstBlock = 0
     # P's tensor-parallel size the proxy planned the request for (the P ranks it told D to wait for):
     # P refuses to send when its own differs. 0 = not said: not checked.
     prefill_tp: Annotated[int, Meta(ge=0, le=MAX_RANKS)] = 0
+    late: bool = False
+
+    def check(self) -> None:
+        """The two forms apart (``read`` calls it; ValueError): late names no destination, D-first all of it.
+        Not ``__post_init__``: engines and tests build refused shapes on purpose, which the worker survives."""
+        incarnations = [bool(r.dst_incarnation) for r in self.decode_ranks]
+        if self.late and (self.dst_blocks or self.first_block or any(incarnations)):
+            raise ValueError("a late SendParams names no dst_blocks, first_block or dst_incarnation: D answers them")
+        if not self.late and (not self.dst_blocks or not all(incarnations)):
+            raise ValueError("dst_blocks and every rank's dst_incarnation are required (or late: true)")
+
+    @classmethod
+    def late_for(cls, transfer_id: str, token: str, decode_controls: list[str], prefill_tp: int) -> SendParams:
+        """What P is told at the same time as D (late binding): D's ranks' control endpoints only."""
+        return cls(transfer_id=transfer_id, token=token, late=True, prefill_tp=prefill_tp,
+                   decode_ranks=[DecodeRank(decode_control=c) for c in decode_controls])
 
     @classmethod
     def for_registrations(cls, regs: list[DecodeRegistration], prefill_tp: int) -> SendParams:
@@ -193,7 +216,10 @@ def read(params: Any) -> RecvParams | SendParams | None:
             raise InvalidParams(f"kv_transfer_params[{KEY!r}] mixes the fields of D's ({sorted(_RECV_ONLY)}) "
                                 f"and P's ({sorted(_SEND_ONLY)}) parameters")
         kind = SendParams if keys & _SEND_ONLY else RecvParams
-        return msgspec.convert(value, kind)
+        params = msgspec.convert(value, kind)
+        if isinstance(params, SendParams):
+            params.check()
+        return params
     except InvalidParams:
         raise
     except Exception as exc:  # noqa: BLE001 - msgspec raises more than ValidationError on odd input

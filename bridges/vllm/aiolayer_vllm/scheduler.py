@@ -193,6 +193,10 @@ class SchedulerSide:
         tokens than ours (the runtime maps tokens, ``TransferSpec.src_from``); several groups pair
         block for block (``pair_groups``: one block size on both sides)."""
         null = self._null_block()
+        if send.late:   # D's blocks come from D (the runtime binds them): ours go whole from the first
+            if len(groups) == 1 and null not in groups[0][:needed]:
+                return list(groups[0][:needed]), [], "", 0
+            return [], [], "late binding needs one KV cache group without a sliding window; use D-first", 0
         if len(groups) == 1 and null not in send.dst_blocks and null not in groups[0][:needed]:
             # first_block counts D's blocks: whether they fit ours is the runtime's check (check_layout)
             return list(groups[0][:needed]), list(send.dst_blocks), "", send.first_block

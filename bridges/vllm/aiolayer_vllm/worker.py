@@ -50,9 +50,14 @@ def _transfer_spec(send: SendReq, d_rank: int, **extra: Any) -> TransferSpec:
     """P's spec for one D rank of a request: the one place the request's ``SendParams`` become the core's."""
     params = send.params
     target = params.decode_ranks[d_rank]
-    return TransferSpec(transfer_id=rank_transfer_id(params.transfer_id, d_rank, len(params.decode_ranks)),
-                        peer=target.decode_control, src_blocks=send.src_blocks, dst_blocks=send.dst_blocks,
-                        dst_incarnation=target.dst_incarnation, token=params.token, **extra)
+    tid = rank_transfer_id(params.transfer_id, d_rank, len(params.decode_ranks))
+    if params.late:   # D's blocks, first block and incarnation: asked of D by the runtime (late binding)
+        extra.pop("src_from", None)
+        return TransferSpec.late_bound(transfer_id=tid, peer=target.decode_control, src_blocks=send.src_blocks,
+                                       token=params.token, **extra)
+    return TransferSpec(transfer_id=tid, peer=target.decode_control, src_blocks=send.src_blocks,
+                        dst_blocks=send.dst_blocks, dst_incarnation=target.dst_incarnation, token=params.token,
+                        **extra)
 
 
 class WorkerSide:

@@ -25,7 +25,7 @@ from aiolayer import ControlPeers, RuntimeStateError
 
 from ..params import InvalidParams, read_registration
 from .failures import ExchangeError, answered_error, call_failed, error_event
-from .flow import Exchange, ProxyTimeouts, check_body, forwarded_headers
+from .flow import BINDINGS, Exchange, ProxyTimeouts, check_body, forwarded_headers
 from .metrics import CONTENT_TYPE, ProxyMetrics
 from .pool import NoBackend, Pool
 from .tracing import Tracing
@@ -54,9 +54,13 @@ def _stage(kind: str, relaying: bool) -> str:
 
 
 class ProxyState:
-    def __init__(self, pool: Pool, public_url: str, timeouts: ProxyTimeouts, tracing: Tracing | None = None) -> None:
+    def __init__(self, pool: Pool, public_url: str, timeouts: ProxyTimeouts, tracing: Tracing | None = None,
+                 binding: str = "d-first") -> None:
+        if binding not in BINDINGS:
+            raise ValueError(f"binding must be one of {BINDINGS}, got {binding!r}")
         self.pool = pool
         self.timeouts = timeouts
+        self.binding = binding   # "late": P and D at once (flow.Exchange)
         self.tracing = tracing or Tracing()
         self.notify_url = public_url.rstrip("/") + REGISTER_PATH
         self.pending: dict[str, Exchange] = {}
@@ -312,8 +316,8 @@ class _OpenAIRoute:
 
 
 def create_app(pool: Pool, public_url: str, timeouts: ProxyTimeouts | None = None,
-               tracing: Tracing | None = None) -> FastAPI:
-    state = ProxyState(pool, public_url, timeouts or ProxyTimeouts(), tracing)
+               tracing: Tracing | None = None, binding: str = "d-first") -> FastAPI:
+    state = ProxyState(pool, public_url, timeouts or ProxyTimeouts(), tracing, binding)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

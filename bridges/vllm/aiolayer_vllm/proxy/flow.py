@@ -1,4 +1,5 @@
-"""One proxied request, D first: D registers and POSTs its blocks, then P prefills and pushes the KV.
+"""One proxied request, D first (D registers and POSTs its blocks, then P prefills and pushes the KV) or
+late-bound (P and D at once: P's transfers ask D for its blocks themselves, docs/proxy.md).
 
 Each step has its own deadline (``ProxyTimeouts``). A backend's 4xx (the request's own fault) goes to
 the client unchanged; every other failure ends in an OpenAI-shaped JSON error that says which backend
@@ -30,6 +31,7 @@ from aiolayer.protocol import messages as m
 from aiolayer.protocol.codes import NackCode
 
 from ..params import KEY, DecodeRegistration, RecvParams, SendParams
+from ..ranks import rank_transfer_id
 from .failures import ExchangeError, answered_error, call_failed
 from .pool import Backend, Lease
 
@@ -55,6 +57,9 @@ class ProxyTimeouts:
     prefill_s: float = 120.0       # P's prefill request (one token)
     request_s: float = 600.0       # D's whole generation
     abort_s: float = 2.0           # telling D to give a transfer up
+
+
+BINDINGS = ("d-first", "late")   # how P learns D's blocks: from the proxy after D registered, or from D itself
 
 
 def check_body(body) -> None:
@@ -90,6 +95,10 @@ class Exchange:
         self.headers = dict(headers or {})
         self.prefill, self.decode = prefill, decode
         self.p_controls = prefill.controls   # P's TP ranks as learned now: D's and P's plans must agree
+        self.d_controls = decode.controls
+        # late binding addresses D's ranks by endpoint: only D's first data-parallel rank has one we know
+        learned = decode.topology
+        self.late = state.binding == "late" and (learned is None or learned.dp <= 1)
         self.p_lease, self.d_lease = Lease(prefill), Lease(decode)
         self.transfer_id = uuid.uuid4().hex
         self.request_id = self.headers.get("x-request-id") or self.transfer_id   # what its log lines name
@@ -109,7 +118,7 @@ class Exchange:
 
     def d_body(self) -> dict:
         params = RecvParams(transfer_id=self.transfer_id, token=self.token, prefill_controls=self.p_controls,
-                            notify_url=self.state.notify_url)
+                            notify_url="" if self.late else self.state.notify_url)   # "": P asks D itself
         return {**self.body, "kv_transfer_params": {KEY: msgspec.to_builtins(params)}}
 
     def add_registration(self, reg: DecodeRegistration) -> str:
@@ -127,11 +136,14 @@ class Exchange:
             self.registered.set_result([self.d_ranks[r] for r in range(reg.ranks)])
         return ""
 
-    def p_body(self, regs: list[DecodeRegistration]) -> dict:
+    def p_body(self, regs: list[DecodeRegistration] | None) -> dict:
         body = {k: v for k, v in self.body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
         body["max_tokens"] = 1
         # prefill_tp: the P ranks D was told of; P checks its own TP size against it
-        params = SendParams.for_registrations(regs, prefill_tp=len(self.p_controls))
+        if regs is None:   # late: D's ranks by endpoint; each P transfer asks its D rank for the blocks
+            params = SendParams.late_for(self.transfer_id, self.token, self.d_controls, len(self.p_controls))
+        else:
+            params = SendParams.for_registrations(regs, prefill_tp=len(self.p_controls))
         body["kv_transfer_params"] = {KEY: msgspec.to_builtins(params)}
         return body
 
@@ -142,9 +154,14 @@ class Exchange:
         return await client.send(req, stream=self.stream)
 
     async def run_until_decode(self) -> httpx.Response:
-        """D first, its registration, then P's prefill; returns D's response (streaming or whole)."""
+        """D first, its registration, then P's prefill (late: both at once); returns D's response
+        (streaming or whole)."""
         t = self.state.timeouts
         self.d_task = self.state.spawn(self.open_decode(), f"decode {self.transfer_id}")
+        if self.late:   # no registration to wait for: P's transfers ask D for it while P prefills
+            self.stamp("dispatched")
+            self.p_task = self.state.spawn(self._prefill(None), f"prefill {self.transfer_id}")
+            return await self._until_decode_answered()
         loop = asyncio.get_running_loop()
         end = loop.time() + t.registration_s
         waiting = {self.registered, self.d_task}
@@ -162,6 +179,12 @@ class Exchange:
         self.stamp("registered")
         # P runs in its own task: D's answer is relayed as soon as D has one, not after P's whole reply
         self.p_task = self.state.spawn(self._prefill(self.registered.result()), f"prefill {self.transfer_id}")
+        return await self._until_decode_answered()
+
+    async def _until_decode_answered(self) -> httpx.Response:
+        """D's response once it answered; P failing first raises P's error (D was told to abort)."""
+        t = self.state.timeouts
+        assert self.d_task is not None and self.p_task is not None
         try:
             async with compat.timeout(t.request_s):
                 while not self.d_task.done():
@@ -219,7 +242,7 @@ class Exchange:
         self.stamps[stage] = round((time.perf_counter() - self.started) * 1e3, 1)
         self.state.metrics.stage(stage, self.stamps[stage] / 1e3)
 
-    async def _prefill(self, regs: list[DecodeRegistration]) -> None:
+    async def _prefill(self, regs: list[DecodeRegistration] | None) -> None:
         client, t = self.state.client, self.state.timeouts
         try:
             reply = await client.post(self.prefill.url + self.path, json=self.p_body(regs), headers=self.headers,
@@ -237,7 +260,8 @@ class Exchange:
             await self.abort_decode(f"prefill answered HTTP {reply.status_code}")
             raise answered_error("P", self.prefill.url, reply.status_code, reply.content,
                                  reply.headers.get("content-type", "application/json"))
-        self.state.metrics.prefill.observe((self.stamps["p_answered"] - self.stamps["registered"]) / 1e3)
+        sent = self.stamps["dispatched" if regs is None else "registered"]
+        self.state.metrics.prefill.observe((self.stamps["p_answered"] - sent) / 1e3)
 
     async def _decode_error(self) -> ExchangeError:
         """D answered before it registered the transfer: its own error (a 4xx goes to the client as is)."""
@@ -255,13 +279,31 @@ class Exchange:
                               resp.headers.get("content-type", "application/json"), " before registering the transfer")
 
     async def abort_decode(self, reason: str) -> None:
-        """Tell each of D's ranks to give the transfer up (bounded, at once); D keeps the blocks until P is quiet."""
-        if self.aborted_d or not self.registered.done():
+        """Tell each of D's ranks to give the transfer up (bounded, at once); D keeps the blocks until P is
+        quiet. Late binding: P's transfers too, which may wait for a registration D will never make."""
+        if self.aborted_d or not (self.late or self.registered.done()):
             return
         self.aborted_d = True
-        regs = self.registered.result()
-        await asyncio.gather(*(self._abort_rank(reg.registration.decode_control, reg.registration.transfer_id, reason)
-                               for reg in regs))
+        if self.late:   # D may not have registered yet (unknown_transfer): closing D's call then ends it
+            n = len(self.d_controls)
+            ranks = [(c, rank_transfer_id(self.transfer_id, r, n)) for r, c in enumerate(self.d_controls)]
+            for control in self.p_controls:   # not awaited: P answers once its writes are quiet
+                for _, tid in ranks:
+                    self.state.spawn(self._stop_prefill(control, tid, reason), f"abort-p {tid}")
+        else:
+            regs = [reg.registration for reg in self.registered.result()]
+            ranks = [(reg.decode_control, reg.transfer_id) for reg in regs]
+        await asyncio.gather(*(self._abort_rank(control, tid, reason) for control, tid in ranks))
+
+    async def _stop_prefill(self, control: str, tid: str, reason: str) -> None:
+        """P's ``Abort`` for one of its transfers: stopped at once if it waits for D, refused when it
+        starts if it has not yet (P's early aborts); ``stopped`` for one P never ran or finished."""
+        try:
+            client = await self.state.peers.get(control)
+            await client.call(m.Abort(transfer_id=tid, reason=reason, token=self.token),
+                              timeout=self.state.timeouts.abort_s)
+        except AiolayerError as exc:
+            log.debug("transfer %s: P at %s did not confirm it stopped: %s", tid, control, exc)
 
     async def _abort_rank(self, control: str, tid: str, reason: str) -> None:
         try:

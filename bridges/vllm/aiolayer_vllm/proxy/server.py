@@ -12,7 +12,7 @@ from aiolayer.cli import Command
 from aiolayer.transport import url_host
 
 from . import logs
-from .flow import ProxyTimeouts
+from .flow import BINDINGS, ProxyTimeouts
 from .pool import Backend, Pool
 from .topology import learn_pool
 from .tracing import Tracing, TracingUnavailable
@@ -45,6 +45,12 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
                    help="seconds for P's prefill call (one token)")
     p.add_argument("--request-timeout", type=float, default=ProxyTimeouts.request_s,
                    help="seconds for D's whole generation")
+    p.add_argument("--binding", choices=BINDINGS, default="d-first",
+                   help="d-first: D registers (POSTs its blocks to the proxy), then P is sent the request; late: P "
+                        "and D at once, each P transfer asks D for its blocks (a waiting lookup), so P's prefill never "
+                        "waits for D's registration (D of one data-parallel rank only; others go D-first)")
+    p.add_argument("--d-first", dest="binding", action="store_const", const="d-first",
+                   help="the same as --binding d-first")
     p.add_argument("--health-interval", type=float, default=2.0,
                    help="seconds between health checks of each server (HTTP /health and its ranks' topology)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS,
@@ -96,7 +102,7 @@ def run_proxy(args: argparse.Namespace) -> int:
     except TracingUnavailable as exc:
         print(f"aiolayer proxy: {exc}", file=sys.stderr)
         return 2
-    app = create_app(pool, url, timeouts, tracing)
+    app = create_app(pool, url, timeouts, tracing, args.binding)
     logger.info("aiolayer proxy listening on http://%s:%d (D registers at %s), model %s; %s", url_host(args.host),
                 args.port, url, pool.model, "; ".join(_described(b) for b in pool.all))
     # log_config=None: uvicorn keeps the handler set above (its own config would replace it)

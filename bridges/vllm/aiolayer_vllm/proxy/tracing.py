@@ -21,6 +21,10 @@ STAGES = (("registration", "", "registered"),
           ("prefill", "registered", "p_answered"),
           ("first_token", "registered", "first_chunk"),
           ("first_token", "registered", "d_answered"),   # a whole answer: D's reply is its first token
+          # late binding: no registration stage; P and D are sent the request together ("dispatched")
+          ("prefill", "dispatched", "p_answered"),
+          ("first_token", "dispatched", "first_chunk"),
+          ("first_token", "dispatched", "d_answered"),
           ("relay", "first_chunk", "end"))
 PROTOCOLS = ("grpc", "http/protobuf")
 

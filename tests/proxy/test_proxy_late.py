@@ -1,0 +1,130 @@
+"""The proxy's late-bound flow: P and D are sent the request at once, no registration is waited for.
+
+The engines are an ``httpx.MockTransport`` that records what each was sent; D is a real control server
+that records the ``AbortRequest`` the exchange sends when P fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+import httpx
+
+from aiolayer.config import Timeouts
+from aiolayer.errors import ControlRejected
+from aiolayer.protocol.codes import NackCode
+from aiolayer.protocol import messages as m
+from aiolayer.runtime.control.plane import ControlPeers, ControlServer
+from aiolayer_vllm.params import KEY, RecvParams, SendParams, read
+from aiolayer_vllm.proxy.app import ProxyState
+from aiolayer_vllm.proxy.flow import Exchange, ExchangeError, ProxyTimeouts
+from aiolayer_vllm.proxy.pool import Backend, Pool
+from aiolayer_vllm.ranks import rank_transfer_id
+
+P_URL, D_URL = "http://127.0.0.1:9", "http://127.0.0.1:8"
+
+
+async def _exchange(p_status: int, aborts: list[m.Message], sent: dict[str, dict], d_status: int = 200):
+    """A late-binding exchange whose D answers only once P was sent the request (a D-first flow would
+    wait for a registration that never comes); P answers ``p_status``, D ``d_status``. D and P are one
+    control server here (it records the aborts both get)."""
+    p_seen = asyncio.Event()
+
+    async def engines(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if request.url.host == "127.0.0.1" and request.url.port == 9:
+            sent["P"] = body
+            p_seen.set()
+            return httpx.Response(p_status, json={"choices": [{"text": "x"}]})
+        sent["D"] = body
+        await asyncio.wait_for(p_seen.wait(), 5)
+        if p_status != 200:
+            await asyncio.sleep(5)   # D would wait for P's KV: the exchange must end on P's failure first
+        return httpx.Response(d_status, json={"choices": [{"text": "decoded"}]})
+
+    async def d_handler(msg: m.Message) -> m.Message:
+        aborts.append(msg)
+        if isinstance(msg, m.Abort):   # P: its transfer stops (or never starts)
+            return m.Ack(detail="stopped")
+        raise ControlRejected(NackCode.UNKNOWN_TRANSFER, "not registered yet")
+
+    loop = asyncio.get_running_loop()
+    d = ControlServer("127.0.0.1", 0, d_handler)
+    endpoint = await d.start(loop.create_task)
+    state = ProxyState(Pool([], []), "http://127.0.0.1:1", ProxyTimeouts(prefill_s=5, request_s=10), binding="late")
+    state.spawn = lambda coro, name: loop.create_task(coro, name=name)   # type: ignore[method-assign]
+    state.client = httpx.AsyncClient(transport=httpx.MockTransport(engines))
+    state.peers = ControlPeers(Timeouts(), loop.create_task)
+    exchange = Exchange(state, "/v1/completions", {"prompt": "x"}, Backend("prefill", P_URL, endpoint),
+                        Backend("decode", D_URL, endpoint))
+    return exchange, state, d, endpoint
+
+
+@pytest.mark.timeout(20)
+async def test_late_binding_sends_p_and_d_at_once_without_a_registration():
+    aborts: list[m.Message] = []
+    sent: dict[str, dict] = {}
+    exchange, state, d, endpoint = await _exchange(200, aborts, sent)
+    try:
+        resp = await exchange.run_until_decode()
+        assert resp.status_code == 200 and "registered" not in exchange.stamps
+        recv, send = read(sent["D"]["kv_transfer_params"]), read(sent["P"]["kv_transfer_params"])
+        assert isinstance(recv, RecvParams) and recv.notify_url == ""          # D need not POST to the proxy
+        assert isinstance(send, SendParams) and send.late and not send.dst_blocks
+        assert [r.decode_control for r in send.decode_ranks] == [endpoint]
+        assert (send.transfer_id, send.token) == (recv.transfer_id, recv.token) == (exchange.transfer_id,
+                                                                                       exchange.token)
+        assert sent["P"]["kv_transfer_params"][KEY]["late"] is True and aborts == []
+    finally:
+        await exchange.close()
+        await state.client.aclose()
+        await state.peers.close()
+        await d.close()
+
+
+@pytest.mark.timeout(20)
+async def test_late_binding_p_failing_tells_d_and_ends_the_exchange():
+    aborts: list[m.Message] = []
+    sent: dict[str, dict] = {}
+    exchange, state, d, endpoint = await _exchange(500, aborts, sent)
+    try:
+        with pytest.raises(ExchangeError) as err:
+            await exchange.run_until_decode()
+        assert err.value.kind == "prefill_error"
+        tid = rank_transfer_id(exchange.transfer_id, 0, 1)
+        d_told = [(a.transfer_id, a.token) for a in aborts if isinstance(a, m.AbortRequest)]
+        assert d_told == [(tid, exchange.token)]
+    finally:
+        await exchange.close()
+        await state.client.aclose()
+        await state.peers.close()
+        await d.close()
+
+
+@pytest.mark.timeout(20)
+async def test_late_binding_d_failing_stops_p_s_transfers():
+    """D answers 500 before registering: P's transfer would wait for D's registration until its
+    deadline, holding its blocks; the proxy tells P to stop it (P's ``Abort``, with the token)."""
+    aborts: list[m.Message] = []
+    sent: dict[str, dict] = {}
+    exchange, state, d, endpoint = await _exchange(200, aborts, sent, d_status=500)
+    try:
+        resp = await exchange.run_until_decode()
+        assert resp.status_code == 500                     # the app turns it into the client's 502
+        await exchange.abort_decode("decode answered HTTP 500")
+        tid = rank_transfer_id(exchange.transfer_id, 0, 1)
+        end = asyncio.get_running_loop().time() + 5
+        while not any(isinstance(a, m.Abort) for a in aborts):
+            assert asyncio.get_running_loop().time() < end, "P was never told to stop"
+            await asyncio.sleep(0.01)
+        assert [(a.transfer_id, a.token) for a in aborts if isinstance(a, m.Abort)] == [(tid, exchange.token)]
+    finally:
+        await exchange.close()
+        await state.client.aclose()
+        await state.peers.close()
+        await d.close()
