@@ -12,7 +12,6 @@ from types import SimpleNamespace
 from aiolayer_vllm.metadata import SendReq
 from aiolayer_vllm.params import InvalidParams, SendParams, read
 from aiolayer_vllm.scheduler import SchedulerSide
-from aiolayer_vllm.worker import _transfer_spec
 
 TOKEN = "k" * 32
 D0, D1 = "tcp://127.0.0.1:5600", "tcp://127.0.0.1:5601"
@@ -56,6 +55,6 @@ def test_p_sends_its_blocks_whole_and_leaves_the_destination_to_d():
 def test_the_worker_makes_one_late_bound_spec_per_d_rank():
     send = SendParams.late_for("t1", TOKEN, [D0, D1], 1)
     req = SendReq("r1", send, [4, 5, 6], [], src_from=0)
-    specs = [_transfer_spec(req, rank, layerwise=True, src_from=0, writers=1) for rank in (0, 1)]
+    specs = [req.transfer_spec(rank, layerwise=True, src_from=0, writers=1) for rank in (0, 1)]
     assert [s.peer for s in specs] == [D0, D1] and all(s.late and not s.dst_blocks for s in specs)
     assert len({s.transfer_id for s in specs}) == 2 and {s.token for s in specs} == {TOKEN}

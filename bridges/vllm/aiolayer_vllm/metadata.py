@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from aiolayer import TransferSpec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from .params import RecvParams, SendParams
+from .ranks import rank_transfer_id
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,19 @@ class SendReq:
     @property
     def transfer_id(self) -> str:
         return self.params.transfer_id
+
+    def transfer_spec(self, d_rank: int, **extra: Any) -> TransferSpec:
+        """P's spec for one D rank of this request: the one place its ``SendParams`` become the core's."""
+        params = self.params
+        target = params.decode_ranks[d_rank]
+        tid = rank_transfer_id(params.transfer_id, d_rank, len(params.decode_ranks))
+        if params.late:   # D's blocks, first block and incarnation: asked of D by the runtime (late binding)
+            extra.pop("src_from", None)
+            return TransferSpec.late_bound(transfer_id=tid, peer=target.decode_control, src_blocks=self.src_blocks,
+                                           token=params.token, **extra)
+        return TransferSpec(transfer_id=tid, peer=target.decode_control, src_blocks=self.src_blocks,
+                            dst_blocks=self.dst_blocks, dst_incarnation=target.dst_incarnation, token=params.token,
+                            **extra)
 
 
 @dataclass

@@ -46,20 +46,6 @@ def stage(transfer_id: str, name: str, at: float | None = None) -> None:
         log.debug("timeline %s %s %.6f", transfer_id, name, time.perf_counter() if at is None else at)
 
 
-def _transfer_spec(send: SendReq, d_rank: int, **extra: Any) -> TransferSpec:
-    """P's spec for one D rank of a request: the one place the request's ``SendParams`` become the core's."""
-    params = send.params
-    target = params.decode_ranks[d_rank]
-    tid = rank_transfer_id(params.transfer_id, d_rank, len(params.decode_ranks))
-    if params.late:   # D's blocks, first block and incarnation: asked of D by the runtime (late binding)
-        extra.pop("src_from", None)
-        return TransferSpec.late_bound(transfer_id=tid, peer=target.decode_control, src_blocks=send.src_blocks,
-                                       token=params.token, **extra)
-    return TransferSpec(transfer_id=tid, peer=target.decode_control, src_blocks=send.src_blocks,
-                        dst_blocks=send.dst_blocks, dst_incarnation=target.dst_incarnation, token=params.token,
-                        **extra)
-
-
 class WorkerSide:
     def __init__(self, config: BridgeConfig, is_producer: bool, is_consumer: bool, num_blocks: int,
                  topology: Topology | None = None, block_size: int = 16, head_size: int = 64,
@@ -241,7 +227,7 @@ class WorkerSide:
         specs = []
         try:
             for d_rank in refused():
-                spec = _transfer_spec(send, d_rank)
+                spec = send.transfer_spec(d_rank)
                 if spec.transfer_id not in self._req_of:   # else another request's live send: its outcome is its own
                     specs.append(spec)
         except Exception as exc:  # noqa: BLE001 - D cannot be addressed: its own deadline ends the transfer
@@ -264,7 +250,7 @@ class WorkerSide:
         d_tp = len(send.params.decode_ranks)
         specs = []
         for route in routes_for_p(self.topology, d_tp):
-            spec = _transfer_spec(send, route.d_rank, layerwise=send.layerwise, src_from=send.src_from,
+            spec = send.transfer_spec(route.d_rank, layerwise=send.layerwise, src_from=send.src_from,
                                   route=None if whole_blocks(route, self.topology, d_tp) else route,
                                   writers=writers_into(self.topology, d_tp, route.d_rank))
             if spec.transfer_id in self._req_of:
