@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -65,7 +66,7 @@ def p99(values: list[float]) -> float | None:
 def run_row(name: str, index: str, model: Path, args: argparse.Namespace, hosts, rates: list[float],
             lengths: list[int], texts: dict) -> dict:
     """One row's engines, started once, through every cell; a row that cannot start is reported as such."""
-    t0, cells = time.monotonic(), {}
+    t0, cells, load = time.monotonic(), {}, {}
     try:
         with SYSTEMS[name](model, args) as (complete, how):
             print(f"{index} {name}: engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
@@ -76,15 +77,18 @@ def run_row(name: str, index: str, model: Path, args: argparse.Namespace, hosts,
                     asyncio.run(_measure(complete, texts[ri, li]["warmup"], False, args.max_tokens))
                     serial = asyncio.run(_measure(complete, texts[ri, li]["serial"], False, args.max_tokens))
                     cells[f"{ri},{li}"] = serial
+                    load[f"{ri},{li}"] = round(os.getloadavg()[0], 2)   # 2 shared cores: what else ran
                     ttft = [r["ttft_ms"] for r in serial if r.get("ttft_ms") is not None]
                     p50 = f"TTFT p50 {statistics.median(ttft):.0f} p99 {p99(ttft):.0f} ms" if ttft else "no TTFT"
                     ok = sum(1 for r in serial if "error" not in r)
                     print(f"{index} {name} | {label(gbit)} | {length} tokens: {p50}, {ok}/{len(serial)} answered "
-                          f"({time.monotonic() - t1:.0f} s)", file=sys.stderr, flush=True)
+                          f"({time.monotonic() - t1:.0f} s, load {load[f'{ri},{li}']})", file=sys.stderr, flush=True)
     except Exception as exc:   # noqa: BLE001 - reported in the row, with its error; the others still run
         print(f"{index} {name}: not run: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr, flush=True)
-        return {"row": name, "ran": False, "error": f"{type(exc).__name__}: {exc}"[:3000], "cells": cells}
-    return {"row": name, "ran": True, "how": how, "cells": cells, "wall_s": round(time.monotonic() - t0, 1)}
+        return {"row": name, "ran": False, "error": f"{type(exc).__name__}: {exc}"[:3000], "cells": cells,
+                "load": load}
+    return {"row": name, "ran": True, "how": how, "cells": cells, "load": load,
+            "wall_s": round(time.monotonic() - t0, 1)}
 
 
 def summarize(rows: list[dict], rates: list[float], lengths: list[int]) -> list[dict]:
@@ -104,7 +108,7 @@ def summarize(rows: list[dict], rates: list[float], lengths: list[int]) -> list[
                 reference = ref["cells"].get(key) if ref is not None and row is not ref else None
                 s = _summary(results, reference, checked)
                 s["ttft_ms_p99"] = p99([r["ttft_ms"] for r in results if r.get("ttft_ms") is not None])
-                cells.append({"link_gbit": gbit, "prompt_tokens": length, **s})
+                cells.append({"link_gbit": gbit, "prompt_tokens": length, "loadavg_1m": row["load"].get(key), **s})
         out.append({"row": row["row"], "ran": True, "how": row["how"], "wall_s": row["wall_s"], "cells": cells})
     return out
 
