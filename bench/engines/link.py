@@ -63,32 +63,47 @@ def p99(values: list[float]) -> float | None:
     return round(ordered[max(0, -(-99 * len(ordered) // 100) - 1)], 1) if ordered else None
 
 
+def link_bytes(hosts) -> int:
+    """Bytes host A has sent on the link so far (P's KV goes that way): what a cell moved over it."""
+    done = hosts.run(hosts.a, ["cat", f"/sys/class/net/{hosts.a.dev}/statistics/tx_bytes"], timeout=10,
+                     capture_output=True, text=True)
+    return int(done.stdout.strip() or 0)
+
+
+def _cell(complete, texts: dict, args: argparse.Namespace, hosts) -> tuple[list[dict], float, float]:
+    """One warm-up, then the measured requests one at a time; the load average and the bytes per request
+    A sent on the link meanwhile (the KV, which goes from P to D, and the control plane)."""
+    sent = link_bytes(hosts)
+    asyncio.run(_measure(complete, texts["warmup"], False, args.max_tokens))
+    serial = asyncio.run(_measure(complete, texts["serial"], False, args.max_tokens))
+    moved = (link_bytes(hosts) - sent) / (len(texts["warmup"]) + len(serial))
+    return serial, round(os.getloadavg()[0], 2), moved
+
+
 def run_row(name: str, index: str, model: Path, args: argparse.Namespace, hosts, rates: list[float],
             lengths: list[int], texts: dict) -> dict:
     """One row's engines, started once, through every cell; a row that cannot start is reported as such."""
-    t0, cells, load = time.monotonic(), {}, {}
+    t0, cells, load, moved = time.monotonic(), {}, {}, {}
     try:
         with SYSTEMS[name](model, args) as (complete, how):
             print(f"{index} {name}: engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
             for ri, gbit in enumerate(rates):
                 hosts.shape(gbit or None)   # the aggregated engine uses no link: the rate changes nothing for it
                 for li, length in enumerate(lengths):
-                    t1 = time.monotonic()
-                    asyncio.run(_measure(complete, texts[ri, li]["warmup"], False, args.max_tokens))
-                    serial = asyncio.run(_measure(complete, texts[ri, li]["serial"], False, args.max_tokens))
-                    cells[f"{ri},{li}"] = serial
-                    load[f"{ri},{li}"] = round(os.getloadavg()[0], 2)   # 2 shared cores: what else ran
-                    ttft = [r["ttft_ms"] for r in serial if r.get("ttft_ms") is not None]
+                    t1, key = time.monotonic(), f"{ri},{li}"
+                    cells[key], load[key], moved[key] = _cell(complete, texts[ri, li], args, hosts)
+                    ttft = [r["ttft_ms"] for r in cells[key] if r.get("ttft_ms") is not None]
                     p50 = f"TTFT p50 {statistics.median(ttft):.0f} p99 {p99(ttft):.0f} ms" if ttft else "no TTFT"
-                    ok = sum(1 for r in serial if "error" not in r)
-                    print(f"{index} {name} | {label(gbit)} | {length} tokens: {p50}, {ok}/{len(serial)} answered "
-                          f"({time.monotonic() - t1:.0f} s, load {load[f'{ri},{li}']})", file=sys.stderr, flush=True)
+                    ok = sum(1 for r in cells[key] if "error" not in r)   # 2 shared cores: the load says what else ran
+                    print(f"{index} {name} | {label(gbit)} | {length} tokens: {p50}, {ok}/{len(cells[key])} answered, "
+                          f"{moved[key] / 1e6:.1f} MB A->B each ({time.monotonic() - t1:.0f} s, load {load[key]})",
+                          file=sys.stderr, flush=True)
     except Exception as exc:   # noqa: BLE001 - reported in the row, with its error; the others still run
         print(f"{index} {name}: not run: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr, flush=True)
         return {"row": name, "ran": False, "error": f"{type(exc).__name__}: {exc}"[:3000], "cells": cells,
-                "load": load}
+                "load": load, "link_bytes": moved}
     return {"row": name, "ran": True, "how": how, "cells": cells, "load": load,
-            "wall_s": round(time.monotonic() - t0, 1)}
+            "link_bytes": moved, "wall_s": round(time.monotonic() - t0, 1)}
 
 
 def summarize(rows: list[dict], rates: list[float], lengths: list[int]) -> list[dict]:
@@ -108,7 +123,9 @@ def summarize(rows: list[dict], rates: list[float], lengths: list[int]) -> list[
                 reference = ref["cells"].get(key) if ref is not None and row is not ref else None
                 s = _summary(results, reference, checked)
                 s["ttft_ms_p99"] = p99([r["ttft_ms"] for r in results if r.get("ttft_ms") is not None])
-                cells.append({"link_gbit": gbit, "prompt_tokens": length, "loadavg_1m": row["load"].get(key), **s})
+                sent = row["link_bytes"].get(key)
+                cells.append({"link_gbit": gbit, "prompt_tokens": length, "loadavg_1m": row["load"].get(key),
+                              "link_mb_per_request": round(sent / 1e6, 2) if sent is not None else None, **s})
         out.append({"row": row["row"], "ran": True, "how": row["how"], "wall_s": row["wall_s"], "cells": cells})
     return out
 

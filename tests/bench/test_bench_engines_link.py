@@ -59,7 +59,9 @@ def test_a_small_sweep_over_a_shaped_link_verifies_every_answer_and_leaves_no_na
     assert (cell["link_gbit"], cell["prompt_tokens"]) == (1.0, 100)
     assert (cell["verified"], cell["failed"], cell["differ"]) == (2, 0, 0), cell
     assert cell["ttft_ms_median"] > 0 and cell["ttft_ms_p99"] >= cell["ttft_ms_median"]
-    assert "veth 10." in rows["aiolayer"]["how"]["transport"]           # the KV crossed the namespaces' link
+    assert "veth 10." in rows["aiolayer"]["how"]["transport"]
+    kv_bytes = 100 * report["config"]["kv_bytes_per_token"]             # the KV crossed the namespaces' link
+    assert cell["link_mb_per_request"] * 1e6 >= 0.9 * kv_bytes, (cell, kv_bytes)
     checks = rows["aiolayer"]["how"]["bytes"]                            # every layer of every transfer checked
     assert checks["verified"] == checks["receives_finished"] > 0 and checks["mismatch"] == 0, checks
     assert report["ratios"][0]["ratio"] > 0
