@@ -11,7 +11,8 @@ differ or fail are counted, never dropped. aiolayer's rows also check the bytes 
 transfer (P's CRC32 against what landed at D, ``integrity_sample`` 1.0): an answer that drifts from the
 aggregated one while every byte verified is numerics (bf16 is not batch-invariant on vLLM CPU), counted
 as such and not a failure; a byte mismatch, or a drift in a row whose bytes were not all verified, is.
-Writes ``engines.json`` and ``engines.png`` under ``--out``.
+Writes ``engines.json`` and ``engines.png`` under ``--out``. ``--link-gbit``: the same rows with P and D
+on two network namespaces over a rate-limited link, swept over rates and prompt lengths (``link.py``).
 """
 
 from __future__ import annotations
