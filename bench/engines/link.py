@@ -70,20 +70,31 @@ def link_bytes(hosts) -> int:
     return int(done.stdout.strip() or 0)
 
 
-def _cell(complete, texts: dict, args: argparse.Namespace, hosts) -> tuple[list[dict], float, float]:
-    """One warm-up, then the measured requests one at a time; the load average and the bytes per request
-    A sent on the link meanwhile (the KV, which goes from P to D, and the control plane)."""
-    sent = link_bytes(hosts)
+def tbf_drops(hosts) -> int:
+    """Packets host A's tbf dropped since the link was last shaped (its queue full: TCP then retransmits)."""
+    done = hosts.run(hosts.a, ["tc", "-s", "-j", "qdisc", "show", "dev", hosts.a.dev], timeout=10,
+                     capture_output=True, text=True)
+    try:
+        return sum(int(q.get("drops", 0)) for q in json.loads(done.stdout or "[]"))
+    except (ValueError, AttributeError):
+        return -1
+
+
+def _cell(complete, texts: dict, args: argparse.Namespace, hosts) -> tuple[list[dict], dict]:
+    """One warm-up, then the measured requests one at a time; with them the load average, the bytes per
+    request A sent on the link (the KV, which goes from P to D, and the control plane) and tbf's drops."""
+    sent, dropped = link_bytes(hosts), tbf_drops(hosts)
     asyncio.run(_measure(complete, texts["warmup"], False, args.max_tokens))
     serial = asyncio.run(_measure(complete, texts["serial"], False, args.max_tokens))
     moved = (link_bytes(hosts) - sent) / (len(texts["warmup"]) + len(serial))
-    return serial, round(os.getloadavg()[0], 2), moved
+    return serial, {"loadavg_1m": round(os.getloadavg()[0], 2), "link_mb_per_request": round(moved / 1e6, 2),
+                    "tbf_drops": tbf_drops(hosts) - dropped}
 
 
 def run_row(name: str, index: str, model: Path, args: argparse.Namespace, hosts, rates: list[float],
             lengths: list[int], texts: dict) -> dict:
     """One row's engines, started once, through every cell; a row that cannot start is reported as such."""
-    t0, cells, load, moved = time.monotonic(), {}, {}, {}
+    t0, cells, meta = time.monotonic(), {}, {}
     try:
         with SYSTEMS[name](model, args) as (complete, how):
             print(f"{index} {name}: engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
@@ -91,19 +102,20 @@ def run_row(name: str, index: str, model: Path, args: argparse.Namespace, hosts,
                 hosts.shape(gbit or None)   # the aggregated engine uses no link: the rate changes nothing for it
                 for li, length in enumerate(lengths):
                     t1, key = time.monotonic(), f"{ri},{li}"
-                    cells[key], load[key], moved[key] = _cell(complete, texts[ri, li], args, hosts)
+                    cells[key], meta[key] = _cell(complete, texts[ri, li], args, hosts)
                     ttft = [r["ttft_ms"] for r in cells[key] if r.get("ttft_ms") is not None]
                     p50 = f"TTFT p50 {statistics.median(ttft):.0f} p99 {p99(ttft):.0f} ms" if ttft else "no TTFT"
                     ok = sum(1 for r in cells[key] if "error" not in r)   # 2 shared cores: the load says what else ran
                     print(f"{index} {name} | {label(gbit)} | {length} tokens: {p50}, {ok}/{len(cells[key])} answered, "
-                          f"{moved[key] / 1e6:.1f} MB A->B each ({time.monotonic() - t1:.0f} s, load {load[key]})",
+                          f"{meta[key]['link_mb_per_request']:.1f} MB A->B each, {meta[key]['tbf_drops']} tbf drops "
+                          f"({time.monotonic() - t1:.0f} s, load {meta[key]['loadavg_1m']})",
                           file=sys.stderr, flush=True)
     except Exception as exc:   # noqa: BLE001 - reported in the row, with its error; the others still run
         print(f"{index} {name}: not run: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr, flush=True)
         return {"row": name, "ran": False, "error": f"{type(exc).__name__}: {exc}"[:3000], "cells": cells,
-                "load": load, "link_bytes": moved}
-    return {"row": name, "ran": True, "how": how, "cells": cells, "load": load,
-            "link_bytes": moved, "wall_s": round(time.monotonic() - t0, 1)}
+                "meta": meta}
+    return {"row": name, "ran": True, "how": how, "cells": cells, "meta": meta,
+            "wall_s": round(time.monotonic() - t0, 1)}
 
 
 def summarize(rows: list[dict], rates: list[float], lengths: list[int]) -> list[dict]:
@@ -123,9 +135,7 @@ def summarize(rows: list[dict], rates: list[float], lengths: list[int]) -> list[
                 reference = ref["cells"].get(key) if ref is not None and row is not ref else None
                 s = _summary(results, reference, checked)
                 s["ttft_ms_p99"] = p99([r["ttft_ms"] for r in results if r.get("ttft_ms") is not None])
-                sent = row["link_bytes"].get(key)
-                cells.append({"link_gbit": gbit, "prompt_tokens": length, "loadavg_1m": row["load"].get(key),
-                              "link_mb_per_request": round(sent / 1e6, 2) if sent is not None else None, **s})
+                cells.append({"link_gbit": gbit, "prompt_tokens": length, **row["meta"].get(key, {}), **s})
         out.append({"row": row["row"], "ran": True, "how": row["how"], "wall_s": row["wall_s"], "cells": cells})
     return out
 
