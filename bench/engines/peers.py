@@ -101,7 +101,7 @@ def nixl(model: Path, args: argparse.Namespace):
         yield complete, {"flow": "P first, then D with P's kv_transfer_params (vLLM's example proxy), by the bench",
                          "connector": "NixlConnector, unmodified class, UCX progress thread off",
                          "transport": "UCX (NIXL 1.5), DRAM buffers"
-                                      + (f", UCX_TLS=tcp on {where.label}" if where.two_hosts else "")}
+                                      + (f", UCX_TLS=tcp,self on {where.label}" if where.two_hosts else "")}
 
 
 SYSTEMS = {"mooncake": mooncake, "nixl": nixl}
