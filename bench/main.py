@@ -86,8 +86,8 @@ def run_bench(args: argparse.Namespace) -> int:
     for key, value in MOONCAKE_ENV.items():
         os.environ.setdefault(key, value)
     if args.bench == "vllm":   # real engines: no torch, no simulated forward in this process
-        from .engines.run import run_engines
-        return run_engines(args)
+        from .engines.link import run_vllm
+        return run_vllm(args)
     scenario = scenarios.SCENARIOS.get(args.bench)
     problem = scenario.check(args) if scenario else ""
     if problem:

@@ -12,6 +12,7 @@ ROWS = ("aggregated", "aiolayer", "aiolayer-bulk", "mooncake", "nixl")
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from {', '.join(ROWS)}")
     p.add_argument("--layers", type=int, default=16, help="layers of the offline model built for the run")
+    p.add_argument("--kv-heads", type=int, default=2, help="KV heads (of 64 dims; as many query heads) of the model")
     p.add_argument("--prompt-tokens", type=int, default=2000, help="tokens per prompt (about)")
     p.add_argument("--prompts", type=int, default=6, help="measured requests at concurrency 1 per row")
     p.add_argument("--concurrency", type=int, default=8, help="requests of the concurrent burst per row")
@@ -22,6 +23,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "engine (a CPU mask, as on a host of its own), omp = its OpenMP threads only "
                         "(VLLM_CPU_OMP_THREADS_BIND; its other processes and threads run on any core); "
                         "--cores auto,auto: vLLM's default binding, neither")
+    g = p.add_argument_group("across a rate-limited link (root: network namespaces; link.py)")
+    g.add_argument("--link-gbit", default="",
+                   help="P and D on two network namespaces joined by a veth pair shaped with tbf; one sweep over "
+                        "these rates in Gbit/s (comma-separated, 0 = unshaped) x --prompt-lengths; writes "
+                        "engines_link.json and engines_link.png. Default: one run on loopback")
+    g.add_argument("--prompt-lengths", default="",
+                   help="--link-gbit: prompt lengths in tokens (about), comma-separated; default --prompt-tokens")
     p.add_argument("--eager", action="store_true",
                    help="--enforce-eager on every engine (vLLM's default compiles: ~40 s more per start)")
 

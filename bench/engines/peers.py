@@ -27,7 +27,7 @@ from aiolayer.harness.node import mooncake_env
 from aiolayer.harness.procs import free_port
 from aiolayer.harness.startup import running
 
-from .options import engine
+from .place import of_args
 
 ROWS = ("mooncake", "nixl")
 SHIMS = "aiolayer.bench.engines.shim"
@@ -36,22 +36,27 @@ TIMEOUT_S = 300.0
 
 def _engines(model: Path, args: argparse.Namespace, cfg: dict, envs: tuple[dict, dict]):
     p_core, d_core = args.cores.split(",")[:2]
-    p = engine(model, "prefill", p_core, args, env=envs[0], kv_transfer_config={**cfg, "kv_role": "kv_producer"})
-    d = engine(model, "decode", d_core, args, env=envs[1], kv_transfer_config={**cfg, "kv_role": "kv_consumer"})
+    where = of_args(args)
+    p = where.p.engine(model, "prefill", p_core, args, env=envs[0],
+                       kv_transfer_config={**cfg, "kv_role": "kv_producer"})
+    d = where.d.engine(model, "decode", d_core, args, env=envs[1],
+                       kv_transfer_config={**cfg, "kv_role": "kv_consumer"})
     return p, d
 
 
 @contextlib.contextmanager
 def mooncake(model: Path, args: argparse.Namespace):
+    where = of_args(args)
     boot_p, boot_d = free_port(), free_port()
-    base = {**mooncake_env(), "VLLM_HOST_IP": "127.0.0.1", "MC_FORCE_TCP": "1"}
+    base = {**mooncake_env(), "VLLM_HOST_IP": "127.0.0.1", "MC_FORCE_TCP": "1"}   # two hosts: each its address
     cfg = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": f"{SHIMS}_mooncake",
            "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
     p, d = _engines(model, args, cfg, ({**base, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot_p)},
                                        {**base, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot_d)}))
     with running(p, d):
-        bootstrap = f"http://127.0.0.1:{boot_p}"
-        engine_id = httpx.get(bootstrap + "/query", timeout=10, trust_env=False).json()["0"]["engine_id"]
+        bootstrap = f"http://{where.p.address}:{boot_p}"   # D's way to P (the bootstrap binds every address)
+        engine_id = httpx.get(f"http://{where.p.reach}:{boot_p}/query", timeout=10,
+                              trust_env=False).json()["0"]["engine_id"]
 
         async def complete(text: str, max_tokens: int):
             tid = uuid.uuid4().hex
@@ -66,16 +71,22 @@ def mooncake(model: Path, args: argparse.Namespace):
 
         yield complete, {"flow": "P and D at once (vLLM's example proxy), by the bench",
                          "connector": "MooncakeConnector, unmodified class, CPU shim",
-                         "transport": "Mooncake TCP, 127.0.0.1"}
+                         "transport": f"Mooncake TCP, {where.label}"}
+
+
+def _nixl_env(side) -> dict:
+    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": side.address, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+    if side.dev:   # two hosts share this machine's memory: UCX would pick shared memory, not the link
+        env |= {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": side.dev}
+    return env
 
 
 @contextlib.contextmanager
 def nixl(model: Path, args: argparse.Namespace):
+    where = of_args(args)
     cfg = {"kv_connector": "NixlConnector", "kv_connector_module_path": f"{SHIMS}_nixl",
            "kv_buffer_device": "cpu"}
-    envs = tuple({"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
-                 for _ in range(2))
-    p, d = _engines(model, args, cfg, envs)
+    p, d = _engines(model, args, cfg, (_nixl_env(where.p), _nixl_env(where.d)))
     with running(p, d):
         async def complete(text: str, max_tokens: int):
             first = await acompletion(p, text, max_tokens=1, timeout_s=TIMEOUT_S,
@@ -90,7 +101,8 @@ def nixl(model: Path, args: argparse.Namespace):
 
         yield complete, {"flow": "P first, then D with P's kv_transfer_params (vLLM's example proxy), by the bench",
                          "connector": "NixlConnector, unmodified class, UCX progress thread off",
-                         "transport": "UCX (NIXL 1.5), DRAM buffers"}
+                         "transport": "UCX (NIXL 1.5), DRAM buffers"
+                                      + (f", UCX_TLS=tcp,self on {where.label}" if where.two_hosts else "")}
 
 
 SYSTEMS = {"mooncake": mooncake, "nixl": nixl}

@@ -11,7 +11,8 @@ differ or fail are counted, never dropped. aiolayer's rows also check the bytes 
 transfer (P's CRC32 against what landed at D, ``integrity_sample`` 1.0): an answer that drifts from the
 aggregated one while every byte verified is numerics (bf16 is not batch-invariant on vLLM CPU), counted
 as such and not a failure; a byte mismatch, or a drift in a row whose bytes were not all verified, is.
-Writes ``engines.json`` and ``engines.png`` under ``--out``.
+Writes ``engines.json`` and ``engines.png`` under ``--out``. ``--link-gbit``: the same rows with P and D
+on two network namespaces over a rate-limited link, swept over rates and prompt lengths (``link.py``).
 """
 
 from __future__ import annotations
@@ -35,15 +36,28 @@ from aiolayer.harness.tiny_model import TinySpec, long_prompt, tiny_model_dir
 
 from . import peers
 from .options import ROWS, engine
+from .place import of_args
 
 REQUEST_TIMEOUT_S = 300.0   # a 2,000-token prefill takes seconds on one loaded core; a burst queues 8
 
 
 def model_spec(args: argparse.Namespace) -> TinySpec:
-    """A Llama sized so the KV matters and the compute does not drown it on one core: 2 KV heads of 64,
-    bf16 by vLLM's default (8 KiB per token over 16 layers, ~16 MB for a 2,000-token prompt)."""
-    return TinySpec(num_layers=args.layers, hidden_size=128, intermediate_size=256, num_heads=2,
-                    num_kv_heads=2, max_position_embeddings=max(4096, 2 * args.prompt_tokens))
+    """A Llama sized so the KV matters and the compute does not drown it on one core: ``--kv-heads`` KV
+    heads of 64 (as many query heads), bf16 by vLLM's default (at 2 heads 8 KiB per token over 16
+    layers, ~16 MB for a 2,000-token prompt: ``kv_bytes_per_token``)."""
+    longest = max([args.prompt_tokens, *prompt_lengths(args)])
+    return TinySpec(num_layers=args.layers, hidden_size=128, intermediate_size=256, num_heads=args.kv_heads,
+                    num_kv_heads=args.kv_heads, max_position_embeddings=max(4096, 2 * longest))
+
+
+def kv_bytes_per_token(spec: TinySpec) -> int:
+    """K and V of every layer, bf16 (vLLM's default dtype on CPU)."""
+    return spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 * 2
+
+
+def prompt_lengths(args: argparse.Namespace) -> list[int]:
+    text = getattr(args, "prompt_lengths", "") or ""
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def prompts(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -80,18 +94,31 @@ def _proxy_debug() -> tuple[str, ...]:
 @contextlib.contextmanager
 def aiolayer_pd(model: Path, args: argparse.Namespace, *, bulk: bool):
     p_core, d_core = args.cores.split(",")[:2]
-    extra = {"layerwise_min_tokens": 1 << 30} if bulk else {}
+    where = of_args(args)
+    extra: dict = {"layerwise_min_tokens": 1 << 30} if bulk else {}
     p_ctl, d_ctl = free_port(), free_port()
     env = mooncake_env()
-    p = engine(model, "prefill", p_core, args, env=env,   # P sends a CRC32 of every layer it wrote
-               kv_transfer_config=connector("kv_producer", "p", p_ctl, integrity_sample=1.0, **extra))
-    d = engine(model, "decode", d_core, args, env=env,
-               kv_transfer_config=connector("kv_consumer", "d", d_ctl, **extra))
+
+    def config(role: str, engine_id: str, port: int, side, **more) -> dict:
+        transport = {"transport": {"bind_host": side.address}} if where.two_hosts else {}
+        return connector(role, engine_id, port, **transport, **extra, **more)
+
+    p = where.p.engine(model, "prefill", p_core, args, env=env,   # P sends a CRC32 of every layer it wrote
+                       kv_transfer_config=config("kv_producer", "p", p_ctl, where.p, integrity_sample=1.0))
+    d = where.d.engine(model, "decode", d_core, args, env=env,
+                       kv_transfer_config=config("kv_consumer", "d", d_ctl, where.d))
     with running(p, d):
-        with ProxyProcess([f"{p.base_url},tcp://127.0.0.1:{p_ctl}"], [f"{d.base_url},tcp://127.0.0.1:{d_ctl}"],
-                          extra_args=("--request-timeout", str(REQUEST_TIMEOUT_S), *_proxy_debug())) as proxy:
+        backends = ([f"http://{where.p.address}:{p.port},tcp://{where.p.address}:{p_ctl}"],
+                    [f"http://{where.d.address}:{d.port},tcp://{where.d.address}:{d_ctl}"])
+        proxy_args: tuple[str, ...] = ("--request-timeout", str(REQUEST_TIMEOUT_S), *_proxy_debug())
+        place_proxy: dict = {}
+        if where.two_hosts:   # beside P; D and P reach it over the hosts' link, this process over A's management one
+            port = free_port()
+            place_proxy = {"netns": where.p.netns, "reach": where.p.reach, "port": port}
+            proxy_args += ("--host", "0.0.0.0", "--public-url", f"http://{where.p.address}:{port}")
+        with ProxyProcess(*backends, extra_args=proxy_args, startup_timeout_s=60, **place_proxy) as proxy:
             how = {"flow": "D first, through aiolayer proxy (a process)", "connector": "AiolayerConnector",
-                   "layerwise": not bulk, "transport": "Mooncake TCP, 127.0.0.1",
+                   "layerwise": not bulk, "transport": f"Mooncake TCP, {where.label}",
                    "byte_check": "every layer of every transfer: P's CRC32 against what landed at D"}
             yield via_url(proxy.url, model), how
             how["bytes"] = byte_checks(d)
@@ -229,15 +256,27 @@ def print_table(summary: list[dict]) -> None:
               f"{c8['ttft_ms_median'] or '-':>10} {c8['ttft_ms_max'] or '-':>10}  {ok}")
 
 
-def run_engines(args: argparse.Namespace) -> int:
+def row_names(args: argparse.Namespace) -> list[str] | None:
+    """``--rows`` in the order they run (the aggregated reference first); None (said why) if one is unknown."""
     names = [n.strip() for n in args.rows.split(",") if n.strip()]
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
         print(f"aiolayer bench vllm: unknown --rows {unknown}; choose from {', '.join(ROWS)}", file=sys.stderr)
-        return 2
+        return None
     if "aggregated" in names:   # the reference runs first: every other row is checked against it
         names.remove("aggregated")
         names.insert(0, "aggregated")
+    return names
+
+
+def run_engines(args: argparse.Namespace) -> int:
+    """One run on loopback (``link.run_vllm`` sends ``--link-gbit`` runs to ``link.run_link``)."""
+    names = row_names(args)
+    if names is None:
+        return 2
+    if args.prompt_lengths:
+        print("aiolayer bench vllm: --prompt-lengths goes with --link-gbit", file=sys.stderr)
+        return 2
     model = tiny_model_dir(model_spec(args))
     texts = prompts(args)
     rows = []

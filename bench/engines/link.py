@@ -1,0 +1,246 @@
+"""``aiolayer bench vllm --link-gbit R,.. --prompt-lengths N,..``: the rows of ``run.py`` across a
+rate-limited link, where the KV's transfer can outlast the prefill it is meant to hide behind.
+
+P's engine runs in host A, D's in host B (``netns.two_hosts(management=True)``: two network
+namespaces joined by a veth pair, shaped with tbf on both ends); their KV and control traffic
+crosses that link only (the connectors bound to the 10.S.0.x addresses), this process reaches their
+HTTP ports over the management links, and aiolayer's proxy runs in host A, beside P. The aggregated
+engine needs no link: it runs in this namespace. Each row's engines start once; for every cell (a
+rate, then a prompt length) the link is reshaped, one request warms the cell, and ``--prompts``
+requests are measured one at a time (no burst). Every prompt is new to every engine (a prefix-cache
+hit would skip the transfer), and every answer is checked against the aggregated engine's for the
+same prompt, as in ``run.py``; aiolayer's rows byte-check every layer of every transfer.
+Writes ``engines_link.json`` and ``engines_link.png`` (``link_plot.py``) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from aiolayer.harness import netns
+from .place import of_hosts
+from .run import SYSTEMS, _measure, _summary, bytes_verified, kv_bytes_per_token, model_spec, row_names, run_engines
+from aiolayer.harness.tiny_model import long_prompt, tiny_model_dir
+
+PEERS = ("mooncake", "nixl")     # vLLM's own connectors: the heatmap's baseline
+
+
+def _numbers(text: str, what: str, *, positive: bool) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 0 or (positive and v == 0) for v in values):
+        raise ValueError(f"{what} wants comma-separated numbers {'> 0' if positive else '>= 0'}, got {text!r}")
+    return values
+
+
+def label(gbit: float) -> str:
+    return "unshaped" if gbit == 0 else f"{gbit:g} Gbit/s"
+
+
+def cell_texts(rates: list[float], lengths: list[int], prompts: int) -> dict[tuple[int, int], dict[str, list[str]]]:
+    """(rate index, length index) -> its warm-up and measured prompts, none repeated anywhere in the run."""
+    out = {}
+    for ri in range(len(rates)):
+        for li, length in enumerate(lengths):
+            seed = 20_000 + 1_000 * ri + 100 * li
+            out[ri, li] = {"warmup": [long_prompt(length, seed=seed + 99)],
+                           "serial": [long_prompt(length, seed=seed + i) for i in range(prompts)]}
+    return out
+
+
+def p99(values: list[float]) -> float | None:
+    """Nearest rank: with fewer than 100 requests, the slowest."""
+    ordered = sorted(values)
+    return round(ordered[max(0, -(-99 * len(ordered) // 100) - 1)], 1) if ordered else None
+
+
+def link_bytes(hosts) -> int:
+    """Bytes host A has sent on the link so far (P's KV goes that way): what a cell moved over it."""
+    done = hosts.run(hosts.a, ["cat", f"/sys/class/net/{hosts.a.dev}/statistics/tx_bytes"], timeout=10,
+                     capture_output=True, text=True)
+    return int(done.stdout.strip() or 0)
+
+
+def tbf_drops(hosts) -> int:
+    """Packets host A's tbf dropped since the link was last shaped (its queue full: TCP then retransmits)."""
+    done = hosts.run(hosts.a, ["tc", "-s", "-j", "qdisc", "show", "dev", hosts.a.dev], timeout=10,
+                     capture_output=True, text=True)
+    try:
+        return sum(int(q.get("drops", 0)) for q in json.loads(done.stdout or "[]"))
+    except (ValueError, AttributeError):
+        return -1
+
+
+def _cell(complete, texts: dict, args: argparse.Namespace, hosts) -> tuple[list[dict], dict]:
+    """One warm-up, then the measured requests one at a time; with them the load average, the bytes per
+    request A sent on the link (the KV, which goes from P to D, and the control plane) and tbf's drops."""
+    sent, dropped = link_bytes(hosts), tbf_drops(hosts)
+    asyncio.run(_measure(complete, texts["warmup"], False, args.max_tokens))
+    serial = asyncio.run(_measure(complete, texts["serial"], False, args.max_tokens))
+    moved = (link_bytes(hosts) - sent) / (len(texts["warmup"]) + len(serial))
+    return serial, {"loadavg_1m": round(os.getloadavg()[0], 2), "link_mb_per_request": round(moved / 1e6, 2),
+                    "tbf_drops": tbf_drops(hosts) - dropped}
+
+
+def run_row(name: str, index: str, model: Path, args: argparse.Namespace, hosts, rates: list[float],
+            lengths: list[int], texts: dict) -> dict:
+    """One row's engines, started once, through every cell; a row that cannot start is reported as such."""
+    t0, cells, meta = time.monotonic(), {}, {}
+    try:
+        with SYSTEMS[name](model, args) as (complete, how):
+            print(f"{index} {name}: engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+            for ri, gbit in enumerate(rates):
+                hosts.shape(gbit or None)   # the aggregated engine uses no link: the rate changes nothing for it
+                for li, length in enumerate(lengths):
+                    t1, key = time.monotonic(), f"{ri},{li}"
+                    cells[key], meta[key] = _cell(complete, texts[ri, li], args, hosts)
+                    ttft = [r["ttft_ms"] for r in cells[key] if r.get("ttft_ms") is not None]
+                    p50 = f"TTFT p50 {statistics.median(ttft):.0f} p99 {p99(ttft):.0f} ms" if ttft else "no TTFT"
+                    ok = sum(1 for r in cells[key] if "error" not in r)   # 2 shared cores: the load says what else ran
+                    print(f"{index} {name} | {label(gbit)} | {length} tokens: {p50}, {ok}/{len(cells[key])} answered, "
+                          f"{meta[key]['link_mb_per_request']:.1f} MB A->B each, {meta[key]['tbf_drops']} tbf drops "
+                          f"({time.monotonic() - t1:.0f} s, load {meta[key]['loadavg_1m']})",
+                          file=sys.stderr, flush=True)
+    except Exception as exc:   # noqa: BLE001 - reported in the row, with its error; the others still run
+        print(f"{index} {name}: not run: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr, flush=True)
+        return {"row": name, "ran": False, "error": f"{type(exc).__name__}: {exc}"[:3000], "cells": cells,
+                "meta": meta}
+    return {"row": name, "ran": True, "how": how, "cells": cells, "meta": meta,
+            "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def summarize(rows: list[dict], rates: list[float], lengths: list[int]) -> list[dict]:
+    """Per row and cell: TTFT p50/p99, and every answer checked against the aggregated engine's."""
+    ref = next((r for r in rows if r["row"] == "aggregated" and r["ran"]), None)
+    out = []
+    for row in rows:
+        if not row["ran"]:
+            out.append({"row": row["row"], "ran": False, "error": row["error"]})
+            continue
+        checked = bytes_verified(row["how"])
+        cells = []
+        for ri, gbit in enumerate(rates):
+            for li, length in enumerate(lengths):
+                key = f"{ri},{li}"
+                results = row["cells"].get(key, [])
+                reference = ref["cells"].get(key) if ref is not None and row is not ref else None
+                s = _summary(results, reference, checked)
+                s["ttft_ms_p99"] = p99([r["ttft_ms"] for r in results if r.get("ttft_ms") is not None])
+                cells.append({"link_gbit": gbit, "prompt_tokens": length, **row["meta"].get(key, {}), **s})
+        out.append({"row": row["row"], "ran": True, "how": row["how"], "wall_s": row["wall_s"], "cells": cells})
+    return out
+
+
+def bad_rows(summary: list[dict]) -> list[str]:
+    """As ``run.bad_rows``: a failed request, a byte mismatch or a drift not explained by verified bytes."""
+    bad = []
+    for s in summary:
+        if s["ran"] and (any(c["failed"] or c["differ"] - c["numerics"] for c in s["cells"])
+                         or (s["how"].get("bytes") or {}).get("mismatch")):
+            bad.append(s["row"])
+    return bad
+
+
+def ratios(summary: list[dict]) -> tuple[str, list[dict]]:
+    """aiolayer's layer-wise TTFT p50 over the best peer's per cell (vLLM's own connectors; without one that
+    ran, the best of the other rows), and what it was divided by."""
+    by_row = {s["row"]: s for s in summary if s["ran"]}
+    lw = by_row.get("aiolayer")
+    base = [n for n in PEERS if n in by_row] or [n for n in ("aiolayer-bulk", "aggregated") if n in by_row][:1]
+    if lw is None or not base:
+        return "", []
+    out = []
+    for i, cell in enumerate(lw["cells"]):
+        peer = {n: by_row[n]["cells"][i]["ttft_ms_median"] for n in base if by_row[n]["cells"][i]["ttft_ms_median"]}
+        best = min(peer, key=lambda n: peer[n]) if peer else None
+        mine = cell["ttft_ms_median"]
+        out.append({"link_gbit": cell["link_gbit"], "prompt_tokens": cell["prompt_tokens"], "aiolayer_ms": mine,
+                    "best": best, "best_ms": peer.get(best) if best else None,
+                    "ratio": round(mine / peer[best], 3) if best and mine else None})
+    return ("best of " + ", ".join(base)) if base[0] in PEERS else base[0], out
+
+
+def print_table(summary: list[dict], rates: list[float], lengths: list[int], basis: str, cells: list[dict]) -> None:
+    print("\nTTFT p50 / p99 ms at concurrency 1, by link and prompt tokens (verified/requests per row at the end)")
+    print(f"{'row':<14} {'link':<12}" + "".join(f"{n:>14}" for n in lengths) + "  verified / failed")
+    for s in summary:
+        if not s["ran"]:
+            print(f"{s['row']:<14} not run: {s['error'][:300]}")
+            continue
+        for ri, gbit in enumerate(rates):
+            row = s["cells"][ri * len(lengths):(ri + 1) * len(lengths)]
+            figures = "".join(f"{c['ttft_ms_median'] or '-'!s:>8}/{c['ttft_ms_p99'] or '-'!s:<5}" for c in row)
+            ok = "reference" if row[0]["verified"] is None else \
+                f"{sum(c['verified'] for c in row)}/{sum(c['requests'] for c in row)} / {sum(c['failed'] for c in row)}"
+            numerics = sum(c["numerics"] for c in row)
+            print(f"{s['row']:<14} {label(gbit):<12}{figures}  {ok}" + (f" ({numerics} numerics)" if numerics else ""))
+    if cells:
+        print(f"\naiolayer layer-wise TTFT p50 / {basis} p50")
+        print(f"{'link':<12}" + "".join(f"{n:>14}" for n in lengths))
+        for ri, gbit in enumerate(rates):
+            row = cells[ri * len(lengths):(ri + 1) * len(lengths)]
+            print(f"{label(gbit):<12}" + "".join(f"{(c['ratio'] or '-')!s:>8} {(c['best'] or '')[:5]:<5}" for c in row))
+
+
+def run_link(args: argparse.Namespace, names: list[str]) -> int:
+    try:
+        rates = _numbers(args.link_gbit, "--link-gbit", positive=False)
+        lengths = [int(n) for n in _numbers(args.prompt_lengths or str(args.prompt_tokens), "--prompt-lengths",
+                                            positive=True)]
+    except ValueError as exc:
+        print(f"aiolayer bench vllm: {exc}", file=sys.stderr)
+        return 2
+    why = netns.available()
+    if why:
+        print(f"aiolayer bench vllm --link-gbit: cannot make the two hosts: {why}", file=sys.stderr)
+        return 2
+    spec = model_spec(args)
+    model = tiny_model_dir(spec)
+    per_token = kv_bytes_per_token(spec)
+    print(f"model: {spec.num_layers} layers x {spec.num_kv_heads} KV heads of {spec.head_dim}, bf16: "
+          f"{per_token} B of KV per token; at 1 Gbit/s a {max(lengths)}-token prompt's KV takes "
+          f"{per_token * max(lengths) * 8 / 1e6:.0f} ms", file=sys.stderr, flush=True)
+    texts, rows = cell_texts(rates, lengths, args.prompts), []
+    with netns.two_hosts(management=True) as hosts:
+        args.place = of_hosts(hosts)
+        namespaces = [hosts.a.ns, hosts.b.ns]
+        for i, name in enumerate(names):
+            rows.append(run_row(name, f"[{i + 1}/{len(names)}]", model, args, hosts, rates, lengths, texts))
+    args.place = None
+    summary = summarize(rows, rates, lengths)
+    basis, cells = ratios(summary)
+    print_table(summary, rates, lengths, basis, cells)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"link_gbit": rates, "prompt_lengths": lengths, "rows": names, "prompts_per_cell": args.prompts,
+              "warmup_per_cell": 1, "max_tokens": args.max_tokens, "layers": spec.num_layers,
+              "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "kv_bytes_per_token": per_token,
+              "cores": args.cores, "pin": args.pin, "eager": args.eager, "namespaces": namespaces,
+              "link": "veth pair, tbf on both ends; aggregated engine in the root namespace"}
+    report = {"config": config, "summary": summary, "ratio_basis": basis, "ratios": cells, "rows": rows}
+    (out / "engines_link.json").write_text(json.dumps(report, indent=1))
+    from .link_plot import plot_link
+    plot_link(cells, basis, rates, lengths, out / "engines_link.png")
+    print(f"wrote {out / 'engines_link.json'} and {out / 'engines_link.png'}")
+    bad = bad_rows(summary)
+    if bad:
+        print(f"aiolayer bench vllm: rows with failed requests, byte mismatches or unexplained drift: {bad}",
+              file=sys.stderr)
+    return 1 if bad else 0
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    """``aiolayer bench vllm``: the sweep across a shaped link with ``--link-gbit``, else one loopback run."""
+    if not args.link_gbit:
+        return run_engines(args)
+    names = row_names(args)
+    return 2 if names is None else run_link(args, names)

@@ -1,0 +1,70 @@
+"""``aiolayer bench vllm --link-gbit`` (bench/engines/link.py): the engine rows with P and D on two network
+namespaces over a tbf-shaped veth; every answer verified, the JSON and heatmap written, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from aiolayer.harness import netns
+from aiolayer.bench.engines.link import cell_texts, p99
+
+
+def _bench(*argv: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "aiolayer", "bench", "vllm", *argv], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_every_prompt_of_a_sweep_is_new_and_p99_is_the_slowest_of_few():
+    texts = cell_texts([1.0, 0.0], [64, 128], prompts=3)
+    every = [t for cell in texts.values() for phase in cell.values() for t in phase]
+    assert len(every) == len(set(every)) == 2 * 2 * 4   # a repeat would hit the prefix cache, skip the transfer
+    assert p99([3.0, 1.0, 2.0]) == 3.0 and p99([]) is None
+
+
+def test_bad_rates_or_lengths_are_refused_before_anything_starts():
+    r = _bench("--link-gbit", "1,x", "--rows", "aggregated", timeout=60)
+    assert r.returncode == 2 and "--link-gbit wants comma-separated numbers" in r.stderr
+    r = _bench("--link-gbit", "1", "--prompt-lengths", "0", "--rows", "aggregated", timeout=60)
+    assert r.returncode == 2 and "--prompt-lengths wants" in r.stderr
+    r = _bench("--prompt-lengths", "256", "--rows", "aggregated", timeout=60)
+    assert r.returncode == 2 and "--prompt-lengths goes with --link-gbit" in r.stderr
+
+
+def test_without_iproute2_the_sweep_exits_saying_why(tmp_path):
+    env = {**os.environ, "PATH": str(tmp_path)}   # no ip, no tc
+    r = _bench("--link-gbit", "1", "--rows", "aggregated", "--out", str(tmp_path), timeout=60, env=env)
+    assert r.returncode == 2, r.stderr
+    assert "--link-gbit: cannot make the two hosts:" in r.stderr
+    assert "network namespaces need root" in r.stderr or "iproute2 (ip, tc) is not installed" in r.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "available")
+def test_a_small_sweep_over_a_shaped_link_verifies_every_answer_and_leaves_no_namespace(tmp_path):
+    # small on purpose (2 layers, ~100-token prompts, eager, one rate); the sweep itself: docs/results.md
+    r = _bench("--link-gbit", "1", "--prompt-lengths", "100", "--rows", "aggregated,aiolayer", "--layers", "2",
+               "--prompts", "2", "--max-tokens", "4", "--eager", "--out", str(tmp_path), timeout=560)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "aiolayer | 1 Gbit/s | 100 tokens: TTFT p50" in r.stderr   # a progress line per cell
+    report = json.loads((tmp_path / "engines_link.json").read_text())
+    rows = {s["row"]: s for s in report["summary"]}
+    assert rows["aiolayer"]["ran"], rows["aiolayer"]
+    (cell,) = rows["aiolayer"]["cells"]
+    assert (cell["link_gbit"], cell["prompt_tokens"]) == (1.0, 100)
+    assert (cell["verified"], cell["failed"], cell["differ"]) == (2, 0, 0), cell
+    assert cell["ttft_ms_median"] > 0 and cell["ttft_ms_p99"] >= cell["ttft_ms_median"]
+    assert "veth 10." in rows["aiolayer"]["how"]["transport"]
+    kv_bytes = 100 * report["config"]["kv_bytes_per_token"]             # the KV crossed the namespaces' link
+    assert cell["link_mb_per_request"] * 1e6 >= 0.9 * kv_bytes, (cell, kv_bytes)
+    checks = rows["aiolayer"]["how"]["bytes"]                            # every layer of every transfer checked
+    assert checks["verified"] == checks["receives_finished"] > 0 and checks["mismatch"] == 0, checks
+    assert report["ratios"][0]["ratio"] > 0
+    assert (tmp_path / "engines_link.png").stat().st_size > 1000
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    assert not [ns for ns in report["config"]["namespaces"] if ns in left], left
