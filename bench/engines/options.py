@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-ROWS = ("aggregated", "aiolayer", "aiolayer-bulk", "mooncake", "nixl")
+ROWS = ("aggregated", "aiolayer", "aiolayer-late", "aiolayer-bulk", "mooncake", "nixl")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -1,7 +1,8 @@
 """``aiolayer bench vllm``: the time to first token of real requests on vLLM CPU engines, each
 system through its own request flow, side by side in one run.
 
-Rows (``--rows``): ``aggregated`` (one engine, the floor), ``aiolayer`` (layer-wise) and
+Rows (``--rows``): ``aggregated`` (one engine, the floor), ``aiolayer`` (layer-wise, D first),
+``aiolayer-late`` (layer-wise, P and D sent at once: ``aiolayer proxy --binding late``) and
 ``aiolayer-bulk`` (the same connector sending after the last layer) through ``aiolayer proxy``, and
 vLLM's own connectors where they run here (``peers.py``). P and D sit on disjoint cores (P on
 ``--cores``' first, D on its second), every process of an engine on its core as on a host of
@@ -92,7 +93,7 @@ def _proxy_debug() -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def aiolayer_pd(model: Path, args: argparse.Namespace, *, bulk: bool):
+def aiolayer_pd(model: Path, args: argparse.Namespace, *, bulk: bool, late: bool = False):
     p_core, d_core = args.cores.split(",")[:2]
     where = of_args(args)
     extra: dict = {"layerwise_min_tokens": 1 << 30} if bulk else {}
@@ -110,14 +111,16 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, bulk: bool):
     with running(p, d):
         backends = ([f"http://{where.p.address}:{p.port},tcp://{where.p.address}:{p_ctl}"],
                     [f"http://{where.d.address}:{d.port},tcp://{where.d.address}:{d_ctl}"])
-        proxy_args: tuple[str, ...] = ("--request-timeout", str(REQUEST_TIMEOUT_S), *_proxy_debug())
+        proxy_args: tuple[str, ...] = ("--request-timeout", str(REQUEST_TIMEOUT_S), *_proxy_debug(),
+                                       "--binding", "late" if late else "d-first")
         place_proxy: dict = {}
         if where.two_hosts:   # beside P; D and P reach it over the hosts' link, this process over A's management one
             port = free_port()
             place_proxy = {"netns": where.p.netns, "reach": where.p.reach, "port": port}
             proxy_args += ("--host", "0.0.0.0", "--public-url", f"http://{where.p.address}:{port}")
         with ProxyProcess(*backends, extra_args=proxy_args, startup_timeout_s=60, **place_proxy) as proxy:
-            how = {"flow": "D first, through aiolayer proxy (a process)", "connector": "AiolayerConnector",
+            flow = "P and D at once, P's destination bound late" if late else "D first"
+            how = {"flow": f"{flow}, through aiolayer proxy (a process)", "connector": "AiolayerConnector",
                    "layerwise": not bulk, "transport": f"Mooncake TCP, {where.label}",
                    "byte_check": "every layer of every transfer: P's CRC32 against what landed at D"}
             yield via_url(proxy.url, model), how
@@ -155,6 +158,7 @@ SYSTEMS = {
     "aggregated": aggregated,
     "aiolayer": lambda model, args: aiolayer_pd(model, args, bulk=False),
     "aiolayer-bulk": lambda model, args: aiolayer_pd(model, args, bulk=True),
+    "aiolayer-late": lambda model, args: aiolayer_pd(model, args, bulk=False, late=True),
     **peers.SYSTEMS,
 }
 
