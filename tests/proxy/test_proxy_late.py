@@ -65,6 +65,14 @@ async def _exchange(p_status: int, aborts: list[m.Message], sent: dict[str, dict
     return exchange, state, d, endpoint
 
 
+async def _close(exchange, state, d) -> None:
+    """What ``_exchange`` opened: the exchange, the proxy state's client and peers, D's control server."""
+    await exchange.close()
+    await state.client.aclose()
+    await state.peers.close()
+    await d.close()
+
+
 @pytest.mark.timeout(20)
 async def test_late_binding_sends_p_and_d_at_once_without_a_registration():
     aborts: list[m.Message] = []
@@ -81,10 +89,7 @@ async def test_late_binding_sends_p_and_d_at_once_without_a_registration():
                                                                                        exchange.token)
         assert sent["P"]["kv_transfer_params"][KEY]["late"] is True and aborts == []
     finally:
-        await exchange.close()
-        await state.client.aclose()
-        await state.peers.close()
-        await d.close()
+        await _close(exchange, state, d)
 
 
 @pytest.mark.timeout(20)
@@ -100,10 +105,7 @@ async def test_late_binding_p_failing_tells_d_and_ends_the_exchange():
         d_told = [(a.transfer_id, a.token) for a in aborts if isinstance(a, m.AbortRequest)]
         assert d_told == [(tid, exchange.token)]
     finally:
-        await exchange.close()
-        await state.client.aclose()
-        await state.peers.close()
-        await d.close()
+        await _close(exchange, state, d)
 
 
 @pytest.mark.timeout(20)
@@ -124,7 +126,4 @@ async def test_late_binding_d_failing_stops_p_s_transfers():
             await asyncio.sleep(0.01)
         assert [(a.transfer_id, a.token) for a in aborts if isinstance(a, m.Abort)] == [(tid, exchange.token)]
     finally:
-        await exchange.close()
-        await state.client.aclose()
-        await state.peers.close()
-        await d.close()
+        await _close(exchange, state, d)

@@ -26,18 +26,17 @@ from __future__ import annotations
 
 import json
 import math
-import re
-import time
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from aiolayer.harness.pd import ProxyProcess, connector
+from aiolayer.harness.pd import connector
 from aiolayer.harness.procs import free_ports
-from aiolayer.harness.servers import VllmServer, completion, running, scrape_metrics
+from aiolayer.harness.servers import VllmServer, running
 from aiolayer.harness.tiny_model import LLAMA_GQA, SAMPLE_PROMPTS, long_prompt, tiny_model_dir
 from helpers_node import MC_ENV
+from helpers_engines import answer, logged_layout, through_proxy, total
 from helpers_relay import bridge_logging_config
 
 from aiolayer.harness.tiny_draft import eagle_config, tiny_draft_dir
@@ -65,54 +64,22 @@ def _engine(name: str, control_port: int, role: str, env: dict | None = None, dr
                       startup_timeout_s=600, **kw)
 
 
-def _backend(server: VllmServer, control_port: int) -> str:
-    return f"{server.base_url},tcp://127.0.0.1:{control_port}"
 
 
-def _total(server: VllmServer, name: str) -> float:
-    return sum(v for _, v in scrape_metrics(server).get(name, []))
 
 
-def _moved(p: VllmServer, d: VllmServer) -> tuple[float, float]:
-    return _total(p, "vllm:aiolayer_bytes_sent_total"), _total(d, "vllm:aiolayer_bytes_received_total")
 
 
-def _answer(target, prompt: str, model: str | None = None) -> tuple[list[int], list[float], int]:
-    """Greedy tokens, the chosen tokens' logprobs, and the prompt's token count."""
-    out = completion(target, prompt, max_tokens=MAX_TOKENS, model=model, timeout_s=240, logprobs=1)
-    return out.token_ids, list(out.raw["choices"][0]["logprobs"]["token_logprobs"]), len(out.prompt_token_ids or ())
 
 
-def _layout(server: VllmServer) -> tuple[int, int]:
-    """(runtime layers, bytes of one block of one of them), from the layout the worker logged."""
-    found = re.search(r"aiolayer \S+: (\d+) layers, \d+ blocks of (\d+) bytes", server.log_text())
-    assert found, ("no layout logged", server.log_tail(3000))
-    return int(found.group(1)), int(found.group(2))
 
 
-def _settled(p, d, sent0: float, got0: float, wait_s: float = 10.0) -> tuple[float, float]:
-    """(sent, received) bytes since the given totals, once both engines reported them."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        sent, got = (now - before for now, before in zip(_moved(p, d), (sent0, got0)))
-        if (sent == got and sent > 0) or time.monotonic() > deadline:
-            return sent, got
-        time.sleep(0.2)
 
 
-def _through_proxy(p, p_port, d, d_port, prompts) -> tuple[dict, dict]:
-    """Each prompt through a proxy from P to D: prompt -> answer, and prompt -> (sent, received) bytes."""
-    answers, moved = {}, {}
-    with ProxyProcess([_backend(p, p_port)], [_backend(d, d_port)], extra_args=PROXY_ARGS) as proxy:
-        for prompt in prompts:
-            sent0, got0 = _moved(p, d)
-            answers[prompt] = _answer(proxy.url, prompt, model=p.served_model)
-            moved[prompt] = _settled(p, d, sent0, got0)
-    return answers, moved
 
 
 def _drafted(server: VllmServer) -> float:
-    return _total(server, "vllm:spec_decode_num_draft_tokens_total")
+    return total(server, "vllm:spec_decode_num_draft_tokens_total")
 
 
 @pytest.fixture(scope="module")
@@ -121,14 +88,14 @@ def eagle():
     p, d = _engine("eagle-p", p_port, "kv_producer"), _engine("eagle-d", d_port, "kv_consumer")
     a = _engine("eagle-a", a_port, "kv_both", env={DEBUG_ZERO_RECEIVED_ENV: "1"})
     with running(p, d, a):
-        baseline = {prompt: _answer(a, prompt) for prompt in PROMPTS}
+        baseline = {prompt: answer(a, prompt, MAX_TOKENS) for prompt in PROMPTS}
         drafted = _drafted(d)
-        answers, moved = _through_proxy(p, p_port, d, d_port, PROMPTS)
+        answers, moved = through_proxy(p, p_port, d, d_port, PROMPTS, MAX_TOKENS, PROXY_ARGS)
         drafted = _drafted(d) - drafted
-        integrity = (_total(d, "vllm:aiolayer_integrity_verified_total"),
-                     _total(d, "vllm:aiolayer_integrity_mismatch_total"))
-        zeroed_baseline = {prompt: _answer(p, prompt) for prompt in ZEROED_PROMPTS}   # P on its own
-        zeroed, _ = _through_proxy(p, p_port, a, a_port, ZEROED_PROMPTS)
+        integrity = (total(d, "vllm:aiolayer_integrity_verified_total"),
+                     total(d, "vllm:aiolayer_integrity_mismatch_total"))
+        zeroed_baseline = {prompt: answer(p, prompt, MAX_TOKENS) for prompt in ZEROED_PROMPTS}   # P on its own
+        zeroed, _ = through_proxy(p, p_port, a, a_port, ZEROED_PROMPTS, MAX_TOKENS, PROXY_ARGS)
         yield {"p": p, "d": d, "a": a, "d_port": d_port, "baseline": baseline, "answers": answers, "moved": moved,
                "drafted": drafted, "integrity": integrity, "zeroed_baseline": zeroed_baseline, "zeroed": zeroed}
 
@@ -149,8 +116,8 @@ def test_eagle_p_to_d_equals_the_aggregated_engine_and_d_drafts(eagle):
 
 def test_the_draft_layer_moves_as_a_fifth_layer(eagle):
     for server in (eagle["p"], eagle["d"], eagle["a"]):
-        assert _layout(server)[0] == LAYERS, server.log_tail(3000)
-    _, block_bytes = _layout(eagle["d"])
+        assert logged_layout(server)[0] == LAYERS, server.log_tail(3000)
+    _, block_bytes = logged_layout(eagle["d"])
     for prompt, (sent, got) in eagle["moved"].items():
         n = eagle["answers"][prompt][2]
         print(f"{n} tokens: sent {sent:.0f} bytes")

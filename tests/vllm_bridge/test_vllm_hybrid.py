@@ -23,18 +23,18 @@ moves yet, and serving it with the attention KV alone would answer wrongly.
 from __future__ import annotations
 
 import math
-import re
 import time
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from aiolayer.harness.pd import ProxyProcess, connector
+from aiolayer.harness.pd import connector
 from aiolayer.harness.procs import free_ports
-from aiolayer.harness.servers import ServerError, VllmServer, completion, running, scrape_metrics
+from aiolayer.harness.servers import ServerError, VllmServer, running
 from aiolayer.harness.tiny_model import GRANITE_HYBRID, LLAMA_SLIDING, SAMPLE_PROMPTS, long_prompt, tiny_model_dir
 from helpers_node import MC_ENV
+from helpers_engines import answer, logged_layout, through_proxy, total
 from helpers_relay import bridge_logging_config
 
 from aiolayer_vllm.config import DEBUG_ZERO_RECEIVED_ENV
@@ -83,51 +83,16 @@ def _engine(name: str, control_port: int, role: str, env: dict | None = None, **
                       startup_timeout_s=500)
 
 
-def _backend(server: VllmServer, control_port: int) -> str:
-    return f"{server.base_url},tcp://127.0.0.1:{control_port}"
 
 
-def _total(server: VllmServer, name: str) -> float:
-    return sum(v for _, v in scrape_metrics(server).get(name, []))
 
 
-def _moved(p: VllmServer, d: VllmServer) -> tuple[float, float]:
-    return _total(p, "vllm:aiolayer_bytes_sent_total"), _total(d, "vllm:aiolayer_bytes_received_total")
 
 
-def _answer(target, prompt: str, model: str | None = None) -> tuple[list[int], list[float], int]:
-    """Greedy tokens, the chosen tokens' logprobs, and the prompt's token count."""
-    out = completion(target, prompt, max_tokens=MAX_TOKENS, model=model, timeout_s=240, logprobs=1)
-    return out.token_ids, list(out.raw["choices"][0]["logprobs"]["token_logprobs"]), len(out.prompt_token_ids or ())
 
 
-def _layout(server: VllmServer) -> tuple[int, int]:
-    """(runtime layers, bytes of one block of one of them), from the layout the worker logged."""
-    found = re.search(r"aiolayer \S+: (\d+) layers, \d+ blocks of (\d+) bytes", server.log_text())
-    assert found, ("no layout logged", server.log_tail(3000))
-    return int(found.group(1)), int(found.group(2))
 
 
-def _through_proxy(p, p_port, d, d_port) -> tuple[dict, dict]:
-    """Each prompt through a proxy from P to D: prompt -> answer, and prompt -> (sent, received) bytes."""
-    answers, moved = {}, {}
-    with ProxyProcess([_backend(p, p_port)], [_backend(d, d_port)], extra_args=PROXY_ARGS) as proxy:
-        for prompt in PROMPTS:
-            sent0, got0 = _moved(p, d)
-            answers[prompt] = _answer(proxy.url, prompt, model=p.served_model)
-            moved[prompt] = _settled(p, d, sent0, got0)
-    return answers, moved
-
-
-def _settled(p, d, sent0: float, got0: float, wait_s: float = 10.0) -> tuple[float, float]:
-    """(sent, received) bytes since the given totals, once both engines reported them (each reports
-    its counters after a step, so the last one can come a moment after the answer)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        sent, got = (now - before for now, before in zip(_moved(p, d), (sent0, got0)))
-        if (sent == got and sent > 0) or time.monotonic() > deadline:
-            return sent, got
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -138,11 +103,11 @@ def hybrid():
     # the prompts' KV from its own baseline runs nor keep the zeroed KV for later ones
     a = _engine("hyb-a", a_port, "kv_both", env={DEBUG_ZERO_RECEIVED_ENV: "1"}, prefix_caching=False)
     with running(p, d, a):
-        baseline = {prompt: _answer(a, prompt) for prompt in PROMPTS}
-        answers, moved = _through_proxy(p, p_port, d, d_port)
-        integrity = (_total(d, "vllm:aiolayer_integrity_verified_total"),
-                     _total(d, "vllm:aiolayer_integrity_mismatch_total"))
-        zeroed, _ = _through_proxy(p, p_port, a, a_port)
+        baseline = {prompt: answer(a, prompt, MAX_TOKENS) for prompt in PROMPTS}
+        answers, moved = through_proxy(p, p_port, d, d_port, PROMPTS, MAX_TOKENS, PROXY_ARGS)
+        integrity = (total(d, "vllm:aiolayer_integrity_verified_total"),
+                     total(d, "vllm:aiolayer_integrity_mismatch_total"))
+        zeroed, _ = through_proxy(p, p_port, a, a_port, PROMPTS, MAX_TOKENS, PROXY_ARGS)
         yield {"p": p, "d": d, "a": a, "baseline": baseline, "answers": answers, "moved": moved, "zeroed": zeroed,
                "integrity": integrity}
 
@@ -152,7 +117,7 @@ def test_hybrid_manager_stays_on_and_groups_share_tensors(hybrid):
         log = server.log_text()
         assert HMA_OFF not in log, (server.name, log[log.index(HMA_OFF) - 200:][:600])
         # 6 model layers in 3 groups of 2 overlaid on 2 tensors: the runtime moves 2 "layers"
-        assert _layout(server)[0] == 2, server.log_tail(3000)
+        assert logged_layout(server)[0] == 2, server.log_tail(3000)
 
 
 def test_hybrid_p_to_d_equals_the_aggregated_engine(hybrid):
@@ -177,7 +142,7 @@ def _expected_blocks(n: int) -> tuple[int, int]:
 
 
 def test_sliding_window_groups_send_only_what_d_holds(hybrid):
-    tensors, block_bytes = _layout(hybrid["d"])
+    tensors, block_bytes = logged_layout(hybrid["d"])
     for prompt, (sent, got) in hybrid["moved"].items():
         n = hybrid["answers"][prompt][2]
         moved, blocks = _expected_blocks(n)
