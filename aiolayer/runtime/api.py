@@ -84,9 +84,7 @@ Announce = Callable[[Registration], Awaitable[None]]   # runs on the runtime's l
 
 
 class StepSink(Protocol):
-    """What a ``Step`` hands its layers to (the sender; a protocol, so the shared API needs no side)."""
-
-    def layer_ready(self, step: int, layer: int) -> None: ...
+    """What a ``Step`` ends through (the sender; a protocol, so the shared API needs no side)."""
 
     def end_step(self, step: int) -> None: ...
 
@@ -95,19 +93,19 @@ class Step:
     """P: one forward step's transfers. ``layer_ready`` after each layer's KV is written, ``end`` after
     the last; as a context manager it ends on exit. Called from the forward thread; never blocks."""
 
-    __slots__ = ("_sender", "_id", "_ended")
+    __slots__ = ("_sender", "_id", "_ended", "layer_ready")
 
-    def __init__(self, sender: StepSink, step_id: int) -> None:
+    def __init__(self, sender: StepSink, step_id: int, layer_ready: Callable[[int], None]) -> None:
         self._sender = sender
         self._id = step_id
         self._ended = False
+        # ``layer_ready(layer)`` is the sender's own hand-off for this step (``Sender.begin_step``), not a
+        # method forwarding to it: the forward calls it once per layer, and every frame on that path counts
+        self.layer_ready = layer_ready
 
     @property
     def id(self) -> int:
         return self._id
-
-    def layer_ready(self, layer: int) -> None:
-        self._sender.layer_ready(self._id, layer)
 
     def end(self) -> None:
         """Close the step (idempotent): layers never handed over fail their transfers by deadline."""

@@ -260,9 +260,8 @@ class Runtime(ReceiveApi):
         Raises at once (nothing queued) when the runtime cannot take them; a bad spec fails that
         transfer alone, with its outcome in ``pop_outcomes``."""
         sender = self._running_sender()
-        step = Step(sender, next(self._steps))
-        sender.begin_step(step.id, specs)
-        return step
+        step_id = next(self._steps)
+        return Step(sender, step_id, sender.begin_step(step_id, specs))
 
     def cancel_send(self, transfer_id: str, reason: str) -> None:
         """Stop a send (its source blocks are needed back): it fails, never says DONE; never raises."""

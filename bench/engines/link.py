@@ -205,8 +205,9 @@ def run_link(args: argparse.Namespace, names: list[str]) -> int:
         return 2
     spec = model_spec(args)
     model = tiny_model_dir(spec)
-    per_token = kv_bytes_per_token(spec)
-    print(f"model: {spec.num_layers} layers x {spec.num_kv_heads} KV heads of {spec.head_dim}, bf16: "
+    per_token = kv_bytes_per_token(spec, args.dtype)
+    dtype = "bf16" if args.dtype == "auto" else args.dtype
+    print(f"model: {spec.num_layers} layers x {spec.num_kv_heads} KV heads of {spec.head_dim}, {dtype}: "
           f"{per_token} B of KV per token; at 1 Gbit/s a {max(lengths)}-token prompt's KV takes "
           f"{per_token * max(lengths) * 8 / 1e6:.0f} ms", file=sys.stderr, flush=True)
     texts, rows = cell_texts(rates, lengths, args.prompts), []
@@ -224,7 +225,7 @@ def run_link(args: argparse.Namespace, names: list[str]) -> int:
     config = {"link_gbit": rates, "prompt_lengths": lengths, "rows": names, "prompts_per_cell": args.prompts,
               "warmup_per_cell": 1, "max_tokens": args.max_tokens, "layers": spec.num_layers,
               "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "kv_bytes_per_token": per_token,
-              "cores": args.cores, "pin": args.pin, "eager": args.eager, "namespaces": namespaces,
+              "cores": args.cores, "pin": args.pin, "eager": args.eager, "dtype": args.dtype, "namespaces": namespaces,
               "link": "veth pair, tbf on both ends; aggregated engine in the root namespace"}
     report = {"config": config, "summary": summary, "ratio_basis": basis, "ratios": cells, "rows": rows}
     (out / "engines_link.json").write_text(json.dumps(report, indent=1))

@@ -30,6 +30,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "engines_link.json and engines_link.png. Default: one run on loopback")
     g.add_argument("--prompt-lengths", default="",
                    help="--link-gbit: prompt lengths in tokens (about), comma-separated; default --prompt-tokens")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="every engine's --dtype (auto: vLLM's default, bf16 on CPU); float32 doubles the KV per "
+                        "token for about the same prefill, so the link weighs more")
     p.add_argument("--eager", action="store_true",
                    help="--enforce-eager on every engine (vLLM's default compiles: ~40 s more per start)")
 
@@ -39,5 +42,6 @@ def engine(model: Path, name: str, core: str, args: argparse.Namespace, **kw):
     from aiolayer.harness.vllm_server import VllmServer
 
     cpus = frozenset(int(c) for c in core.split("|")) if args.pin == "process" and core[:1].isdigit() else None
-    return VllmServer(model, name=name, omp_bind=core, cpus=cpus, enforce_eager=args.eager, kv_cache_gib=2,
+    dtype = None if getattr(args, "dtype", "auto") == "auto" else args.dtype
+    return VllmServer(model, name=name, omp_bind=core, cpus=cpus, enforce_eager=args.eager, kv_cache_gib=2, dtype=dtype,
                       startup_timeout_s=400, **kw)

@@ -51,9 +51,9 @@ def model_spec(args: argparse.Namespace) -> TinySpec:
                     num_kv_heads=args.kv_heads, max_position_embeddings=max(4096, 2 * longest))
 
 
-def kv_bytes_per_token(spec: TinySpec) -> int:
-    """K and V of every layer, bf16 (vLLM's default dtype on CPU)."""
-    return spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 * 2
+def kv_bytes_per_token(spec: TinySpec, dtype: str = "auto") -> int:
+    """K and V of every layer, in bytes: bf16 (vLLM's default dtype on CPU) unless ``dtype`` is float32."""
+    return spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 * (4 if dtype == "float32" else 2)
 
 
 def prompt_lengths(args: argparse.Namespace) -> list[int]:
@@ -291,7 +291,7 @@ def run_engines(args: argparse.Namespace) -> int:
     print_table(summary)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config = {k: v for k, v in vars(args).items() if k.startswith("engine")}
+    config = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool)) and k != "out"}
     (out / "engines.json").write_text(json.dumps({"config": config, "summary": summary, "rows": rows}, indent=1))
     from .plot import plot_engines
     plot_engines(summary, out / "engines.png")

@@ -75,14 +75,19 @@ class LayerBridge:
         self._loop = loop
         self._wakeup = asyncio.Event()
 
-    async def drain(self) -> list[Any]:
+    async def drain(self, poll: bool = False) -> list[Any]:
         """Wait until items are there, then return at most ``drain_batch`` of them in order.
 
-        Returns an empty list once the bridge is closed and empty.
+        Returns an empty list once the bridge is closed and empty, and with ``poll`` (the caller has
+        something else to look at every tick: an open step's inbox) after one ``poll_s`` tick without items.
         """
         items, loop, wakeup = self._items, self._loop, self._wakeup
         if loop is None or wakeup is None:
             raise RuntimeStateError("layer bridge is not attached to a loop")
+        if poll and not items and self._closed is None:
+            await asyncio.sleep(self.poll_s)
+            if not items:
+                return []
         if not items and self.linger_s > 0 and self._closed is None:
             end = loop.time() + self.linger_s
             while not items and self._closed is None and loop.time() < end:

@@ -31,14 +31,15 @@ class ReadyEvent:
 READY = ReadyEvent()
 
 
-def _make_recorder() -> Callable[[], DeviceEvent]:
+def _make_recorder() -> Callable[[], DeviceEvent] | None:
+    """The recorder of this process's accelerator; None where KV is host memory (nothing to record)."""
     try:
         import torch
     except ImportError:  # torch is optional for the core; without it everything is host memory
-        return lambda: READY
+        return None
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is None or not accelerator.is_available():
-        return lambda: READY
+        return None
     device = accelerator.current_accelerator()
 
     def record() -> DeviceEvent:
@@ -50,7 +51,11 @@ def _make_recorder() -> Callable[[], DeviceEvent]:
     return record
 
 
-record_event = _make_recorder()
+device_recorder = _make_recorder()
+
+
+def record_event() -> DeviceEvent:
+    return READY if device_recorder is None else device_recorder()
 
 
 async def wait_event(event: DeviceEvent, timeout: float) -> None:

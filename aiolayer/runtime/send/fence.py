@@ -11,19 +11,23 @@ a genuine entry lives until ``Timeouts.receive`` or until that many later entrie
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 from typing import Any, Awaitable, Callable, Concatenate, Coroutine, ParamSpec, Protocol, TypeVar
 
 from ...protocol.plan import BlockRuns, Spans
 from ...protocol.state import sender_transfer
-from .events import DeviceEvent
+from .events import READY, DeviceEvent
 from ..spec import LayerTiming, TransferSpec
 
 log = logging.getLogger(__name__)
 
 MAX_EARLY_ABORTS = 4096
 LayerItem = tuple[int, DeviceEvent, float]   # (layer, its device event, perf_counter when handed over)
+# What the forward appends to its step's inbox: a layer number (host memory: the append is the whole hand-off,
+# and the loop stamps the time it took it, within a poll tick) or a whole ``LayerItem`` (a device event)
+InboxEntry = int | LayerItem
 
 
 class StepLayers:
@@ -31,14 +35,35 @@ class StepLayers:
     with its own cursor, so a layer costs one append however many transfers there are, and only the
     transfers already waiting for it are woken."""
 
-    __slots__ = ("items", "waiting")
+    __slots__ = ("items", "waiting", "inbox")
 
-    def __init__(self) -> None:
+    def __init__(self, inbox: collections.deque[InboxEntry] | None = None) -> None:
         self.items: list[LayerItem] = []      # in hand-over order
         self.waiting: list[Request] = []      # transfers that read every item and wait for the next
+        self.inbox = inbox                    # the forward's own deque for this step (``Sender.begin_step``)
 
     def add(self, item: LayerItem) -> None:
         self.items.append(item)
+        self._wake()
+
+    def take_inbox(self, now: float, since: float, observe: Callable[[float], None]) -> None:
+        """Move what the forward appended to the inbox into ``items`` (the loop; popleft is atomic),
+        observing each layer's wait in the inbox: a layer number came after ``since``, the loop's
+        previous look, so its wait is at most ``now - since``."""
+        inbox = self.inbox
+        if not inbox:
+            return
+        while inbox:
+            entry = inbox.popleft()
+            if isinstance(entry, int):
+                observe(now - since)
+                self.items.append((entry, READY, now))
+            else:
+                observe(now - entry[2])
+                self.items.append(entry)
+        self._wake()
+
+    def _wake(self) -> None:
         waiting, self.waiting = self.waiting, []
         for req in waiting:
             req.wake()

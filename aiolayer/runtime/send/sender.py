@@ -47,8 +47,8 @@ from .bridge import LayerBridge
 from ..control.plane import ControlPeers
 from .done_batch import DoneBatcher
 from .ending import TransferEnding
-from .events import record_event
-from .fence import MAX_EARLY_ABORTS, EarlyAborts, Request, StepLayers, guarded
+from .events import device_recorder, record_event
+from .fence import MAX_EARLY_ABORTS, EarlyAborts, InboxEntry, Request, StepLayers, guarded
 from ..loop import Spawn, not_running
 from .metadata import LayoutCache
 from .results import Results
@@ -74,6 +74,7 @@ class Sender(TransferEnding):
         self.integrity_sample = integrity_sample    # share of transfers checked end to end (integrity.py)
         self.integrity_checks = 0
         self._steps: dict[int, StepLayers] = {}     # a begun step's layers, read by its transfers
+        self._looked = time.perf_counter()          # the loop's last look into the open steps' inboxes
         self.results = Results(on_outcome)
         r = self.results   # the same containers under the names the soak report reads (it sizes them)
         self._waiters, self._outcomes, self._released = r.waiters, r.outcomes, r.released
@@ -102,17 +103,31 @@ class Sender(TransferEnding):
         self.local = LocalLayout(np.asarray(k_base, dtype=np.int64), np.asarray(v_base, dtype=np.int64),
                                  block_bytes, num_blocks, heads, geometry, host)
 
-    def begin_step(self, step: int, specs: list[TransferSpec]) -> None:
-        """Hand a step's transfers to the loop. A bad spec fails that transfer there, never here."""
+    def begin_step(self, step: int, specs: list[TransferSpec]) -> Callable[[int], None]:
+        """Hand a step's transfers to the loop; returns the step's ``layer_ready(layer)``. A bad spec
+        fails that transfer there, never here.
+
+        The step gets an inbox of its own that the loop polls while the step is open (the step's item
+        wakes it, once): in host memory ``layer_ready`` is the inbox's ``append``, a C call, because right
+        after the forward's KV write has evicted the caches each Python frame costs microseconds."""
         if self.local is None:
             raise RuntimeStateError("register the KV caches before the first step")
         specs = list(specs)
+        inbox: collections.deque[InboxEntry] = collections.deque()
         added = self.results.expect(specs)   # before the put: the loop may publish an outcome at once
         try:
-            self.bridge.put(("step", step, specs, time.perf_counter()))
+            self.bridge.put(("step", step, specs, time.perf_counter(), inbox))
         except RuntimeStateError:
             self.results.forget(added)
             raise
+        record = device_recorder
+        if record is None:
+            return inbox.append
+        append, clock = inbox.append, time.perf_counter
+
+        def device_layer_ready(layer: int) -> None:
+            append((layer, record(), clock()))
+        return device_layer_ready
 
     def refuse(self, spec: TransferSpec, reason: str) -> None:
         """Fail a send on the loop without writing: outcome, FAILED to D, release (``_refuse``)."""
@@ -171,17 +186,25 @@ class Sender(TransferEnding):
         self._spawn = self.dones.spawn = spawn
         try:
             while True:
-                batch = await self.bridge.drain()
-                if not batch:
+                # while a step is open its layers come into its inbox without a wake-up: look every tick
+                batch = await self.bridge.drain(poll=bool(self._steps))
+                if not batch and self.bridge.closed:
                     return
                 for item in batch:
                     try:
                         self._dispatch(item)
                     except Exception:  # one bad item must not end the sender
                         log.exception("sender: bridge item %.200r dropped", item)
+                self._take_inboxes()
         finally:
             self.bridge.close("sender stopped")
             self._fail_unstarted("sender stopped")
+
+    def _take_inboxes(self) -> None:
+        now = time.perf_counter()
+        for feed in self._steps.values():
+            feed.take_inbox(now, self._looked, self.handoff.observe)
+        self._looked = now
 
     def _dispatch(self, item: tuple[Any, ...]) -> None:
         kind = item[0]
@@ -192,12 +215,14 @@ class Sender(TransferEnding):
             if feed is not None:
                 feed.add((layer, event, handed))
         elif kind == "step":
-            _, step, specs, _handed = item
-            feed = self._steps[step] = StepLayers()
+            _, step, specs, _handed, inbox = item
+            feed = self._steps[step] = StepLayers(inbox)
             for spec in specs:
                 self._start_request(spec, feed)
         elif kind == "end":
-            self._steps.pop(item[1], None)
+            feed = self._steps.pop(item[1], None)
+            if feed is not None:   # every layer of the step was appended before its end was put
+                feed.take_inbox(time.perf_counter(), self._looked, self.handoff.observe)
         elif kind == "cancel":
             self._cancel(item[1], item[2])
         elif kind == "refuse":

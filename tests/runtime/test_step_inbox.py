@@ -1,0 +1,104 @@
+"""A step's layers reach the loop through the step's own inbox, with no wake-up per layer.
+
+``Runtime.begin_step`` wakes the loop once (the step's item); from then on the loop looks into the
+step's inbox every poll tick until the step ends, and in host memory ``step.layer_ready`` is the
+inbox's C ``append``. What must hold: a layer handed over long after the previous one (longer than the
+bridge lingers after a batch) is still taken within a tick, not at the step's end; the step's layers
+are all taken before its end is handled; an accelerator's recorded event travels with its layer.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from aiolayer import KVShape, NodeConfig, ReceiveSpec, Runtime, Timeouts, TransferSpec
+from aiolayer.kvcache import PagedKVCache, checksums
+from aiolayer.runtime.send import sender as sender_module
+from aiolayer.runtime.send.events import READY
+
+pytestmark = pytest.mark.timeout(60)
+SHAPE = KVShape(num_layers=4, num_blocks=16, block_size=4, kv_heads=2, head_dim=8, dtype="float16")
+
+
+@pytest.fixture
+def pair():
+    made = []
+
+    def start(engine_id: str, seed: int | None) -> tuple[Runtime, PagedKVCache]:
+        rt = Runtime(NodeConfig(engine_id=engine_id, backend="memory"), Timeouts(receive=20)).start()
+        made.append(rt)
+        cache = PagedKVCache(SHAPE)
+        if seed is not None:
+            cache.buffer[:] = np.random.default_rng(seed).integers(0, 256, cache.buffer.size, dtype=np.uint8)
+        rt.register_kv_memory(cache.k_base, cache.v_base, SHAPE.block_bytes, SHAPE.num_blocks, host_memory=True)
+        return rt, cache
+
+    try:
+        yield start("p-inbox", 7), start("d-inbox", None)
+    finally:
+        for rt in made:
+            rt.stop()
+
+
+def _landed(d: Runtime, dcache: PagedKVCache, block: int, layer: int, pcache: PagedKVCache, src: int) -> bool:
+    return bool((dcache.blocks[layer, :, block] == pcache.blocks[layer, :, src]).all())
+
+
+def test_a_layer_handed_over_after_a_long_gap_is_written_before_the_step_ends(pair):
+    (p, pcache), (d, dcache) = pair
+    reg = d.receive(ReceiveSpec(transfer_id="slow", block_ids=[5]))
+    linger = p.bridge.linger_s
+    with p.begin_step([TransferSpec.from_registration(reg, src_blocks=[2])]) as step:
+        for layer in range(SHAPE.num_layers):
+            time.sleep(2 * linger)   # longer than the loop lingers after a batch: it would have gone idle
+            step.layer_ready(layer)
+            deadline = time.monotonic() + 1.0   # a tick is 1 ms; a loaded box may take tens
+            while not _landed(d, dcache, 5, layer, pcache, 2):
+                assert time.monotonic() < deadline, f"layer {layer} waited for the step's end"
+                time.sleep(0.002)
+    assert p.wait_outcome("slow", 10).ok
+    received = d.wait_received("slow", 10)
+    assert received.ok, received.reason
+    assert checksums(dcache.blocks, [5]) == checksums(pcache.blocks, [2])
+
+
+def test_layers_handed_over_right_before_the_end_are_all_taken(pair):
+    (p, pcache), (d, dcache) = pair
+    for i in range(20):   # end() right after the last append: the end must not overtake the layers
+        tid = f"burst{i}"
+        reg = d.receive(ReceiveSpec(transfer_id=tid, block_ids=[i % 8 + 8]))
+        with p.begin_step([TransferSpec.from_registration(reg, src_blocks=[i % 8])]) as step:
+            for layer in range(SHAPE.num_layers):
+                step.layer_ready(layer)
+        outcome = p.wait_outcome(tid, 10)
+        assert outcome.ok, outcome.reason
+        assert [t.layer for t in outcome.layers] == list(range(SHAPE.num_layers))
+        assert d.wait_received(tid, 10).ok
+
+
+def test_an_accelerators_event_and_hand_off_time_travel_with_its_layer(pair, monkeypatch):
+    (p, _), (d, _) = pair
+    recorded = []
+
+    class Event:
+        def query(self) -> bool:
+            recorded.append("queried")
+            return True
+
+    monkeypatch.setattr(sender_module, "device_recorder", Event)
+    reg = d.receive(ReceiveSpec(transfer_id="dev", block_ids=[1]))
+    with p.begin_step([TransferSpec.from_registration(reg, src_blocks=[0])]) as step:
+        assert step.layer_ready.__name__ == "device_layer_ready"
+        handed = []
+        for layer in range(SHAPE.num_layers):
+            handed.append(time.perf_counter())
+            step.layer_ready(layer)
+    outcome = p.wait_outcome("dev", 10)
+    assert outcome.ok, outcome.reason
+    assert len(recorded) >= SHAPE.num_layers   # every layer's write waited on its own event
+    for timing, before in zip(outcome.layers, handed):
+        assert before <= timing.handed_s <= before + 0.01   # the forward's time, not the loop's look
+    assert READY.query()
