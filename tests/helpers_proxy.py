@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import socket
 import threading
 import time
+from typing import Callable
 
 import httpx
 import msgspec
@@ -26,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from aiolayer import Identity, NodeConfig, Registration, Runtime
+from aiolayer.errors import ControlError
 from aiolayer.protocol import messages as m
 from aiolayer.runtime.control.plane import ControlServer
 from aiolayer.harness.pd import ProxyProcess
@@ -210,6 +213,19 @@ class FakeEngine:
 VLLM_STREAM_ERROR = {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
 
 
+def _start_on_its_port(make: Callable[[], Runtime], within: float = 10.0) -> Runtime:
+    """A restarted rank wants its old port back; a connection of the proxy's health checks may hold that
+    port as its own ephemeral one for a moment ("Address already in use", seen in CI): retry, bounded."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return make().start()
+        except ControlError as exc:
+            if "Address already in use" not in str(exc) or time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
+
+
 class StandInRanks:
     """An engine's ranks' control sockets: a memory-backend ``Runtime`` per rank at the connector's port
     rule (base + dp x TP + tp), each with the identity the vLLM bridge sets. ``stop`` and ``start``
@@ -226,12 +242,15 @@ class StandInRanks:
         for index in only or range(len(self.ranks)):
             if self.ranks[index] is None:
                 dp, tp = divmod(index, self.tp)
-                rt = Runtime(NodeConfig(engine_id=f"{self.name}-dp{dp}-tp{tp}", backend="memory",
-                                        control_port=self.base + index))
-                rt.set_identity(Identity(role=self.role, tp_rank=tp, tp_size=self.tp, dp_rank=dp, dp_size=self.dp,
-                                         model=self.model))
-                self.ranks[index] = rt.start()
+                self.ranks[index] = _start_on_its_port(functools.partial(self._rank, index, dp, tp))
         return self
+
+    def _rank(self, index: int, dp: int, tp: int) -> Runtime:
+        rt = Runtime(NodeConfig(engine_id=f"{self.name}-dp{dp}-tp{tp}", backend="memory",
+                                control_port=self.base + index))
+        rt.set_identity(Identity(role=self.role, tp_rank=tp, tp_size=self.tp, dp_rank=dp, dp_size=self.dp,
+                                 model=self.model))
+        return rt
 
     def stop(self, *only: int) -> None:
         for index in only or range(len(self.ranks)):
