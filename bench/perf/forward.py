@@ -3,7 +3,10 @@
 Per layer it runs small matmuls for ``layer_ms`` (calibrated by the clock, so the compute time per
 layer is what was asked whatever the CPU), writes that layer's K and V into P's paged cache with
 ``index_copy_`` (as an engine's reshape-and-cache does), then hands the layer over
-(``step.layer_ready``), timing that hand-off in nanoseconds. ``handoff="after"`` hands every layer
+(``step.layer_ready``), timing that hand-off in nanoseconds: on even layers the hand-off, on odd ones an
+empty statement at the same point (the floor: what any Python there costs on this host, right after the
+KV write evicted the caches), with that layer's hand-off made untimed after it; each timing is the first
+Python after its layer's write, so neither warms the other. ``handoff="after"`` hands every layer
 over only once the whole forward is done: the bulk (whole-request) transfer. The connector is
 duck-typed on aiolayer's public API (``begin_step(specs)`` returning a step with ``layer_ready(layer)``
 and ``end()``): aiolayer's ``Runtime`` or the threaded baseline.
@@ -123,7 +126,7 @@ class SimulatedForward:
         if self.word == 8:
             data = data.view(torch.int64)
         layers = self.cache.shape.num_layers
-        handoff_ns, phases = [], []
+        handoff_ns, floor_ns, phases = [], [], []
         cpu0 = time.thread_time()
         t0 = time.perf_counter()
         step = connector.begin_step(specs)
@@ -135,7 +138,11 @@ class SimulatedForward:
             self.blocks[layer, 1].index_copy_(0, idx, data[layer, 1])
             written = time.perf_counter()
             phases.append((start - t0, computed - t0, written - t0))
-            if handoff == "per_layer":
+            if handoff == "per_layer" and layer % 2:
+                a = time.perf_counter_ns()
+                floor_ns.append(time.perf_counter_ns() - a)
+                step.layer_ready(layer)
+            elif handoff == "per_layer":
                 a = time.perf_counter_ns()
                 step.layer_ready(layer)
                 handoff_ns.append(time.perf_counter_ns() - a)
@@ -147,4 +154,5 @@ class SimulatedForward:
                 step.layer_ready(layer)
                 handoff_ns.append(time.perf_counter_ns() - a)
         step.end()
-        return {"t0": t0, "t_forward_end": t_end, "forward_cpu_s": cpu_s, "handoff_ns": handoff_ns, "phases": phases}
+        return {"t0": t0, "t_forward_end": t_end, "forward_cpu_s": cpu_s, "handoff_ns": handoff_ns,
+                "floor_ns": floor_ns, "phases": phases}

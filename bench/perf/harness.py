@@ -245,6 +245,7 @@ def prefill_sample(outcome, timing: dict, verified: bool, cpu_s: float) -> dict:
         "gbps": outcome.bytes / busy / 1e9 if busy > 0 else 0.0,
         "cpu_s": cpu_s,
         "handoff_ns": timing["handoff_ns"],
+        "floor_ns": timing["floor_ns"],
         "layers": [[lt.layer, lt.handed_s - t0, lt.submitted_s - t0, lt.landed_s - t0] for lt in outcome.layers],
         "phases": timing["phases"],
         "done_s": outcome.finished_s - t0,

@@ -20,6 +20,10 @@ def _med(values) -> float:
     return round(statistics.median(values), 3) if values else 0.0
 
 
+def _spread(ns: list[int]) -> dict:
+    return {"p50": round(_pct(ns, 50)), "p99": round(_pct(ns, 99)), "max": int(max(ns)) if ns else 0, "count": len(ns)}
+
+
 def summarize(samples: list[dict], warmups: list[dict]) -> dict:
     """Medians over the measured requests of one mode."""
     base = {"requests": len(samples), "ok": bool(samples) and all(s["ok"] for s in samples),
@@ -31,8 +35,10 @@ def summarize(samples: list[dict], warmups: list[dict]) -> dict:
     handoff = [ns for s in samples for ns in s["handoff_ns"]]
     out = {**base, **{key: _med(s[key] for s in samples) for key in PREFILL_FIGURES}}
     out["cpu_s_per_gb"] = _med(s["cpu_s"] / (s["bytes"] / 1e9) for s in samples if s["bytes"])
-    out["save_kv_layer_ns"] = {"p50": round(_pct(handoff, 50)), "p99": round(_pct(handoff, 99)),
-                               "max": int(max(handoff)) if handoff else 0, "count": len(handoff)}
+    out["save_kv_layer_ns"] = _spread(handoff)
+    floor = [ns for s in samples for ns in s.get("floor_ns", ())]
+    if floor:   # an empty statement timed where save_kv is: this host's floor for any hand-off
+        out["save_kv_floor_ns"] = _spread(floor)
     out["ttft_ms_all"] = [round(s["ttft_ms"], 3) for s in samples]
     out["warmup_ttft_ms"] = [round(w["ttft_ms"], 3) for w in warmups]
     if samples and "choice" in samples[0]:
@@ -115,6 +121,10 @@ def print_table(report: dict) -> None:
                      for v, d in r["variants"].items()]
             print(f"{name} variants: " + ", ".join(parts))
     lw = report["modes"].get("layerwise", {})
+    if lw.get("save_kv_floor_ns"):
+        f, h = lw["save_kv_floor_ns"], lw["save_kv_layer_ns"]
+        print(f"layerwise save_kv p50/p99 {h['p50']}/{h['p99']} ns (even layers) against this host's floor "
+              f"{f['p50']}/{f['p99']} ns (an empty statement timed at the same point, odd layers)")
     _print_integrity_cost(lw, report["modes"].get("checked"))
     if lw.get("efficiency_vs_raw_per_layer") is not None:
         print(f"layerwise GB/s vs raw Mooncake paced one layer at a time like the forward: "

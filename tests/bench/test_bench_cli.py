@@ -45,11 +45,14 @@ def test_every_mode_verified_with_figures_and_timeline(tmp_path):
             assert r["ttft_ms"] is None and r["ceiling_variant"] in r["variants"]
         else:
             assert r["ttft_ms"] > 0 and r["hidden_fraction"] is not None and r["ttft_vs_threaded"] is not None
-            assert r["save_kv_layer_ns"]["count"] == 2 * 3
+            if name == "bulk":   # every layer handed over after the forward, each timed
+                assert r["save_kv_layer_ns"]["count"] == 2 * 3 and "save_kv_floor_ns" not in r
+            else:                # layers 0 and 2 time the hand-off, layer 1 the floor beside it
+                assert r["save_kv_layer_ns"]["count"] == 2 * 2 and r["save_kv_floor_ns"]["count"] == 2 * 1
             assert len(r["timeline"]["layers"]) == 3 and len(r["timeline"]["phases"]) == 3
     assert report["modes"]["raw_mooncake"]["efficiency"] == 1.0
     assert report["modes"]["auto"]["choice"] == "bulk"       # 64 tokens < --auto-min-tokens
-    for header in ("TTFT ms", "x thr", "hidden", "eff", "verified"):
+    for header in ("TTFT ms", "x thr", "hidden", "eff", "verified", "against this host's floor"):
         assert header in proc.stdout
     assert _is_png(tmp_path / "timeline.png")
 

@@ -35,22 +35,23 @@ class StepLayers:
     with its own cursor, so a layer costs one append however many transfers there are, and only the
     transfers already waiting for it are woken."""
 
-    __slots__ = ("items", "waiting", "inbox")
+    __slots__ = ("items", "waiting", "inbox", "looked")
 
-    def __init__(self, inbox: collections.deque[InboxEntry] | None = None) -> None:
+    def __init__(self, inbox: collections.deque[InboxEntry] | None = None, begun: float = 0.0) -> None:
         self.items: list[LayerItem] = []      # in hand-over order
         self.waiting: list[Request] = []      # transfers that read every item and wait for the next
         self.inbox = inbox                    # the forward's own deque for this step (``Sender.begin_step``)
+        self.looked = begun                   # the loop's last look into the inbox (first: the step's begin)
 
     def add(self, item: LayerItem) -> None:
         self.items.append(item)
         self._wake()
 
-    def take_inbox(self, now: float, since: float, observe: Callable[[float], None]) -> None:
+    def take_inbox(self, now: float, observe: Callable[[float], None]) -> None:
         """Move what the forward appended to the inbox into ``items`` (the loop; popleft is atomic),
-        observing each layer's wait in the inbox: a layer number came after ``since``, the loop's
-        previous look, so its wait is at most ``now - since``."""
-        inbox = self.inbox
+        observing each layer's wait in the inbox: a layer number came after the loop's previous look,
+        so its wait is at most ``now - looked``."""
+        inbox, since, self.looked = self.inbox, self.looked, now
         if not inbox:
             return
         while inbox:

@@ -74,7 +74,6 @@ class Sender(TransferEnding):
         self.integrity_sample = integrity_sample    # share of transfers checked end to end (integrity.py)
         self.integrity_checks = 0
         self._steps: dict[int, StepLayers] = {}     # a begun step's layers, read by its transfers
-        self._looked = time.perf_counter()          # the loop's last look into the open steps' inboxes
         self.results = Results(on_outcome)
         r = self.results   # the same containers under the names the soak report reads (it sizes them)
         self._waiters, self._outcomes, self._released = r.waiters, r.outcomes, r.released
@@ -203,8 +202,7 @@ class Sender(TransferEnding):
     def _take_inboxes(self) -> None:
         now = time.perf_counter()
         for feed in self._steps.values():
-            feed.take_inbox(now, self._looked, self.handoff.observe)
-        self._looked = now
+            feed.take_inbox(now, self.handoff.observe)
 
     def _dispatch(self, item: tuple[Any, ...]) -> None:
         kind = item[0]
@@ -215,14 +213,14 @@ class Sender(TransferEnding):
             if feed is not None:
                 feed.add((layer, event, handed))
         elif kind == "step":
-            _, step, specs, _handed, inbox = item
-            feed = self._steps[step] = StepLayers(inbox)
+            _, step, specs, begun, inbox = item
+            feed = self._steps[step] = StepLayers(inbox, begun)
             for spec in specs:
                 self._start_request(spec, feed)
         elif kind == "end":
             feed = self._steps.pop(item[1], None)
             if feed is not None:   # every layer of the step was appended before its end was put
-                feed.take_inbox(time.perf_counter(), self._looked, self.handoff.observe)
+                feed.take_inbox(time.perf_counter(), self.handoff.observe)
         elif kind == "cancel":
             self._cancel(item[1], item[2])
         elif kind == "refuse":
