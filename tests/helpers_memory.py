@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import time
 
-from aiolayer import TransferSpec
-from aiolayer.kvcache import checksums
+import numpy as np
+
+from aiolayer import KVShape, Runtime, TransferSpec
+from aiolayer.kvcache import PagedKVCache, checksums
 from aiolayer.protocol import messages as m
+
+
+def host_cache(rt: Runtime, shape: KVShape, seed: int | None, **register) -> PagedKVCache:
+    """A paged cache in host memory registered with ``rt``; filled from ``seed`` (P), or zeros (D)."""
+    cache = PagedKVCache(shape)
+    if seed is not None:
+        cache.buffer[:] = np.random.default_rng(seed).integers(0, 256, cache.buffer.size, dtype=np.uint8)
+    rt.register_kv_memory(cache.k_base, cache.v_base, shape.block_bytes, shape.num_blocks, **register)
+    return cache
 
 
 def alloc(p, d, tid: str, n: int, contiguous: bool) -> m.AllocReply:

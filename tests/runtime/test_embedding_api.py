@@ -12,13 +12,13 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import aiolayer
 from aiolayer import (ConfigError, DeadlineExceeded, KVShape, NodeConfig, ReceiveSpec, Registration, Runtime,
                       RuntimeStateError, Step, Timeouts, TransferSpec, UnknownTransfer)
 from aiolayer.kvcache import PagedKVCache, checksums
+from helpers_memory import host_cache
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,11 +35,7 @@ def pair():
     def start(engine_id: str, seed: int | None) -> tuple[Runtime, PagedKVCache]:
         rt = Runtime(NodeConfig(engine_id=engine_id, backend="memory"), TIMEOUTS).start()
         made.append(rt)
-        cache = PagedKVCache(SHAPE)
-        if seed is not None:
-            cache.buffer[:] = np.random.default_rng(seed).integers(0, 256, cache.buffer.size, dtype=np.uint8)
-        rt.register_kv_memory(cache.k_base, cache.v_base, SHAPE.block_bytes, SHAPE.num_blocks)
-        return rt, cache
+        return rt, host_cache(rt, SHAPE, seed)
 
     try:
         yield start("p12", 7), start("d12", None)

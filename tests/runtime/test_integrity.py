@@ -17,6 +17,7 @@ from aiolayer.kvcache import PagedKVCache
 from aiolayer.protocol import messages as m
 from aiolayer.runtime.control.hooks import install_hooks
 from aiolayer.runtime.integrity import sample_check, verify_check
+from helpers_memory import host_cache
 
 pytestmark = pytest.mark.timeout(60)
 SHAPE = KVShape(num_layers=4, num_blocks=32, block_size=4, kv_heads=2, head_dim=8, dtype="float16")
@@ -46,11 +47,7 @@ def pair():
         rt = install_hooks(Runtime(NodeConfig(engine_id=engine_id, backend="memory", integrity_sample=sample),
                                    TIMEOUTS), **hooks).start()
         made.append(rt)
-        cache = PagedKVCache(SHAPE)
-        if seed is not None:
-            cache.buffer[:] = np.random.default_rng(seed).integers(0, 256, cache.buffer.size, dtype=np.uint8)
-        rt.register_kv_memory(cache.k_base, cache.v_base, SHAPE.block_bytes, SHAPE.num_blocks, host_memory=True)
-        return rt, cache
+        return rt, host_cache(rt, SHAPE, seed, host_memory=True)
 
     try:
         p, _ = start("p-int", 3, 1.0)

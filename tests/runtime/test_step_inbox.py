@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 
 from aiolayer import KVShape, NodeConfig, ReceiveSpec, Runtime, Timeouts, TransferSpec
 from aiolayer.kvcache import PagedKVCache, checksums
 from aiolayer.runtime.send import sender as sender_module
 from aiolayer.runtime.send.events import READY
+from helpers_memory import host_cache
 
 pytestmark = pytest.mark.timeout(60)
 SHAPE = KVShape(num_layers=4, num_blocks=16, block_size=4, kv_heads=2, head_dim=8, dtype="float16")
@@ -30,11 +30,7 @@ def pair():
     def start(engine_id: str, seed: int | None) -> tuple[Runtime, PagedKVCache]:
         rt = Runtime(NodeConfig(engine_id=engine_id, backend="memory"), Timeouts(receive=20)).start()
         made.append(rt)
-        cache = PagedKVCache(SHAPE)
-        if seed is not None:
-            cache.buffer[:] = np.random.default_rng(seed).integers(0, 256, cache.buffer.size, dtype=np.uint8)
-        rt.register_kv_memory(cache.k_base, cache.v_base, SHAPE.block_bytes, SHAPE.num_blocks, host_memory=True)
-        return rt, cache
+        return rt, host_cache(rt, SHAPE, seed, host_memory=True)
 
     try:
         yield start("p-inbox", 7), start("d-inbox", None)
