@@ -33,6 +33,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="every engine's --dtype (auto: vLLM's default, bf16 on CPU); float32 doubles the KV per "
                         "token for about the same prefill, so the link weighs more")
+    p.add_argument("--integrity-sample", type=float, default=1.0,
+                   help="aiolayer's rows: P's integrity_sample (1.0: D verifies every byte of every transfer before "
+                        "DONE, so a drifting answer with all bytes verified counts as numerics; lower rates leave "
+                        "transfers unverified, and the run then fails on any drift)")
     p.add_argument("--eager", action="store_true",
                    help="--enforce-eager on every engine (vLLM's default compiles: ~40 s more per start)")
 

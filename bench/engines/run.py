@@ -104,8 +104,9 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, bulk: bool, late: bool
         transport = {"transport": {"bind_host": side.address}} if where.two_hosts else {}
         return connector(role, engine_id, port, **transport, **extra, **more)
 
-    p = where.p.engine(model, "prefill", p_core, args, env=env,   # P sends a CRC32 of every layer it wrote
-                       kv_transfer_config=config("kv_producer", "p", p_ctl, where.p, integrity_sample=1.0))
+    sample = getattr(args, "integrity_sample", 1.0)   # P sends a CRC32 of every layer it wrote (at 1.0)
+    p = where.p.engine(model, "prefill", p_core, args, env=env,
+                       kv_transfer_config=config("kv_producer", "p", p_ctl, where.p, integrity_sample=sample))
     d = where.d.engine(model, "decode", d_core, args, env=env,
                        kv_transfer_config=config("kv_consumer", "d", d_ctl, where.d))
     with running(p, d):
@@ -122,7 +123,8 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, bulk: bool, late: bool
             flow = "P and D at once, P's destination bound late" if late else "D first"
             how = {"flow": f"{flow}, through aiolayer proxy (a process)", "connector": "AiolayerConnector",
                    "layerwise": not bulk, "transport": f"Mooncake TCP, {where.label}",
-                   "byte_check": "every layer of every transfer: P's CRC32 against what landed at D"}
+                   "byte_check": f"integrity_sample {sample:g} (1: every layer of every transfer, P's CRC32 against "
+                                 "what landed at D)"}
             yield via_url(proxy.url, model), how
             how["bytes"] = byte_checks(d)
 
