@@ -134,13 +134,14 @@ class Engine:
         res = self.worker.get_transfer_results(out.finished_req_ids)
         errors = self.worker.get_block_ids_with_load_errors()
         stats = self.worker.get_kv_connector_stats()   # after the results, as vLLM's model runner asks
+        worker_meta = self.worker.build_connector_worker_meta()
         self.reports.append((res, stats))
         self.worker.clear_connector_metadata()
         req_ids = list(out.num_scheduled_tokens)
         kv_out = KVConnectorOutput(finished_sending=res.finished_sending or None,
                                    finished_recving=res.finished_recving or None,
                                    failed_recving=res.failed_recving, invalid_block_ids=errors,
-                                   kv_connector_stats=stats)
+                                   kv_connector_stats=stats, kv_connector_worker_meta=worker_meta)
         # a partial prefill (an early chunk) samples nothing, as in the real model runner
         sampled = [[] if self._partial(r) else [7] for r in req_ids]
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -30,6 +32,7 @@ from .run import SYSTEMS, _measure, _summary, bytes_verified, kv_bytes_per_token
 from aiolayer.harness.tiny_model import long_prompt, tiny_model_dir
 
 PEERS = ("mooncake", "nixl")     # vLLM's own connectors: the heatmap's baseline
+CHOSEN = re.compile(r"request \S+: (layerwise|bulk) \(")   # P's debug line per choice (aiolayer_vllm.modes)
 
 
 def _numbers(text: str, what: str, *, positive: bool) -> list[float]:
@@ -80,15 +83,19 @@ def tbf_drops(hosts) -> int:
         return -1
 
 
-def _cell(complete, texts: dict, args: argparse.Namespace, hosts) -> tuple[list[dict], dict]:
+def _cell(complete, texts: dict, args: argparse.Namespace, hosts, p_log=None) -> tuple[list[dict], dict]:
     """One warm-up, then the measured requests one at a time; with them the load average, the bytes per
-    request A sent on the link (the KV, which goes from P to D, and the control plane) and tbf's drops."""
-    sent, dropped = link_bytes(hosts), tbf_drops(hosts)
+    request A sent on the link (the KV, which goes from P to D, and the control plane), tbf's drops and
+    (``aiolayer-auto``: ``p_log`` reads P's log) the modes P chose, warm-up included."""
+    sent, dropped, logged = link_bytes(hosts), tbf_drops(hosts), len(p_log()) if p_log else 0
     asyncio.run(_measure(complete, texts["warmup"], False, args.max_tokens))
     serial = asyncio.run(_measure(complete, texts["serial"], False, args.max_tokens))
     moved = (link_bytes(hosts) - sent) / (len(texts["warmup"]) + len(serial))
-    return serial, {"loadavg_1m": round(os.getloadavg()[0], 2), "link_mb_per_request": round(moved / 1e6, 2),
-                    "tbf_drops": tbf_drops(hosts) - dropped}
+    meta = {"loadavg_1m": round(os.getloadavg()[0], 2), "link_mb_per_request": round(moved / 1e6, 2),
+            "tbf_drops": tbf_drops(hosts) - dropped}
+    if p_log:
+        meta["modes"] = dict(collections.Counter(CHOSEN.findall(p_log()[logged:])))
+    return serial, meta
 
 
 def run_row(name: str, index: str, model: Path, args: argparse.Namespace, hosts, rates: list[float],
@@ -97,18 +104,20 @@ def run_row(name: str, index: str, model: Path, args: argparse.Namespace, hosts,
     t0, cells, meta = time.monotonic(), {}, {}
     try:
         with SYSTEMS[name](model, args) as (complete, how):
+            p_log = how.pop("_p_log", None)
             print(f"{index} {name}: engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
             for ri, gbit in enumerate(rates):
                 hosts.shape(gbit or None)   # the aggregated engine uses no link: the rate changes nothing for it
                 for li, length in enumerate(lengths):
                     t1, key = time.monotonic(), f"{ri},{li}"
-                    cells[key], meta[key] = _cell(complete, texts[ri, li], args, hosts)
+                    cells[key], meta[key] = _cell(complete, texts[ri, li], args, hosts, p_log)
                     ttft = [r["ttft_ms"] for r in cells[key] if r.get("ttft_ms") is not None]
                     p50 = f"TTFT p50 {statistics.median(ttft):.0f} p99 {p99(ttft):.0f} ms" if ttft else "no TTFT"
                     ok = sum(1 for r in cells[key] if "error" not in r)   # 2 shared cores: the load says what else ran
                     print(f"{index} {name} | {label(gbit)} | {length} tokens: {p50}, {ok}/{len(cells[key])} answered, "
                           f"{meta[key]['link_mb_per_request']:.1f} MB A->B each, {meta[key]['tbf_drops']} tbf drops "
-                          f"({time.monotonic() - t1:.0f} s, load {meta[key]['loadavg_1m']})",
+                          f"({time.monotonic() - t1:.0f} s, load {meta[key]['loadavg_1m']})"
+                          + (f", modes {meta[key]['modes']}" if "modes" in meta[key] else ""),
                           file=sys.stderr, flush=True)
     except Exception as exc:   # noqa: BLE001 - reported in the row, with its error; the others still run
         print(f"{index} {name}: not run: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr, flush=True)
@@ -169,6 +178,23 @@ def ratios(summary: list[dict]) -> tuple[str, list[dict]]:
     return ("best of " + ", ".join(base)) if base[0] in PEERS else base[0], out
 
 
+def auto_cells(summary: list[dict]) -> list[dict]:
+    """Per cell, ``aiolayer-auto``'s TTFT p50 over the better of layer-wise's and bulk's (all three must have
+    run): within 1.05 the mode chosen per request did as well as the better fixed mode."""
+    by_row = {s["row"]: s for s in summary if s["ran"]}
+    if not {"aiolayer", "aiolayer-bulk", "aiolayer-auto"} <= by_row.keys():
+        return []
+    out = []
+    for auto, lw, bulk in zip(*(by_row[n]["cells"] for n in ("aiolayer-auto", "aiolayer", "aiolayer-bulk"))):
+        fixed = [c["ttft_ms_median"] for c in (lw, bulk) if c["ttft_ms_median"]]
+        mine = auto["ttft_ms_median"]
+        out.append({"link_gbit": auto["link_gbit"], "prompt_tokens": auto["prompt_tokens"], "auto_ms": mine,
+                    "layerwise_ms": lw["ttft_ms_median"], "bulk_ms": bulk["ttft_ms_median"],
+                    "modes": auto.get("modes", {}),
+                    "ratio": round(mine / min(fixed), 3) if mine and fixed else None})
+    return out
+
+
 def print_table(summary: list[dict], rates: list[float], lengths: list[int], basis: str, cells: list[dict]) -> None:
     print("\nTTFT p50 / p99 ms at concurrency 1, by link and prompt tokens (verified/requests per row at the end)")
     print(f"{'row':<14} {'link':<12}" + "".join(f"{n:>14}" for n in lengths) + "  verified / failed")
@@ -189,6 +215,16 @@ def print_table(summary: list[dict], rates: list[float], lengths: list[int], bas
         for ri, gbit in enumerate(rates):
             row = cells[ri * len(lengths):(ri + 1) * len(lengths)]
             print(f"{label(gbit):<12}" + "".join(f"{(c['ratio'] or '-')!s:>8} {(c['best'] or '')[:5]:<5}" for c in row))
+    auto = auto_cells(summary)
+    if auto:
+        print("\naiolayer-auto TTFT p50 / min(layer-wise, bulk) p50 (<= 1.05: as good as the better fixed mode)")
+        print(f"{'link':<12}" + "".join(f"{n:>14}" for n in lengths))
+        for ri, gbit in enumerate(rates):
+            row = auto[ri * len(lengths):(ri + 1) * len(lengths)]
+            print(f"{label(gbit):<12}" + "".join(
+                f"{(c['ratio'] or '-')!s:>6} lw{c['modes'].get('layerwise', 0)}/b{c['modes'].get('bulk', 0)}"
+                for c in row))
+        print("(lwN/bN: the modes auto chose in the cell, its warm-up included)")
 
 
 def run_link(args: argparse.Namespace, names: list[str]) -> int:
@@ -227,10 +263,12 @@ def run_link(args: argparse.Namespace, names: list[str]) -> int:
               "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "kv_bytes_per_token": per_token,
               "cores": args.cores, "pin": args.pin, "eager": args.eager, "dtype": args.dtype, "namespaces": namespaces,
               "link": "veth pair, tbf on both ends; aggregated engine in the root namespace"}
-    report = {"config": config, "summary": summary, "ratio_basis": basis, "ratios": cells, "rows": rows}
+    auto = auto_cells(summary)
+    report = {"config": config, "summary": summary, "ratio_basis": basis, "ratios": cells, "auto": auto,
+              "rows": rows}
     (out / "engines_link.json").write_text(json.dumps(report, indent=1))
     from .link_plot import plot_link
-    plot_link(cells, basis, rates, lengths, out / "engines_link.png")
+    plot_link(cells, basis, rates, lengths, out / "engines_link.png", auto)
     print(f"wrote {out / 'engines_link.json'} and {out / 'engines_link.png'}")
     bad = bad_rows(summary)
     if bad:

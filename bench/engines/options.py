@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-ROWS = ("aggregated", "aiolayer", "aiolayer-late", "aiolayer-bulk", "mooncake", "nixl")
+ROWS = ("aggregated", "aiolayer", "aiolayer-late", "aiolayer-bulk", "mooncake", "nixl")   # the default --rows
+MORE_ROWS = ("aiolayer-auto",)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from {', '.join(ROWS)}")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from {', '.join(ROWS + MORE_ROWS)}")
     p.add_argument("--layers", type=int, default=16, help="layers of the offline model built for the run")
     p.add_argument("--kv-heads", type=int, default=2, help="KV heads (of 64 dims; as many query heads) of the model")
     p.add_argument("--prompt-tokens", type=int, default=2000, help="tokens per prompt (about)")

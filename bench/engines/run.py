@@ -3,7 +3,9 @@ system through its own request flow, side by side in one run.
 
 Rows (``--rows``): ``aggregated`` (one engine, the floor), ``aiolayer`` (layer-wise, D first),
 ``aiolayer-late`` (layer-wise, P and D sent at once: ``aiolayer proxy --binding late``) and
-``aiolayer-bulk`` (the same connector sending after the last layer) through ``aiolayer proxy``, and
+``aiolayer-bulk`` (the same connector sending after the last layer) through ``aiolayer proxy``,
+``aiolayer-auto`` (the mode chosen per request from earlier sends' measurements; not in the default
+``--rows``), and
 vLLM's own connectors where they run here (``peers.py``). P and D sit on disjoint cores (P on
 ``--cores``' first, D on its second), every process of an engine on its core as on a host of
 its own (``--pin``); the aggregated engine on the first.
@@ -36,7 +38,7 @@ from aiolayer.harness.startup import running
 from aiolayer.harness.tiny_model import TinySpec, long_prompt, tiny_model_dir
 
 from . import peers
-from .options import ROWS, engine
+from .options import engine
 from .place import of_args
 
 REQUEST_TIMEOUT_S = 300.0   # a 2,000-token prefill takes seconds on one loaded core; a burst queues 8
@@ -93,10 +95,10 @@ def _proxy_debug() -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def aiolayer_pd(model: Path, args: argparse.Namespace, *, bulk: bool, late: bool = False):
+def aiolayer_pd(model: Path, args: argparse.Namespace, *, mode: str = "layerwise", late: bool = False):
     p_core, d_core = args.cores.split(",")[:2]
     where = of_args(args)
-    extra: dict = {"layerwise_min_tokens": 1 << 30} if bulk else {}
+    extra: dict = {"transfer_mode": mode}
     p_ctl, d_ctl = free_port(), free_port()
     env = mooncake_env()
 
@@ -105,7 +107,9 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, bulk: bool, late: bool
         return connector(role, engine_id, port, **transport, **extra, **more)
 
     sample = getattr(args, "integrity_sample", 1.0)   # P sends a CRC32 of every layer it wrote (at 1.0)
-    p = where.p.engine(model, "prefill", p_core, args, env=env,
+    # auto: P logs each choice at debug (modes.py), which the link sweep counts per cell (how["_p_log"])
+    p_env = {**env, "AIOLAYER_LOG_LEVEL": os.environ.get("AIOLAYER_LOG_LEVEL") or "DEBUG"} if mode == "auto" else env
+    p = where.p.engine(model, "prefill", p_core, args, env=p_env,
                        kv_transfer_config=config("kv_producer", "p", p_ctl, where.p, integrity_sample=sample))
     d = where.d.engine(model, "decode", d_core, args, env=env,
                        kv_transfer_config=config("kv_consumer", "d", d_ctl, where.d))
@@ -122,9 +126,11 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, bulk: bool, late: bool
         with ProxyProcess(*backends, extra_args=proxy_args, startup_timeout_s=60, **place_proxy) as proxy:
             flow = "P and D at once, P's destination bound late" if late else "D first"
             how = {"flow": f"{flow}, through aiolayer proxy (a process)", "connector": "AiolayerConnector",
-                   "layerwise": not bulk, "transport": f"Mooncake TCP, {where.label}",
+                   "transfer_mode": mode, "transport": f"Mooncake TCP, {where.label}",
                    "byte_check": f"integrity_sample {sample:g} (1: every layer of every transfer, P's CRC32 against "
                                  "what landed at D)"}
+            if mode == "auto":
+                how["_p_log"] = p.log_text
             yield via_url(proxy.url, model), how
             how["bytes"] = byte_checks(d)
 
@@ -158,9 +164,10 @@ def bytes_verified(how: dict) -> bool:
 
 SYSTEMS = {
     "aggregated": aggregated,
-    "aiolayer": lambda model, args: aiolayer_pd(model, args, bulk=False),
-    "aiolayer-bulk": lambda model, args: aiolayer_pd(model, args, bulk=True),
-    "aiolayer-late": lambda model, args: aiolayer_pd(model, args, bulk=False, late=True),
+    "aiolayer": lambda model, args: aiolayer_pd(model, args),
+    "aiolayer-bulk": lambda model, args: aiolayer_pd(model, args, mode="bulk"),
+    "aiolayer-auto": lambda model, args: aiolayer_pd(model, args, mode="auto"),
+    "aiolayer-late": lambda model, args: aiolayer_pd(model, args, late=True),
     **peers.SYSTEMS,
 }
 
@@ -190,6 +197,7 @@ def run_row(name: str, model: Path, args: argparse.Namespace, texts: dict[str, l
     t0 = time.monotonic()
     try:
         with SYSTEMS[name](model, args) as (complete, how):
+            how.pop("_p_log", None)
             print(f"  {name}: engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
             asyncio.run(_measure(complete, texts["warmup"], False, args.max_tokens))
             serial = asyncio.run(_measure(complete, texts["serial"], False, args.max_tokens))
@@ -267,7 +275,7 @@ def row_names(args: argparse.Namespace) -> list[str] | None:
     names = [n.strip() for n in args.rows.split(",") if n.strip()]
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
-        print(f"aiolayer bench vllm: unknown --rows {unknown}; choose from {', '.join(ROWS)}", file=sys.stderr)
+        print(f"aiolayer bench vllm: unknown --rows {unknown}; choose from {', '.join(SYSTEMS)}", file=sys.stderr)
         return None
     if "aggregated" in names:   # the reference runs first: every other row is checked against it
         names.remove("aggregated")

@@ -70,11 +70,15 @@ def test_connector_config_is_decoded_strictly():
                                 "timeouts": {"receive": 30}}, "eng")
     assert config.node.transport.bind_host == "0.0.0.0" and config.node.control_port == 5600
     assert config.node.engine_id == "eng" and config.timeouts.receive == 30 and not config.debug_zero_received
+    assert config.transfer_mode == "layerwise"
+    assert from_extra_config({"transfer_mode": "auto"}, "e").transfer_mode == "auto"
     for bad, needle in ((dict(debug_zero_received="false"), "unknown field"),      # test switches are not config
                         (dict(control_port="5600"), "Expected `int`"),
                         (dict(transport={"host": "1.2.3.4"}), "unknown field"),
                         (dict(transport={"protocol": "rdma2"}), "transport protocol must be one of"),
-                        (dict(layerwise_min_tokens=-1), "layerwise_min_tokens must be >= 0")):
+                        (dict(layerwise_min_tokens=-1), "layerwise_min_tokens must be >= 0"),
+                        (dict(transfer_mode="layer-wise"), "transfer_mode must be one of layerwise, bulk, auto"),
+                        (dict(transfer_mode="auto", layerwise_min_tokens=512), "applies to transfer_mode layerwise")):
         with pytest.raises(ConfigError, match=needle):
             from_extra_config(bad, "eng")
 

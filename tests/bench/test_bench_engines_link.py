@@ -26,6 +26,24 @@ def test_every_prompt_of_a_sweep_is_new_and_p99_is_the_slowest_of_few():
     assert p99([3.0, 1.0, 2.0]) == 3.0 and p99([]) is None
 
 
+def test_auto_is_compared_with_the_better_fixed_mode_in_each_cell(tmp_path):
+    from aiolayer.bench.engines.link import auto_cells
+    from aiolayer.bench.engines.link_plot import plot_link
+
+    def row(name: str, *p50s, modes=None) -> dict:
+        cells = [{"link_gbit": g, "prompt_tokens": 100, "ttft_ms_median": v, **({"modes": modes} if modes else {})}
+                 for g, v in zip((1.0, 0.0), p50s)]
+        return {"row": name, "ran": True, "cells": cells}
+
+    summary = [row("aiolayer", 800.0, 700.0), row("aiolayer-bulk", 1000.0, 600.0),
+               row("aiolayer-auto", 820.0, 660.0, modes={"layerwise": 5, "bulk": 1})]
+    cells = auto_cells(summary)
+    assert [c["ratio"] for c in cells] == [1.025, 1.1] and cells[0]["modes"] == {"layerwise": 5, "bulk": 1}
+    assert auto_cells(summary[:2]) == []        # without the auto row (or a fixed one): nothing to compare
+    plot_link([], "", [1.0, 0.0], [100], tmp_path / "link.png", cells)
+    assert (tmp_path / "link.png").stat().st_size > 1000
+
+
 def test_bad_rates_or_lengths_are_refused_before_anything_starts():
     r = _bench("--link-gbit", "1,x", "--rows", "aggregated", timeout=60)
     assert r.returncode == 2 and "--link-gbit wants comma-separated numbers" in r.stderr

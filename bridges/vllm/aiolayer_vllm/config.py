@@ -6,8 +6,10 @@ named, while vLLM builds its engine config: ``plugin.py`` says where):
 ``backend`` ("mooncake" | "memory"), ``transport`` (a dict of ``aiolayer.transport.Transport``
 fields: ``bind_host``, ``advertise_host``, ``protocol``, ``device_name``, ``metadata_server``; the
 same keys as ``aiolayer node``'s flags), ``timeouts`` (a dict of ``aiolayer.Timeouts`` fields),
-``layerwise_min_tokens`` (shorter prompts go in bulk), ``queue_spin_ms`` (how long vLLM's shared-memory
-message-queue readers in this engine's worker and engine core spin after a message before they
+``transfer_mode`` (P: "layerwise", the default: each layer as the forward writes it; "bulk": every
+layer after the last; "auto": chosen per request from what earlier sends measured, ``modes.py``),
+``layerwise_min_tokens`` (with "layerwise": shorter prompts go in bulk), ``queue_spin_ms`` (how long
+vLLM's shared-memory message-queue readers in this engine's worker and engine core spin after a message before they
 sleep: 2 by default, vLLM's own is 1000; null leaves vLLM's; ``spin.py`` says why), ``integrity_sample``
 (P: the probability that each layer of a transfer is sampled, its bytes verified end to end by D before
 D reports the transfer; 0.01 by default, 0 = off; CPU engines only, where the KV is in host memory:
@@ -35,6 +37,7 @@ import msgspec
 
 from aiolayer.config import DEFAULT_INTEGRITY_SAMPLE, NodeConfig, Timeouts
 from aiolayer.errors import ConfigError
+from aiolayer.protocol.mode import MODES
 from aiolayer.transport import Transport
 
 DEBUG_ZERO_RECEIVED_ENV = "AIOLAYER_DEBUG_ZERO_RECEIVED"
@@ -50,6 +53,7 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     backend: str = "mooncake"
     transport: Transport = msgspec.field(default_factory=Transport)
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
+    transfer_mode: str = "layerwise"
     layerwise_min_tokens: int = 0
     queue_spin_ms: float | None = DEFAULT_QUEUE_SPIN_MS
     integrity_sample: float = DEFAULT_INTEGRITY_SAMPLE
@@ -58,6 +62,7 @@ class ExtraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True):
     node: NodeConfig
     timeouts: Timeouts
+    transfer_mode: str = "layerwise"
     layerwise_min_tokens: int = 0
     queue_spin_s: float | None = DEFAULT_QUEUE_SPIN_MS / 1e3    # None: vLLM's own spin
     debug_zero_received: bool = False
@@ -144,6 +149,11 @@ def from_extra_config(extra: dict[str, Any] | None, default_engine_id: str,
         user = msgspec.convert(dict(extra or {}), ExtraConfig)
         if user.layerwise_min_tokens < 0:
             raise ConfigError(f"layerwise_min_tokens must be >= 0, got {user.layerwise_min_tokens}")
+        if user.transfer_mode not in MODES:
+            raise ConfigError(f"transfer_mode must be one of {', '.join(MODES)}, got {user.transfer_mode!r}")
+        if user.layerwise_min_tokens and user.transfer_mode != "layerwise":
+            raise ConfigError(f"layerwise_min_tokens applies to transfer_mode layerwise only, "
+                              f"not {user.transfer_mode!r}: drop one of them")
         if user.queue_spin_ms is not None and not 0 <= user.queue_spin_ms <= 1000:
             raise ConfigError(f"queue_spin_ms must be null or 0-1000, got {user.queue_spin_ms}")
         node = NodeConfig(engine_id=user.engine_id or default_engine_id, control_port=user.control_port,
@@ -153,7 +163,8 @@ def from_extra_config(extra: dict[str, Any] | None, default_engine_id: str,
     except ConfigError as exc:
         raise ConfigError(f"invalid aiolayer kv_connector_extra_config: {exc}") from None
     spin = None if user.queue_spin_ms is None else user.queue_spin_ms / 1e3
-    return BridgeConfig(node=node, timeouts=user.timeouts, layerwise_min_tokens=user.layerwise_min_tokens,
+    return BridgeConfig(node=node, timeouts=user.timeouts, transfer_mode=user.transfer_mode,
+                        layerwise_min_tokens=user.layerwise_min_tokens,
                         queue_spin_s=spin, debug_zero_received=_switch(DEBUG_ZERO_RECEIVED_ENV),
                         debug_corrupt_received=_switch(DEBUG_CORRUPT_RECEIVED_ENV))
 

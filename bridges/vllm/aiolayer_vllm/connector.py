@@ -19,6 +19,7 @@ from .layout import cpu_kernel
 from .metadata import AiolayerMetadata
 from .scheduler import SchedulerSide
 from .spin import cap_spin
+from .modes import AiolayerWorkerMeta
 from .stats import AiolayerPromMetrics, AiolayerStats
 from .wake import LOCAL_EXECUTORS, engine_core_pid
 from .worker import WorkerSide
@@ -175,6 +176,9 @@ class AiolayerConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> AiolayerStats | None:
         return self._worker.stats() if self._worker is not None else None
+
+    def build_connector_worker_meta(self) -> AiolayerWorkerMeta | None:
+        return self._worker.worker_meta() if self._worker is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> AiolayerStats:

@@ -30,10 +30,10 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from aiolayer.errors import RuntimeStateError
-from aiolayer.protocol.plan import use_layerwise
 
 from .config import BridgeConfig
 from .metadata import AiolayerMetadata, RecvReq, SendReq
+from .modes import ModePolicy
 from .params import InvalidParams, RecvParams, SendParams, read
 from .wake import open_waiter, park_wait_s
 
@@ -83,6 +83,7 @@ class SchedulerSide:
         self._sent: dict[str, str] = {}                            # P: req_id -> transfer_id
         self._cancelled: set[str] = set()                          # P: ... whose send was cancelled
         self._meta = AiolayerMetadata()
+        self._modes = ModePolicy(config.transfer_mode, config.layerwise_min_tokens)   # P: each send's mode
         self._waiter = open_waiter(park_wait_s(), config.node.engine_id) if parked_wait else None   # D: ``wake``
 
     def _read(self, request) -> RecvParams | SendParams | None:
@@ -182,8 +183,10 @@ class SchedulerSide:
             needed = math.ceil(request.num_prompt_tokens / self.block_size)
             src, dst, refused, src_from = self._pair(self._block_ids(req_id), needed, send)
             self._sent[req_id] = send.transfer_id
-            out.append(SendReq(req_id, send, src, dst, refused=refused, src_from=src_from,
-                               layerwise=use_layerwise(request.num_prompt_tokens, self.config.layerwise_min_tokens)))
+            layerwise = self._modes.layerwise(req_id, step_tokens=scheduler_output.total_num_scheduled_tokens,
+                                              prompt_tokens=request.num_prompt_tokens,
+                                              dest=send.decode_ranks[0].decode_control)
+            out.append(SendReq(req_id, send, src, dst, refused=refused, src_from=src_from, layerwise=layerwise))
         return out
 
     def _pair(self, groups: tuple[list[int], ...], needed: int,
@@ -241,6 +244,7 @@ class SchedulerSide:
     def update_connector_output(self, connector_output) -> None:
         for req_id in connector_output.finished_recving or ():
             self._receiving.pop(req_id, None)
+        self._modes.observe(getattr(connector_output, "kv_connector_worker_meta", None))
 
     def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id

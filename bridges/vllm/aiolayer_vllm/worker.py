@@ -28,6 +28,7 @@ from .draft import draft_layers
 from .identity import identity
 from .layout import describe
 from .metadata import AiolayerMetadata, RecvReq, SendReq
+from .modes import AiolayerWorkerMeta, SendFiguresOut
 from .publish import RegistrationPublisher
 from .ranks import (Topology, rank_transfer_id, refused_d_ranks, routes_for_p, whole_blocks, writers_into,
                     writers_of_d)
@@ -77,6 +78,7 @@ class WorkerSide:
         self._reported: dict[str, float] = {}             # the totals of the last stats report
         self._publisher = RegistrationPublisher(self.topology)   # D: one HTTP client for every registration
         self._timings = Observations()                    # timings (and refusals) since then
+        self._figures = SendFiguresOut() if config.transfer_mode == "auto" else None   # for the scheduler
         self._step_tids: list[str] = []                   # P: the transfers of the step being saved (timeline)
         # D: wakes the scheduler side's parked wait as a receive ends (``wake``); None: it never waits
         self._waker = Waker(engine_core_pid, config.node.engine_id) \
@@ -329,6 +331,8 @@ class WorkerSide:
             return sending, recving, failed
         for outcome in self.runtime.pop_outcomes():
             self._timings.sent(outcome)
+            if self._figures is not None:
+                self._figures.add(self._req_of.get(outcome.transfer_id), outcome)
             if not outcome.ok:
                 log.warning("aiolayer transfer %s failed: %s", outcome.transfer_id, outcome.reason)
         for tid in self.runtime.pop_released():
@@ -363,6 +367,10 @@ class WorkerSide:
             log.warning("aiolayer receive %s (request %s) failed: %s", tid, req_id, reason)
         elif self.config.debug_zero_received:
             zero_blocks(self._views, blocks)
+
+    def worker_meta(self) -> AiolayerWorkerMeta | None:
+        """P, ``transfer_mode`` auto: the figures of the sends finished since the last step (``modes.py``)."""
+        return self._figures.take() if self._figures is not None else None
 
     def stats(self) -> AiolayerStats | None:
         """What changed since the last report (None: nothing), read without waiting for the loop.

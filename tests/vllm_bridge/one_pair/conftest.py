@@ -49,11 +49,13 @@ def pytest_runtest_teardown(item, nextitem):
 def stack():
     """P and D at ``pair_settings()``, and a proxy that checks health every 0.5 s. P checks every layer of
     every transfer end to end (integrity_sample 1.0): D verifies vLLM's real cache layout against P's
-    CRCs before it reports the KV, so every answer in this folder passed that check."""
+    CRCs before it reports the KV, so every answer in this folder passed that check. P chooses each
+    send's mode (``transfer_mode`` auto), so the folder's requests go both layer-wise and in bulk."""
     model = tiny_model_dir()
     p_ctl, d_ctl = free_port(), free_port()
     p = VllmServer(model, name="prefill", **pair_settings(),
-                   kv_transfer_config=pair_connector("kv_producer", "p", p_ctl, integrity_sample=1.0))
+                   kv_transfer_config=pair_connector("kv_producer", "p", p_ctl, integrity_sample=1.0,
+                                                                     transfer_mode="auto"))
     d = VllmServer(model, name="decode", kv_transfer_config=pair_connector("kv_consumer", "d", d_ctl),
                    **pair_settings())
     with contextlib.ExitStack() as resources:
