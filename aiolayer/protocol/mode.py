@@ -18,8 +18,9 @@ token of the step; per mode, the fixed tail beyond the wire. A request of ``n`` 
 
 (layer-wise: the last layer's write after the forward, or whatever of the wire the forward could not
 hide). A mode not yet measured at a step size is tried first (layer-wise, then bulk), and every
-``explore_every``-th request of a step size takes the mode predicted to lose, so that both estimates
-follow a link or a load that changes.
+``explore_every``-th request of a step size takes the mode predicted to lose (``FAR_EXPLORE`` times as
+rarely when it is predicted to lose by more than ``CLOSE``), so that both estimates follow a link or a
+load that changes.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from typing import Protocol
 LAYERWISE, BULK = "layerwise", "bulk"
 MODES = (LAYERWISE, BULK, "auto")   # what a deployment configures: a fixed mode, or chosen per request
 WEIGHT = 0.5                        # of the newest sample in every moving estimate
-EXPLORE_EVERY = 16
+EXPLORE_EVERY = 16     # requests of a step size between re-measures of the mode predicted to lose ...
+CLOSE = 1.2            # ... while its prediction is within this factor of the winner's, else
+FAR_EXPLORE = 8        # ... this many times as rarely
 
 
 class LayerTimes(Protocol):
@@ -119,9 +122,11 @@ class ModeChooser:
             LAYERWISE: lw_window + max(wire - lw_window, wire / max(1, self._layers)) + self._fixed.get(LAYERWISE, 0.0),
             BULK: bulk_window + wire + self._fixed.get(BULK, 0.0)}
         best = LAYERWISE if predicted[LAYERWISE] <= predicted[BULK] else BULK
+        other = BULK if best == LAYERWISE else LAYERWISE
         self._asked[bucket] += 1
-        if self._asked[bucket] % self.explore_every == 0:
-            other = BULK if best == LAYERWISE else LAYERWISE
+        # a loser by far is re-measured rarely: each re-measure costs its request that much
+        every = self.explore_every * (1 if predicted[other] <= CLOSE * predicted[best] else FAR_EXPLORE)
+        if self._asked[bucket] % every == 0:
             return Choice(other, f"re-measuring (predicted {best} faster)", predicted)
         return Choice(best, "predicted faster", predicted)
 

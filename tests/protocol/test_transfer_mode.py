@@ -92,11 +92,15 @@ def test_each_destination_has_its_own_rate_and_a_new_one_starts_from_all_of_them
     assert chooser.snapshot()["rate_bytes_s"][""] > 125 * MB      # any other D: the blend of every send
 
 
-def test_every_nth_request_re_measures_the_mode_predicted_to_lose():
+def test_every_nth_request_re_measures_the_mode_predicted_to_lose_and_a_far_loser_rarely():
     chooser = ModeChooser(explore_every=4)
-    _teach(chooser, rate=125 * MB, lw_window=0.55, bulk_window=0.5)
+    _teach(chooser, rate=250 * MB, lw_window=0.58, bulk_window=0.5)   # bulk predicted within 20%
     modes = [_choose(chooser).mode for _ in range(8)]
     assert modes == [LAYERWISE, LAYERWISE, LAYERWISE, BULK] * 2
+    far = ModeChooser(explore_every=4)
+    _teach(far, rate=40 * MB, lw_window=0.55, bulk_window=0.5)       # bulk predicted 1.6x slower
+    modes = [_choose(far).mode for _ in range(64)]
+    assert modes.count(BULK) == 2 and modes[31] == modes[63] == BULK
     with pytest.raises(ValueError, match="explore_every"):
         ModeChooser(explore_every=1)
 

@@ -183,10 +183,11 @@ class Sender(TransferEnding):
     async def run(self, spawn: Spawn) -> None:
         """Drain the bridge until it is closed; owned by the runtime's TaskGroup."""
         self._spawn = self.dones.spawn = spawn
+        tick = self.bridge.poll_s
         try:
             while True:
                 # while a step is open its layers come into its inbox without a wake-up: look every tick
-                batch = await self.bridge.drain(poll=bool(self._steps))
+                batch = await self.bridge.drain(poll=tick if self._steps else 0.0)
                 if not batch and self.bridge.closed:
                     return
                 for item in batch:
@@ -194,15 +195,17 @@ class Sender(TransferEnding):
                         self._dispatch(item)
                     except Exception:  # one bad item must not end the sender
                         log.exception("sender: bridge item %.200r dropped", item)
-                self._take_inboxes()
+                tick = self.bridge.next_tick(tick, self._take_inboxes() or bool(batch))
         finally:
             self.bridge.close("sender stopped")
             self._fail_unstarted("sender stopped")
 
-    def _take_inboxes(self) -> None:
-        now = time.perf_counter()
+    def _take_inboxes(self) -> bool:
+        """Every open step's inbox looked into; whether any held a layer."""
+        now, found = time.perf_counter(), False
         for feed in self._steps.values():
-            feed.take_inbox(now, self.handoff.observe)
+            found = feed.take_inbox(now, self.handoff.observe) or found
+        return found
 
     def _dispatch(self, item: tuple[Any, ...]) -> None:
         kind = item[0]
