@@ -107,6 +107,7 @@ class Outcome(msgspec.Struct, kw_only=True):
     writes_settled_s: float = 0.0
     source_released: bool = True  # False: a timed-out write may still read the source (see pop_released)
     layers: list[LayerTiming] = []
+    layerwise: bool = True        # how it was sent (TransferSpec.layerwise)
 
 
 class LocalLayout(msgspec.Struct, frozen=True):

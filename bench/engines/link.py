@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -32,7 +30,6 @@ from .run import SYSTEMS, _measure, _summary, bytes_verified, kv_bytes_per_token
 from aiolayer.harness.tiny_model import long_prompt, tiny_model_dir
 
 PEERS = ("mooncake", "nixl")     # vLLM's own connectors: the heatmap's baseline
-CHOSEN = re.compile(r"request \S+: (layerwise|bulk) \(")   # P's debug line per choice (aiolayer_vllm.modes)
 
 
 def _numbers(text: str, what: str, *, positive: bool) -> list[float]:
@@ -83,18 +80,18 @@ def tbf_drops(hosts) -> int:
         return -1
 
 
-def _cell(complete, texts: dict, args: argparse.Namespace, hosts, p_log=None) -> tuple[list[dict], dict]:
+def _cell(complete, texts: dict, args: argparse.Namespace, hosts, p_modes=None) -> tuple[list[dict], dict]:
     """One warm-up, then the measured requests one at a time; with them the load average, the bytes per
     request A sent on the link (the KV, which goes from P to D, and the control plane), tbf's drops and
-    (``aiolayer-auto``: ``p_log`` reads P's log) the modes P chose, warm-up included."""
-    sent, dropped, logged = link_bytes(hosts), tbf_drops(hosts), len(p_log()) if p_log else 0
+    (aiolayer's rows: ``p_modes`` reads P's counters) how P sent them, warm-up included."""
+    sent, dropped, before = link_bytes(hosts), tbf_drops(hosts), p_modes() if p_modes else {}
     asyncio.run(_measure(complete, texts["warmup"], False, args.max_tokens))
     serial = asyncio.run(_measure(complete, texts["serial"], False, args.max_tokens))
     moved = (link_bytes(hosts) - sent) / (len(texts["warmup"]) + len(serial))
     meta = {"loadavg_1m": round(os.getloadavg()[0], 2), "link_mb_per_request": round(moved / 1e6, 2),
             "tbf_drops": tbf_drops(hosts) - dropped}
-    if p_log:
-        meta["modes"] = dict(collections.Counter(CHOSEN.findall(p_log()[logged:])))
+    if p_modes:
+        meta["modes"] = {k: int(v - before.get(k, 0)) for k, v in p_modes().items()}
     return serial, meta
 
 
@@ -104,13 +101,13 @@ def run_row(name: str, index: str, model: Path, args: argparse.Namespace, hosts,
     t0, cells, meta = time.monotonic(), {}, {}
     try:
         with SYSTEMS[name](model, args) as (complete, how):
-            p_log = how.pop("_p_log", None)
+            p_modes = how.pop("_p_modes", None)
             print(f"{index} {name}: engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
             for ri, gbit in enumerate(rates):
                 hosts.shape(gbit or None)   # the aggregated engine uses no link: the rate changes nothing for it
                 for li, length in enumerate(lengths):
                     t1, key = time.monotonic(), f"{ri},{li}"
-                    cells[key], meta[key] = _cell(complete, texts[ri, li], args, hosts, p_log)
+                    cells[key], meta[key] = _cell(complete, texts[ri, li], args, hosts, p_modes)
                     ttft = [r["ttft_ms"] for r in cells[key] if r.get("ttft_ms") is not None]
                     p50 = f"TTFT p50 {statistics.median(ttft):.0f} p99 {p99(ttft):.0f} ms" if ttft else "no TTFT"
                     ok = sum(1 for r in cells[key] if "error" not in r)   # 2 shared cores: the load says what else ran

@@ -107,9 +107,7 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, mode: str = "layerwise
         return connector(role, engine_id, port, **transport, **extra, **more)
 
     sample = getattr(args, "integrity_sample", 1.0)   # P sends a CRC32 of every layer it wrote (at 1.0)
-    # auto: P logs each choice at debug (modes.py), which the link sweep counts per cell (how["_p_log"])
-    p_env = {**env, "AIOLAYER_LOG_LEVEL": os.environ.get("AIOLAYER_LOG_LEVEL") or "DEBUG"} if mode == "auto" else env
-    p = where.p.engine(model, "prefill", p_core, args, env=p_env,
+    p = where.p.engine(model, "prefill", p_core, args, env=env,
                        kv_transfer_config=config("kv_producer", "p", p_ctl, where.p, integrity_sample=sample))
     d = where.d.engine(model, "decode", d_core, args, env=env,
                        kv_transfer_config=config("kv_consumer", "d", d_ctl, where.d))
@@ -129,10 +127,10 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, mode: str = "layerwise
                    "transfer_mode": mode, "transport": f"Mooncake TCP, {where.label}",
                    "byte_check": f"integrity_sample {sample:g} (1: every layer of every transfer, P's CRC32 against "
                                  "what landed at D)"}
-            if mode == "auto":
-                how["_p_log"] = p.log_text
+            how["_p_modes"] = lambda: settled(p, SEND_MODES, 3.0)   # read (and popped) by the link sweep per cell
             yield via_url(proxy.url, model), how
             how["bytes"] = byte_checks(d)
+            how["sends_by_mode"] = settled(p, SEND_MODES, 3.0)
 
 
 INTEGRITY = {"verified": "vllm:aiolayer_integrity_verified_total",     # transfers D checked, bytes equal
@@ -141,13 +139,21 @@ INTEGRITY = {"verified": "vllm:aiolayer_integrity_verified_total",     # transfe
              "receives_failed": "vllm:aiolayer_receives_failed_total"}
 
 
+SEND_MODES = {"layerwise": "vllm:aiolayer_sends_layerwise_total", "bulk": "vllm:aiolayer_sends_bulk_total"}
+
+
 def byte_checks(d, settle_s: float = 10.0) -> dict[str, float]:
-    """D's integrity counters once they stop moving (vLLM exports a worker's counters after a step,
-    so the last transfer's can come a moment after its answer)."""
+    """D's integrity counters once they stop moving."""
+    return settled(d, INTEGRITY, settle_s)
+
+
+def settled(server, names: dict[str, str], settle_s: float) -> dict[str, float]:
+    """An engine's counters (key -> metric) once they stop moving (vLLM exports a worker's counters after
+    a step, so the last transfer's can come a moment after its answer)."""
     deadline, last = time.monotonic() + settle_s, None
     while True:
-        m = scrape_metrics(d)
-        now = {k: metric_value(m, name) or 0.0 for k, name in INTEGRITY.items()}
+        m = scrape_metrics(server)
+        now = {k: metric_value(m, name) or 0.0 for k, name in names.items()}
         if now == last or time.monotonic() > deadline:
             return now
         last = now
@@ -197,7 +203,7 @@ def run_row(name: str, model: Path, args: argparse.Namespace, texts: dict[str, l
     t0 = time.monotonic()
     try:
         with SYSTEMS[name](model, args) as (complete, how):
-            how.pop("_p_log", None)
+            how.pop("_p_modes", None)
             print(f"  {name}: engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
             asyncio.run(_measure(complete, texts["warmup"], False, args.max_tokens))
             serial = asyncio.run(_measure(complete, texts["serial"], False, args.max_tokens))

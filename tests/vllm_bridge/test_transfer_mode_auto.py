@@ -43,6 +43,9 @@ def test_auto_tries_both_modes_then_chooses_from_what_the_sends_measured(engines
     assert estimates["rate_bytes_s"][d.runtime.control_endpoint] > 0, estimates
     assert {k.split("@")[0] for k in estimates["s_per_step_token"]} == {"layerwise", "bulk"}, estimates
     assert estimates["layers"] == len(LAYERS) and estimates["bytes_per_token"] > 0, estimates
+    counted = {k: sum(stats.data.get(k, 0) for _, stats in p.reports if stats)   # vLLM's stats, per mode
+               for k in ("sends_layerwise", "sends_bulk")}
+    assert counted == {"sends_layerwise": modes.count(True), "sends_bulk": modes.count(False)}, counted
 
 
 def test_fixed_modes_report_nothing_back():

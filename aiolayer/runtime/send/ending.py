@@ -103,7 +103,7 @@ class TransferEnding:
         outcome = Outcome(transfer_id=req.spec.transfer_id, ok=req.state.state is State.FINISHED,
                           reason=req.state.reason, bytes=req.bytes, finished_s=now,
                           writes_settled_s=settled or now, source_released=not unsettled,
-                          layers=sorted(req.timings, key=_BY_LAYER))
+                          layers=sorted(req.timings, key=_BY_LAYER), layerwise=req.spec.layerwise)
         self.results.publish(outcome)
         if unsettled:
             self._spawn(self._release_when_quiet(req, req.pending), name=f"fence {req.spec.transfer_id}")

@@ -25,7 +25,7 @@ FAILURE_CAUSES = ("deadline", "aborted", "prefill_failed")
 COUNTERS = ("bytes_sent", "bytes_received", "sends_finished", "sends_failed", "receives_finished",
             "receives_failed", "control_rejected", "deadline_expiries", "integrity_verified", "integrity_mismatch",
             "fence_timeouts", "fences_unconfirmed", *(f"receives_failed_{c}" for c in FAILURE_CAUSES),
-            "receives_refused", "timings_dropped")
+            "receives_refused", "timings_dropped", "sends_layerwise", "sends_bulk")
 # levels: the worst across workers
 GAUGES = ("bridge_depth", "sending", "receiving", "writes_in_flight", "handoff_p99_s")
 _TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -64,6 +64,7 @@ def totals(snap: dict) -> dict[str, float]:
         **{f"receives_failed_{c}": failures.get(c, 0) for c in FAILURE_CAUSES},
         "receives_refused": failures.get("refused", 0),
         "timings_dropped": 0,   # the worker's own (Observations.into): past MAX_OBSERVATIONS per report
+        "sends_layerwise": 0, "sends_bulk": 0,   # the worker's own too: finished sends by mode
         "bridge_depth": snap["queues"]["bridge"], "sending": snap["queues"]["sending"],
         "receiving": snap["queues"]["receiving"], "writes_in_flight": snap["queues"]["writes_in_flight"],
         "handoff_p99_s": p99 if p99 != float("inf") else 1.0,   # beyond the last bucket: at least 1 s
@@ -82,6 +83,7 @@ class Observations:
         self.taken: dict[str, list[float]] = {name: [] for name in HISTOGRAMS}
         self.dropped = 0
         self.refused = 0
+        self.modes = {"sends_layerwise": 0, "sends_bulk": 0}   # finished sends by how they went
 
     def _add(self, name: str, seconds: float) -> None:
         if len(self.taken[name]) < MAX_OBSERVATIONS:
@@ -92,6 +94,7 @@ class Observations:
     def sent(self, outcome: Outcome) -> None:
         if not outcome.ok or not outcome.layers:
             return
+        self.modes["sends_layerwise" if outcome.layerwise else "sends_bulk"] += 1
         self._add("send_seconds", outcome.finished_s - min(t.handed_s for t in outcome.layers))
         for t in outcome.layers:
             self._add("layer_landing_seconds", t.landed_s - t.handed_s)
@@ -105,6 +108,9 @@ class Observations:
         data.update((name, values) for name, values in self.taken.items() if values)
         data["receives_refused"] = data.get("receives_refused", 0) + self.refused
         data["timings_dropped"] = data.get("timings_dropped", 0) + self.dropped   # the histograms under-count
+        for name, count in self.modes.items():
+            data[name] = data.get(name, 0) + count
+        self.modes = dict.fromkeys(self.modes, 0)
         self.taken = {name: [] for name in HISTOGRAMS}
         self.refused = self.dropped = 0
         return data

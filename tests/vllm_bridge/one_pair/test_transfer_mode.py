@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from aiolayer.harness.servers import completion
+from aiolayer.harness.servers import completion, metric_value, scrape_metrics
 from aiolayer.harness.tiny_model import long_prompt
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.vllm]
@@ -30,3 +30,5 @@ def test_p_measures_both_modes_and_chooses_from_the_measurements(stack):
     assert min(estimates["rate_bytes_s"].values()) > 0 and estimates["bytes_per_token"] > 0, estimates
     assert {key.split("@")[0] for key in estimates["s_per_step_token"]} == {"layerwise", "bulk"}, estimates
     assert "aiolayer transfer mode for steps of up to 512 tokens:" in log, log[-3000:]
+    metrics = scrape_metrics(p)   # each finished send counted by how it went, in vLLM's own /metrics
+    assert all(metric_value(metrics, f"vllm:aiolayer_sends_{mode}_total") for mode in ("layerwise", "bulk"))
