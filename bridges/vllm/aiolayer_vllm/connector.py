@@ -17,9 +17,9 @@ from .draft import draft_facts, draft_start
 from .identity import model_facts
 from .layout import cpu_kernel
 from .metadata import AiolayerMetadata
+from .modes import AiolayerWorkerMeta
 from .scheduler import SchedulerSide
 from .spin import cap_spin
-from .modes import AiolayerWorkerMeta
 from .stats import AiolayerPromMetrics, AiolayerStats
 from .wake import LOCAL_EXECUTORS, engine_core_pid
 from .worker import WorkerSide
