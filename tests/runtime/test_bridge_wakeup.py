@@ -97,3 +97,39 @@ def test_every_put_is_seen_within_a_bound_while_the_consumer_goes_to_sleep(loop_
     assert len(waited) == producers * puts
     assert max(waited) < BOUND_S
     assert bridge.wakeups >= 1   # the consumer really went to sleep between puts
+
+
+NAP_S = 3.0   # a tick far longer than the bound below: an item seen within the bound was woken for
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nap", ["polling", "lingering"])
+def test_a_woken_put_ends_the_consumers_nap_and_a_plain_one_waits_for_the_tick(nap):
+    """A step's end (``put(wake=True)``) is seen at once by a consumer that naps for a tick, whether it
+    polls an open step's inbox (``drain(poll=...)``) or lingers after a batch; a plain put is not."""
+    lt = LoopThread(name="aiolayer-test-loop")
+    lt.start()
+    try:
+        bridge = LayerBridge(linger_s=NAP_S if nap == "lingering" else 0.0, poll_s=NAP_S, max_poll_s=NAP_S)
+
+        async def attach() -> None:
+            bridge.attach(asyncio.get_running_loop())
+        lt.call(attach(), timeout=5)
+
+        async def one_look() -> list:
+            return await bridge.drain(poll=NAP_S if nap == "polling" else 0.0)
+
+        for wake, bound in ((True, 1.0), (False, None)):
+            look = lt.submit(one_look())
+            time.sleep(0.2)   # the consumer is napping now
+            put_at = time.monotonic()
+            bridge.put(("end", 1), wake=wake)
+            if bound is not None:
+                assert look.result(timeout=bound) == [("end", 1)]
+                assert time.monotonic() - put_at < bound
+            else:   # only the tick ends the nap: the plain put waited for it
+                assert look.result(timeout=NAP_S + 5) == [("end", 1)]
+                assert time.monotonic() - put_at > 1.0
+        bridge.close("test over")
+    finally:
+        lt.stop(timeout=5)

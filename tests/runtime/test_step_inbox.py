@@ -77,6 +77,21 @@ def test_layers_handed_over_right_before_the_end_are_all_taken(pair):
     assert p.metrics_snapshot()["handoff_p99_s"] <= 0.1   # no layer's wait counted from the idle time
 
 
+def test_a_steps_end_takes_its_last_layers_without_waiting_for_the_poll_tick(pair):
+    (p, pcache), (d, dcache) = pair
+    p.bridge.poll_s = p.bridge.max_poll_s = 3.0   # the loop looks into an open step's inbox every 3 s only
+    reg = d.receive(ReceiveSpec(transfer_id="ended", block_ids=[6]))
+    with p.begin_step([TransferSpec.from_registration(reg, src_blocks=[3])]) as step:
+        time.sleep(0.2)   # the loop took the step and naps for its tick
+        for layer in range(SHAPE.num_layers):
+            step.layer_ready(layer)
+        ended = time.monotonic()
+    outcome = p.wait_outcome("ended", 10)
+    assert outcome.ok, outcome.reason
+    assert time.monotonic() - ended < 1.5, "the step's end waited for the loop's next tick"
+    assert checksums(dcache.blocks, [6]) == checksums(pcache.blocks, [3])
+
+
 def test_an_accelerators_event_and_hand_off_time_travel_with_its_layer(pair, monkeypatch):
     (p, _), (d, _) = pair
     recorded = []

@@ -7,6 +7,8 @@ arrive every few milliseconds, the producer then pays one append and no syscall 
 wake-up costs ~8 us on a VM). Each look that finds nothing doubles the next tick, up to
 ``max_poll_s``: a loop timer wake-up costs ~50 us of CPU on a 2-core VM, which a CPU engine's forward
 pays when it shares its core, so ticks every 1 ms through a 300 ms prefill would take it ~15 ms.
+An item put with ``wake=True`` (a step's end: its last layer is waiting) cuts a lingering or polling
+consumer's nap short, so it is not left for up to a tick; one wake-up per step, not per layer.
 If the consumer is dead the producer gets ``BridgeClosed`` at once;
 if it falls behind by ``capacity`` items, ``BridgeFull``.
 """
@@ -33,11 +35,13 @@ class LayerBridge:
         self._closed: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
+        self._nap: asyncio.Future[None] | None = None   # the consumer's current lingering or polling sleep (loop only)
         self.wakeups = 0          # how often the producer had to wake the loop (a syscall each)
 
     # --- producer side (any thread) ---------------------------------------------------------
 
-    def put(self, item: Any) -> None:
+    def put(self, item: Any, wake: bool = False) -> None:
+        """Queue ``item``; with ``wake``, also end the consumer's nap (one cross-thread call)."""
         if self._closed is not None:
             raise BridgeClosed(f"layer bridge is closed: {self._closed}")
         items = self._items
@@ -46,15 +50,20 @@ class LayerBridge:
         items.append(item)
         if self._idle:
             self._idle = False
-            self.wakeups += 1
-            loop, wakeup = self._loop, self._wakeup
-            if loop is None or wakeup is None:   # idle is set only by drain, on an attached bridge
-                raise RuntimeStateError("layer bridge is not attached to a loop")
-            try:
-                loop.call_soon_threadsafe(wakeup.set)
-            except RuntimeError as exc:  # loop closed under us
-                self.close(exc)
-                raise BridgeClosed("layer bridge consumer loop is closed") from exc
+            self._call_consumer("set")
+        elif wake:   # not asleep: napping for a tick, or busy (then it sees the item without help)
+            self._call_consumer("cut")
+
+    def _call_consumer(self, what: str) -> None:
+        self.wakeups += 1
+        loop, wakeup = self._loop, self._wakeup
+        if loop is None or wakeup is None:   # idle is set only by drain, on an attached bridge
+            raise RuntimeStateError("layer bridge is not attached to a loop")
+        try:
+            loop.call_soon_threadsafe(wakeup.set if what == "set" else self._cut_nap)
+        except RuntimeError as exc:  # loop closed under us
+            self.close(exc)
+            raise BridgeClosed("layer bridge consumer loop is closed") from exc
 
     @property
     def closed(self) -> bool:
@@ -66,9 +75,14 @@ class LayerBridge:
             self._closed = reason if isinstance(reason, BaseException) else BridgeClosed(reason)
         if self._loop is not None and self._wakeup is not None and not self._loop.is_closed():
             try:
-                self._loop.call_soon_threadsafe(self._wakeup.set)
+                self._loop.call_soon_threadsafe(self._wake_all)
             except RuntimeError:
                 pass
+
+    def _wake_all(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+        self._cut_nap()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -78,6 +92,21 @@ class LayerBridge:
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._wakeup = asyncio.Event()
+
+    def _cut_nap(self) -> None:
+        nap = self._nap
+        if nap is not None and not nap.done():
+            nap.set_result(None)
+
+    async def _sleep(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
+        """``asyncio.sleep`` that a ``wake=True`` put ends early (``_cut_nap``)."""
+        self._nap = nap = loop.create_future()
+        timer = loop.call_later(seconds, self._cut_nap)
+        try:
+            await nap
+        finally:
+            timer.cancel()
+            self._nap = None
 
     def next_tick(self, tick: float, found: bool) -> float:
         """The poll tick after a look: back to ``poll_s`` if it found something, else twice as long."""
@@ -93,13 +122,13 @@ class LayerBridge:
         if loop is None or wakeup is None:
             raise RuntimeStateError("layer bridge is not attached to a loop")
         if poll and not items and self._closed is None:
-            await asyncio.sleep(poll)
+            await self._sleep(loop, poll)
             if not items:
                 return []
         if not items and self.linger_s > 0 and self._closed is None:
             end, tick = loop.time() + self.linger_s, self.poll_s
             while not items and self._closed is None and loop.time() < end:
-                await asyncio.sleep(tick)
+                await self._sleep(loop, tick)
                 tick = self.next_tick(tick, False)
         while not items:
             if self._closed is not None:

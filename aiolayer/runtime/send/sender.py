@@ -141,7 +141,7 @@ class Sender(TransferEnding):
         self.bridge.put(("layer", step, layer, record_event(), time.perf_counter()))
 
     def end_step(self, step: int) -> None:
-        self.bridge.put(("end", step))
+        self.bridge.put(("end", step), wake=True)   # its last layer waits in the inbox: not a tick more
 
     def cancel(self, transfer_id: str, reason: str) -> None:
         """Stop a send from any thread (our engine preempted its request): no layer is submitted
