@@ -262,6 +262,7 @@ class TopologyReply(_Msg, tag="topology", frozen=True):
     dp_rank: int = 0
     dp_size: int = 1
     model: str = ""            # the embedder's fingerprint of what must match between P and D
+    late_binding: bool = False  # Identity.late_binding (False from an older peer: the proxy binds it D-first)
     num_layers: int = 0
     block_bytes: int = 0
     block_size: int = 0

@@ -67,6 +67,10 @@ class Identity(msgspec.Struct, frozen=True, kw_only=True):
     dp_rank: int = 0
     dp_size: int = 1
     model: str = ""               # a fingerprint of what must match between P and D (model, dtype, geometry)
+    # P can start a send before D's blocks are known (``TransferSpec.late_bound``): the proxy's ``auto``
+    # binding then sends the request to P and D at once. Not where the embedder pairs its blocks with D's
+    # itself (vLLM's hybrid KV cache groups, sliding windows); False (not said): D first
+    late_binding: bool = False
 
     def check(self) -> None:
         """Raise ``ConfigError`` for an identity no engine can have."""
@@ -78,6 +82,8 @@ class Identity(msgspec.Struct, frozen=True, kw_only=True):
                 raise ConfigError(f"{what} rank {rank!r} of size {size!r}: not 0 <= rank < size <= {MAX_PARALLEL}")
         if not isinstance(self.model, str) or len(self.model) > 256:
             raise ConfigError("model must be a string of at most 256 characters")
+        if not isinstance(self.late_binding, bool):
+            raise ConfigError(f"late_binding must be a bool, got {self.late_binding!r}")
 
 
 Announce = Callable[[Registration], Awaitable[None]]   # runs on the runtime's loop; raising aborts the transfer

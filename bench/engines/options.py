@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-ROWS = ("aggregated", "aiolayer", "aiolayer-late", "aiolayer-bulk", "mooncake", "nixl")   # the default --rows
+ROWS = ("aggregated", "aiolayer", "aiolayer-d-first", "aiolayer-bulk", "mooncake", "nixl")   # the default --rows
 MORE_ROWS = ("aiolayer-auto",)
 
 

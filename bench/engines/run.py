@@ -1,8 +1,9 @@
 """``aiolayer bench vllm``: the time to first token of real requests on vLLM CPU engines, each
 system through its own request flow, side by side in one run.
 
-Rows (``--rows``): ``aggregated`` (one engine, the floor), ``aiolayer`` (layer-wise, D first),
-``aiolayer-late`` (layer-wise, P and D sent at once: ``aiolayer proxy --binding late``) and
+Rows (``--rows``): ``aggregated`` (one engine, the floor), ``aiolayer`` (layer-wise, the proxy's default
+binding: P and D sent at once, P's destination bound late, where the engines can), ``aiolayer-d-first``
+(layer-wise, D registers before P is sent the request: ``aiolayer proxy --binding d-first``) and
 ``aiolayer-bulk`` (the same connector sending after the last layer) through ``aiolayer proxy``,
 ``aiolayer-auto`` (the mode chosen per request from earlier sends' measurements; not in the default
 ``--rows``), and
@@ -95,7 +96,7 @@ def _proxy_debug() -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def aiolayer_pd(model: Path, args: argparse.Namespace, *, mode: str = "layerwise", late: bool = False):
+def aiolayer_pd(model: Path, args: argparse.Namespace, *, mode: str = "layerwise", binding: str = "auto"):
     p_core, d_core = args.cores.split(",")[:2]
     where = of_args(args)
     extra: dict = {"transfer_mode": mode}
@@ -115,14 +116,15 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, mode: str = "layerwise
         backends = ([f"http://{where.p.address}:{p.port},tcp://{where.p.address}:{p_ctl}"],
                     [f"http://{where.d.address}:{d.port},tcp://{where.d.address}:{d_ctl}"])
         proxy_args: tuple[str, ...] = ("--request-timeout", str(REQUEST_TIMEOUT_S), *_proxy_debug(),
-                                       "--binding", "late" if late else "d-first")
+                                       "--binding", binding)
         place_proxy: dict = {}
         if where.two_hosts:   # beside P; D and P reach it over the hosts' link, this process over A's management one
             port = free_port()
             place_proxy = {"netns": where.p.netns, "reach": where.p.reach, "port": port}
             proxy_args += ("--host", "0.0.0.0", "--public-url", f"http://{where.p.address}:{port}")
         with ProxyProcess(*backends, extra_args=proxy_args, startup_timeout_s=60, **place_proxy) as proxy:
-            flow = "P and D at once, P's destination bound late" if late else "D first"
+            flow = "D first" if binding == "d-first" else \
+                "the proxy's default: P and D at once, P's destination bound late where both engines can"
             how = {"flow": f"{flow}, through aiolayer proxy (a process)", "connector": "AiolayerConnector",
                    "transfer_mode": mode, "transport": f"Mooncake TCP, {where.label}",
                    "byte_check": f"integrity_sample {sample:g} (1: every layer of every transfer, P's CRC32 against "
@@ -173,7 +175,7 @@ SYSTEMS = {
     "aiolayer": lambda model, args: aiolayer_pd(model, args),
     "aiolayer-bulk": lambda model, args: aiolayer_pd(model, args, mode="bulk"),
     "aiolayer-auto": lambda model, args: aiolayer_pd(model, args, mode="auto"),
-    "aiolayer-late": lambda model, args: aiolayer_pd(model, args, late=True),
+    "aiolayer-d-first": lambda model, args: aiolayer_pd(model, args, binding="d-first"),
     **peers.SYSTEMS,
 }
 

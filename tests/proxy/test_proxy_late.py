@@ -127,3 +127,46 @@ async def test_late_binding_d_failing_stops_p_s_transfers():
         assert [(a.transfer_id, a.token) for a in aborts if isinstance(a, m.Abort)] == [(tid, exchange.token)]
     finally:
         await _close(exchange, state, d)
+
+
+def _learned(dp: int = 1, late_binding: bool = True):
+    from aiolayer_vllm.proxy.topology import Learned
+    return Learned(tp=1, dp=dp, role="x", model="m", engine_id="e", incarnations=("i",) * dp, num_layers=2,
+                   block_size=16, late_binding=late_binding)
+
+
+@pytest.mark.parametrize("binding, prefill, decode, late", [
+    ("auto", _learned(), _learned(), True),                       # both said they can: no D-first wait
+    ("auto", _learned(late_binding=False), _learned(), False),    # P pairs its blocks with D's (hybrid)
+    ("auto", _learned(), _learned(dp=2), False),                  # vLLM picks D's rank: its endpoint unknown
+    ("auto", None, _learned(), False),                            # not learned: nothing said, D first
+    ("auto", _learned(), None, False),
+    ("late", _learned(late_binding=False), _learned(), True),     # asked for: a hybrid P then refuses it
+    ("late", None, None, True),
+    ("late", _learned(), _learned(dp=2), False),
+    ("d-first", _learned(), _learned(), False),
+])
+def test_the_binding_of_an_exchange(binding, prefill, decode, late):
+    from aiolayer_vllm.proxy.flow import binds_late
+    assert binds_late(binding, prefill, decode) is late
+
+
+@pytest.mark.timeout(30)
+def test_what_a_runtimes_embedder_said_of_late_binding_reaches_the_proxy():
+    from aiolayer import Identity, NodeConfig, Runtime
+    from aiolayer_vllm.proxy.topology import learn
+
+    async def learned(endpoint: str) -> bool:
+        peers = ControlPeers(Timeouts(), asyncio.get_running_loop().create_task)
+        try:
+            return (await learn("prefill", endpoint, 0, peers, 5)).late_binding
+        finally:
+            await peers.close()
+
+    for said in (None, False, True):
+        rt = Runtime(NodeConfig(engine_id="p", backend="memory")).start()
+        try:
+            rt.set_identity(Identity(role="producer") if said is None else Identity(role="producer", late_binding=said))
+            assert asyncio.run(learned(rt.control_endpoint)) is bool(said)   # not said: D first
+        finally:
+            rt.stop()

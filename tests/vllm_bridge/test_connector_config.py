@@ -121,6 +121,21 @@ def test_the_block_size_enters_the_fingerprint_only_where_blocks_pair_block_for_
         "kv_cache_groups": "FullAttentionSpecx1;SlidingWindowSpec(128)x3", "block_size": 32}
 
 
+@pytest.mark.parametrize("groups, late", [(["FullAttentionSpecx4"], True), (["SlidingWindowSpec(128)x4"], False),
+                                          (["FullAttentionSpecx1", "SlidingWindowSpec(128)x3"], False)])
+def test_the_identity_says_late_binding_only_where_blocks_do_not_pair_with_ds(groups, late):
+    """What the proxy's ``auto`` binding goes by: a P whose scheduler pairs its blocks with D's (several
+    groups, a sliding window) refuses a late request (``scheduler._pair``), so it must not say it can."""
+    from aiolayer_vllm.connector import group_facts
+    from aiolayer_vllm.identity import identity
+    from aiolayer_vllm.ranks import Topology
+
+    facts = {"model": "m", **group_facts(groups, 16)}
+    said = identity(Topology(), True, False, facts)
+    said.check()
+    assert said.late_binding is late
+
+
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
 def test_an_ssm_state_group_is_refused_at_start(role):
     with pytest.raises(ConfigError, match="2 groups, one of them MambaSpec"):

@@ -151,7 +151,8 @@ def _topology(rt: Host) -> m.TopologyReply:
     ident, layout, transport = rt.identity, rt.layout_reply, rt.node.transport
     reply = m.TopologyReply(engine_id=rt.node.engine_id, incarnation=rt.incarnation, control=rt.control_endpoint,
                             role=ident.role, tp_rank=ident.tp_rank, tp_size=ident.tp_size, dp_rank=ident.dp_rank,
-                            dp_size=ident.dp_size, model=ident.model, version=version.__version__,
+                            dp_size=ident.dp_size, model=ident.model, late_binding=ident.late_binding,
+                            version=version.__version__,
                             session=rt.backend.session, protocol=transport.protocol,
                             device_name=transport.device_name,
                             force_tcp=os.environ.get("MC_FORCE_TCP", "") not in ("", "0"))

@@ -44,5 +44,9 @@ def role_of(is_producer: bool, is_consumer: bool) -> str:
 
 
 def identity(topo: Topology, is_producer: bool, is_consumer: bool, facts: dict[str, object]) -> Identity:
+    # the block size is in the facts exactly where blocks pair block for block with D's (several KV cache
+    # groups, a sliding window: ``connector.group_facts``), which the scheduler does with D's blocks in
+    # hand: such a P cannot start before D registered (``scheduler._pair`` refuses a late request)
     return Identity(role=role_of(is_producer, is_consumer), tp_rank=topo.tp_rank, tp_size=topo.tp_size,
-                    dp_rank=topo.dp_rank, dp_size=topo.dp_size, model=fingerprint(facts))
+                    dp_rank=topo.dp_rank, dp_size=topo.dp_size, model=fingerprint(facts),
+                    late_binding="block_size" not in facts)

@@ -46,6 +46,12 @@ def test_concurrent_requests_through_the_proxy_equal_the_aggregated_engine(stack
     metrics = httpx.get(proxy.url + "/metrics", timeout=5).text
     assert _proxy_ok(proxy) - ok_before == 20, metrics
     assert "aiolayer_proxy_pending_transfers 0" in metrics
+    # at the proxy's default binding a plain model's requests go to P and D at once: no D-first wait
+    prefill = next(b for b in httpx.get(proxy.url + "/health", timeout=5).json()["backends"] if b["role"] == "prefill")
+    assert prefill["topology"]["late_binding"] is True, prefill
+    bindings = scrape_metrics(proxy.url)
+    assert (metric_value(bindings, "aiolayer_proxy_bindings_total", binding="late") or 0) >= 20, metrics
+    assert metric_value(bindings, "aiolayer_proxy_bindings_total", binding="d_first") is None, metrics
 
 
 def _proxy_ok(proxy) -> float:

@@ -70,9 +70,10 @@ def _stages(engine: dict[str, float], proxy: dict[str, float], stream: bool) -> 
 
 def test_stages_aiolayer_owns_stay_near_their_floor(stack):
     p, d = stack["p"], stack["d"]
-    # a proxy of its own at debug (its per-request timeline lines), in front of the folder's shared pair
+    # a proxy of its own at debug (its per-request timeline lines), in front of the folder's shared pair;
+    # D first, whose stages (D's registration POST, the relay gate after it) are the ones timed here
     with ProxyProcess([f"{p.base_url},{stack['p_ctl']}"], [f"{d.base_url},{stack['d_ctl']}"],
-                      extra_args=("--log-level", "debug")) as proxy:
+                      extra_args=("--log-level", "debug", "--binding", "d-first")) as proxy:
         prompts = [SAMPLE_PROMPTS[0], SAMPLE_PROMPTS[1], *(long_prompt(40 + 25 * i, seed=i) for i in range(ROUNDS))]
         for i, prompt in enumerate(prompts):   # the first two warm up (connections, layouts, first compile)
             out = completion(proxy.url, prompt, max_tokens=4, stream=bool(i % 2), model=p.served_model,

@@ -55,12 +55,12 @@ def _stage(kind: str, relaying: bool) -> str:
 
 class ProxyState:
     def __init__(self, pool: Pool, public_url: str, timeouts: ProxyTimeouts, tracing: Tracing | None = None,
-                 binding: str = "d-first") -> None:
+                 binding: str = "auto") -> None:
         if binding not in BINDINGS:
             raise ValueError(f"binding must be one of {BINDINGS}, got {binding!r}")
         self.pool = pool
         self.timeouts = timeouts
-        self.binding = binding   # "late": P and D at once (flow.Exchange)
+        self.binding = binding   # "late": P and D at once; "auto": late where the engines can (flow.Exchange)
         self.tracing = tracing or Tracing()
         self.notify_url = public_url.rstrip("/") + REGISTER_PATH
         self.pending: dict[str, Exchange] = {}
@@ -316,7 +316,7 @@ class _OpenAIRoute:
 
 
 def create_app(pool: Pool, public_url: str, timeouts: ProxyTimeouts | None = None,
-               tracing: Tracing | None = None, binding: str = "d-first") -> FastAPI:
+               tracing: Tracing | None = None, binding: str = "auto") -> FastAPI:
     state = ProxyState(pool, public_url, timeouts or ProxyTimeouts(), tracing, binding)
 
     @contextlib.asynccontextmanager
@@ -358,7 +358,7 @@ def create_app(pool: Pool, public_url: str, timeouts: ProxyTimeouts | None = Non
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = any(b.healthy for b in state.pool.prefill) and any(b.healthy for b in state.pool.decode)
-        return JSONResponse({"healthy": ok, "backends": [
+        return JSONResponse({"healthy": ok, "binding": state.binding, "backends": [
             {"role": b.role, "url": b.url, "control": b.control, "healthy": b.healthy, "problem": b.problem,
              "outstanding": b.outstanding, "topology": b.topology.summary() if b.topology else None}
             for b in state.pool.all]}, status_code=200 if ok else 503)

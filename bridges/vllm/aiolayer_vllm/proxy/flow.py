@@ -34,6 +34,7 @@ from ..params import KEY, DecodeRegistration, RecvParams, SendParams
 from ..ranks import rank_transfer_id
 from .failures import ExchangeError, answered_error, call_failed
 from .pool import Backend, Lease
+from .topology import Learned
 
 log = logging.getLogger(__name__)
 # Passed on to P and D as the client sent them: vLLM servers started with --api-key check the first,
@@ -59,7 +60,20 @@ class ProxyTimeouts:
     abort_s: float = 2.0           # telling D to give a transfer up
 
 
-BINDINGS = ("d-first", "late")   # how P learns D's blocks: from the proxy after D registered, or from D itself
+# how P learns D's blocks: from the proxy after D registered (d-first), from D itself (late), or late
+# wherever both engines' ranks said they can (auto: ``binds_late``)
+BINDINGS = ("auto", "d-first", "late")
+
+
+def binds_late(binding: str, prefill: Learned | None, decode: Learned | None) -> bool:
+    """Whether one exchange goes late. Late binding addresses D's ranks by endpoint, and only D's first
+    data-parallel rank has one we know (vLLM picks the rank): D-first for a D of several. ``auto`` also
+    needs both engines learned and P able to send before D's blocks are known (``Learned.late_binding``:
+    a hybrid or sliding-window KV cache pairs its blocks with D's, so its P refuses a late request)."""
+    if binding == "late":
+        return decode is None or decode.dp <= 1
+    return binding == "auto" and prefill is not None and decode is not None and decode.dp <= 1 \
+        and prefill.late_binding
 
 
 def check_body(body) -> None:
@@ -96,9 +110,7 @@ class Exchange:
         self.prefill, self.decode = prefill, decode
         self.p_controls = prefill.controls   # P's TP ranks as learned now: D's and P's plans must agree
         self.d_controls = decode.controls
-        # late binding addresses D's ranks by endpoint: only D's first data-parallel rank has one we know
-        learned = decode.topology
-        self.late = state.binding == "late" and (learned is None or learned.dp <= 1)
+        self.late = binds_late(state.binding, prefill.topology, decode.topology)
         self.p_lease, self.d_lease = Lease(prefill), Lease(decode)
         self.transfer_id = uuid.uuid4().hex
         self.request_id = self.headers.get("x-request-id") or self.transfer_id   # what its log lines name
@@ -157,6 +169,7 @@ class Exchange:
         """D first, its registration, then P's prefill (late: both at once); returns D's response
         (streaming or whole)."""
         t = self.state.timeouts
+        self.state.metrics.bindings.labels("late" if self.late else "d_first").inc()
         self.d_task = self.state.spawn(self.open_decode(), f"decode {self.transfer_id}")
         if self.late:   # no registration to wait for: P's transfers ask D for it while P prefills
             self.stamp("dispatched")

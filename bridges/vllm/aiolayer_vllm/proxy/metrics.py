@@ -42,6 +42,9 @@ class ProxyMetrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("aiolayer_proxy_requests", "Requests by how they ended: ok, or the error type "
                                 "the client got (client_disconnect when it left first)", ["outcome"], registry=r)
+        self.bindings = Counter("aiolayer_proxy_bindings", "Requests by how P learned D's blocks: late (P and D "
+                                "sent the request at once) or d_first (P sent it once D registered)", ["binding"],
+                                registry=r)
         self.rejected_registrations = Counter("aiolayer_proxy_rejected_registrations",
                                               "D registrations refused for a wrong token", registry=r)
         self.ttft = Histogram("aiolayer_proxy_time_to_first_token_seconds",

@@ -45,10 +45,12 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
                    help="seconds for P's prefill call (one token)")
     p.add_argument("--request-timeout", type=float, default=ProxyTimeouts.request_s,
                    help="seconds for D's whole generation")
-    p.add_argument("--binding", choices=BINDINGS, default="d-first",
-                   help="d-first: D registers (POSTs its blocks to the proxy), then P is sent the request; late: P "
-                        "and D at once, each P transfer asks D for its blocks (a waiting lookup), so P's prefill never "
-                        "waits for D's registration (D of one data-parallel rank only; others go D-first)")
+    p.add_argument("--binding", choices=BINDINGS, default="auto",
+                   help="late: P and D at once, each P transfer asks D for its blocks (a waiting lookup), so P's "
+                        "prefill never waits for D's registration (D of one data-parallel rank only; others go "
+                        "D-first); d-first: D registers (POSTs its blocks to the proxy), then P is sent the request; "
+                        "auto: late where both engines' ranks said they can (P's KV cache is one group without a "
+                        "sliding window, D has one data-parallel rank), else d-first")
     p.add_argument("--d-first", dest="binding", action="store_const", const="d-first",
                    help="the same as --binding d-first")
     p.add_argument("--health-interval", type=float, default=2.0,

@@ -49,10 +49,11 @@ class Learned:
     incarnations: tuple[str, ...]   # per rank, in the port rule's order
     num_layers: int
     block_size: int
+    late_binding: bool = False   # its ranks can send with D's blocks bound late (the proxy's ``auto`` binding)
 
     def summary(self) -> dict:
         return {"tp": self.tp, "dp": self.dp, "role": self.role, "model": self.model, "engine_id": self.engine_id,
-                "num_layers": self.num_layers, "block_size": self.block_size}
+                "num_layers": self.num_layers, "block_size": self.block_size, "late_binding": self.late_binding}
 
 
 def rank_endpoint(control: str, index: int) -> str:
@@ -103,7 +104,7 @@ def _check_rank(index: int, endpoint: str, first: m.TopologyReply, reply: m.Topo
     where = divmod(index, first.tp_size)
     diff = [] if (reply.dp_rank, reply.tp_rank) == where else \
         [f"it is rank (dp, tp) {(reply.dp_rank, reply.tp_rank)}, the port rule expects {where}"]
-    for field in ("tp_size", "dp_size", "role", "model", "num_layers", "block_size"):
+    for field in ("tp_size", "dp_size", "role", "model", "num_layers", "block_size", "late_binding"):
         got, want = getattr(reply, field), getattr(first, field)
         if got != want:
             diff.append(f"{field} {got!r} where rank 0 says {want!r}")
@@ -131,7 +132,7 @@ async def learn(role: str, control: str, declared_tp: int, peers: ControlPeers, 
         _check_rank(index, endpoint, first, reply)
     return Learned(tp=first.tp_size, dp=first.dp_size, role=first.role, model=first.model, engine_id=first.engine_id,
                    incarnations=tuple(r.incarnation for r in replies), num_layers=first.num_layers,
-                   block_size=first.block_size)
+                   block_size=first.block_size, late_binding=first.late_binding)
 
 
 async def learn_pool(pool, peers: ControlPeers, wait_s: float, call_s: float) -> list[str]:
