@@ -34,7 +34,7 @@ from pathlib import Path
 from aiolayer.harness.client import acompletion, metric_value, scrape_metrics
 from aiolayer.harness.node import mooncake_env
 from aiolayer.harness.pd import ProxyProcess, connector
-from aiolayer.harness.procs import free_port
+from aiolayer.harness.procs import free_port, free_ports
 from aiolayer.harness.startup import running
 from aiolayer.harness.tiny_model import TinySpec, long_prompt, tiny_model_dir
 
@@ -100,7 +100,7 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, mode: str = "layerwise
     p_core, d_core = args.cores.split(",")[:2]
     where = of_args(args)
     extra: dict = {"transfer_mode": mode}
-    p_ctl, d_ctl = free_port(), free_port()
+    p_ctl, d_ctl = free_port(), free_ports(2)   # D's next port free: the proxy's auto binding sees one DP rank
     env = mooncake_env()
 
     def config(role: str, engine_id: str, port: int, side, **more) -> dict:
@@ -132,6 +132,9 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, mode: str = "layerwise
             how["_p_modes"] = lambda: settled(p, SEND_MODES, 3.0)   # read (and popped) by the link sweep per cell
             yield via_url(proxy.url, model), how
             how["bytes"] = byte_checks(d)
+            proxy_metrics = scrape_metrics(proxy.url)   # how P learned D's blocks, per request
+            how["bindings"] = {b: metric_value(proxy_metrics, "aiolayer_proxy_bindings_total", binding=b) or 0
+                               for b in ("late", "d_first")}
             how["sends_by_mode"] = settled(p, SEND_MODES, 3.0)
 
 

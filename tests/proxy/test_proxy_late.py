@@ -129,16 +129,18 @@ async def test_late_binding_d_failing_stops_p_s_transfers():
         await _close(exchange, state, d)
 
 
-def _learned(dp: int = 1, late_binding: bool = True):
+def _learned(dp: int = 1, late_binding: bool = True, one_dp_rank: bool | None = None):
     from aiolayer_vllm.proxy.topology import Learned
+    alone = dp == 1 if one_dp_rank is None else one_dp_rank
     return Learned(tp=1, dp=dp, role="x", model="m", engine_id="e", incarnations=("i",) * dp, num_layers=2,
-                   block_size=16, late_binding=late_binding)
+                   block_size=16, late_binding=late_binding, one_dp_rank=alone)
 
 
 @pytest.mark.parametrize("binding, prefill, decode, late", [
     ("auto", _learned(), _learned(), True),                       # both said they can: no D-first wait
     ("auto", _learned(late_binding=False), _learned(), False),    # P pairs its blocks with D's (hybrid)
     ("auto", _learned(), _learned(dp=2), False),                  # vLLM picks D's rank: its endpoint unknown
+    ("auto", _learned(), _learned(one_dp_rank=False), False),     # rank 0 says dp 1, a rank listens beside it
     ("auto", None, _learned(), False),                            # not learned: nothing said, D first
     ("auto", _learned(), None, False),
     ("late", _learned(late_binding=False), _learned(), True),     # asked for: a hybrid P then refuses it
@@ -152,21 +154,35 @@ def test_the_binding_of_an_exchange(binding, prefill, decode, late):
 
 
 @pytest.mark.timeout(30)
-def test_what_a_runtimes_embedder_said_of_late_binding_reaches_the_proxy():
-    from aiolayer import Identity, NodeConfig, Runtime
-    from aiolayer_vllm.proxy.topology import learn
+@pytest.mark.parametrize("beside", [None, "listener"])
+def test_what_the_proxy_learns_of_late_binding_from_an_engines_ranks(beside):
+    """What the embedder said reaches the proxy; and a rank 0 that says dp 1 of 1 (each DP rank of a dense
+    model in vLLM says so) counts as alone only if nothing listens where its second DP rank would."""
+    import socket
 
-    async def learned(endpoint: str) -> bool:
+    from aiolayer import Identity, NodeConfig, Runtime
+    from aiolayer.harness.procs import free_ports
+    from aiolayer_vllm.proxy.topology import Learned, learn
+
+    async def learned(endpoint: str) -> Learned:
         peers = ControlPeers(Timeouts(), asyncio.get_running_loop().create_task)
         try:
-            return (await learn("prefill", endpoint, 0, peers, 5)).late_binding
+            return await learn("prefill", endpoint, 0, peers, 5)
         finally:
             await peers.close()
 
-    for said in (None, False, True):
-        rt = Runtime(NodeConfig(engine_id="p", backend="memory")).start()
-        try:
-            rt.set_identity(Identity(role="producer") if said is None else Identity(role="producer", late_binding=said))
-            assert asyncio.run(learned(rt.control_endpoint)) is bool(said)   # not said: D first
-        finally:
-            rt.stop()
+    base = free_ports(2)
+    with socket.socket() as other:
+        if beside:   # e.g. the next DP rank's runtime: anything listening there
+            other.bind(("127.0.0.1", base + 1))
+            other.listen()
+        for said in (None, False, True):
+            rt = Runtime(NodeConfig(engine_id="p", backend="memory", control_port=base)).start()
+            try:
+                rt.set_identity(Identity(role="producer") if said is None else
+                                Identity(role="producer", late_binding=said))
+                got = asyncio.run(learned(rt.control_endpoint))
+                assert got.late_binding is bool(said)   # not said: D first
+                assert got.one_dp_rank is (beside is None)
+            finally:
+                rt.stop()

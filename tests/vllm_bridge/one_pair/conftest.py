@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
 from aiolayer.harness.pd import ProxyProcess, backend
+from aiolayer.harness.procs import free_ports
 from aiolayer.harness.servers import VllmServer, free_port, running
 from aiolayer.harness.tiny_model import tiny_model_dir
 from helpers_pair import pair_connector, pair_settings
@@ -52,7 +53,7 @@ def stack():
     CRCs before it reports the KV, so every answer in this folder passed that check. P chooses each
     send's mode (``transfer_mode`` auto), so the folder's requests go both layer-wise and in bulk."""
     model = tiny_model_dir()
-    p_ctl, d_ctl = free_port(), free_port()
+    p_ctl, d_ctl = free_port(), free_ports(2)   # D's next port free: the proxy's auto binding sees one DP rank
     p = VllmServer(model, name="prefill", **pair_settings(),
                    kv_transfer_config=pair_connector("kv_producer", "p", p_ctl, integrity_sample=1.0,
                                                                      transfer_mode="auto"))

@@ -50,10 +50,12 @@ class Learned:
     num_layers: int
     block_size: int
     late_binding: bool = False   # its ranks can send with D's blocks bound late (the proxy's ``auto`` binding)
+    one_dp_rank: bool = False    # nothing listens where a second data-parallel rank would (``_alone``)
 
     def summary(self) -> dict:
         return {"tp": self.tp, "dp": self.dp, "role": self.role, "model": self.model, "engine_id": self.engine_id,
-                "num_layers": self.num_layers, "block_size": self.block_size, "late_binding": self.late_binding}
+                "num_layers": self.num_layers, "block_size": self.block_size, "late_binding": self.late_binding,
+                "one_dp_rank": self.one_dp_rank}
 
 
 def rank_endpoint(control: str, index: int) -> str:
@@ -132,7 +134,24 @@ async def learn(role: str, control: str, declared_tp: int, peers: ControlPeers, 
         _check_rank(index, endpoint, first, reply)
     return Learned(tp=first.tp_size, dp=first.dp_size, role=first.role, model=first.model, engine_id=first.engine_id,
                    incarnations=tuple(r.incarnation for r in replies), num_layers=first.num_layers,
-                   block_size=first.block_size, late_binding=first.late_binding)
+                   block_size=first.block_size, late_binding=first.late_binding,
+                   one_dp_rank=first.dp_size == 1 and await _alone(rank_endpoint(control, first.tp_size), timeout))
+
+
+async def _alone(endpoint: str, timeout: float) -> bool:
+    """Whether nothing listens at ``endpoint``, where the port rule puts a second data-parallel rank.
+    vLLM runs each DP rank of a dense model as an engine of its own, whose rank 0 says dp 1 of 1
+    (``ranks.from_vllm``): only the next port tells. A refused connection says alone; anything else
+    (a listener, no answer in time) does not, and the ``auto`` binding then goes D first."""
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), min(timeout, 1.0))
+    except (ConnectionRefusedError, OSError) as exc:
+        return isinstance(exc, ConnectionRefusedError)
+    except TimeoutError:
+        return False
+    writer.close()
+    return False
 
 
 async def learn_pool(pool, peers: ControlPeers, wait_s: float, call_s: float) -> list[str]:
