@@ -146,6 +146,7 @@ def _learned(dp: int = 1, late_binding: bool = True, one_dp_rank: bool | None = 
     ("late", _learned(late_binding=False), _learned(), True),     # asked for: a hybrid P then refuses it
     ("late", None, None, True),
     ("late", _learned(), _learned(dp=2), False),
+    ("late", _learned(), _learned(one_dp_rank=False), False),     # a dense D's DP ranks: D-first, as said
     ("d-first", _learned(), _learned(), False),
 ])
 def test_the_binding_of_an_exchange(binding, prefill, decode, late):

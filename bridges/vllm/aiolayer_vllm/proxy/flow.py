@@ -67,12 +67,12 @@ BINDINGS = ("auto", "d-first", "late")
 
 def binds_late(binding: str, prefill: Learned | None, decode: Learned | None) -> bool:
     """Whether one exchange goes late. Late binding addresses D's ranks by endpoint, and only D's first
-    data-parallel rank has one we know (vLLM picks the rank): D-first for a D of several. ``auto`` also
-    needs both engines learned, D seen to be alone (``Learned.one_dp_rank``: a dense model's DP rank 0
-    says dp 1 of 1) and P able to send before D's blocks are known (``Learned.late_binding``: a hybrid
+    data-parallel rank has one we know (vLLM picks the rank): D-first for a D not seen to be alone
+    (``Learned.one_dp_rank``: a dense model's DP rank 0 says dp 1 of 1). ``auto`` also needs both
+    engines learned and P able to send before D's blocks are known (``Learned.late_binding``: a hybrid
     or sliding-window KV cache pairs its blocks with D's, so its P refuses a late request)."""
     if binding == "late":
-        return decode is None or decode.dp <= 1
+        return decode is None or decode.one_dp_rank
     return binding == "auto" and prefill is not None and decode is not None and decode.one_dp_rank \
         and prefill.late_binding
 
