@@ -48,19 +48,19 @@ class LayerBridge:
         if len(items) >= self.capacity:
             raise BridgeFull(f"layer bridge holds {len(items)} items; the loop is not draining")
         items.append(item)
-        if self._idle:
+        # asleep, or (``wake``) napping for a tick; a busy consumer sees the item without help. Either
+        # wake-up ends both ways of waiting: a stray one only makes the consumer look at an empty deque.
+        if self._idle or wake:
             self._idle = False
-            self._call_consumer("set")
-        elif wake:   # not asleep: napping for a tick, or busy (then it sees the item without help)
-            self._call_consumer("cut")
+            self._call_consumer()
 
-    def _call_consumer(self, what: str) -> None:
+    def _call_consumer(self) -> None:
         self.wakeups += 1
-        loop, wakeup = self._loop, self._wakeup
-        if loop is None or wakeup is None:   # idle is set only by drain, on an attached bridge
+        loop = self._loop
+        if loop is None or self._wakeup is None:   # idle is set only by drain, on an attached bridge
             raise RuntimeStateError("layer bridge is not attached to a loop")
         try:
-            loop.call_soon_threadsafe(wakeup.set if what == "set" else self._cut_nap)
+            loop.call_soon_threadsafe(self._wake_all)
         except RuntimeError as exc:  # loop closed under us
             self.close(exc)
             raise BridgeClosed("layer bridge consumer loop is closed") from exc

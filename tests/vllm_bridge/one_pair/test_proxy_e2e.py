@@ -20,7 +20,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
 from aiolayer.harness.client import StreamError
-from aiolayer.harness.servers import acompletion, completion, kv_cache_usage, metric_value, scrape_metrics
+from aiolayer.harness.servers import (acompletion, completion, kv_cache_usage, metric_value, parse_metrics,
+                                     scrape_metrics)
 from aiolayer.harness.tiny_model import SAMPLE_PROMPTS, long_prompt
 from helpers_proxy import registration
 
@@ -49,7 +50,7 @@ def test_concurrent_requests_through_the_proxy_equal_the_aggregated_engine(stack
     # at the proxy's default binding a plain model's requests go to P and D at once: no D-first wait
     prefill = next(b for b in httpx.get(proxy.url + "/health", timeout=5).json()["backends"] if b["role"] == "prefill")
     assert prefill["topology"]["late_binding"] is True, prefill
-    bindings = scrape_metrics(proxy.url)
+    bindings = parse_metrics(metrics)
     assert (metric_value(bindings, "aiolayer_proxy_bindings_total", binding="late") or 0) >= 20, metrics
     assert metric_value(bindings, "aiolayer_proxy_bindings_total", binding="d_first") is None, metrics
 
