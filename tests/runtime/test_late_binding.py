@@ -185,13 +185,16 @@ def test_d_fences_against_the_writer_its_lookup_admitted(memory_runtime, memory_
     """P bound its transfer through the lookup (no layout request): D's abort still asks that P rank to
     stop, and P, told, submits no further layer; nothing lands after D failed the transfer."""
     d = memory_decode_node(SHAPE, engine_id="d-fence", timeouts=Timeouts(fence_grace=30))
-    p, _ = p_runtime(memory_runtime, "p-fence")
+    p, cache = p_runtime(memory_runtime, "p-fence")
     token, src = secrets.token_hex(16), [2, 3]
     p.sender.begin_step(0, [late_spec(d, "fenced", token, src)])
     p.sender.layer_ready(0, 0)
     rep = register(p, d, "fenced", token, len(src))
+    ck, cv = checksums(cache.blocks, src)
     end = time.monotonic() + 5
-    while not any(p.request(d.control_endpoint, m.VerifyRequest(transfer_id="fenced"), timeout=5).crc_k):
+    # layer 0 is P's source at D (an unwritten block has a CRC too): P bound the transfer and wrote it
+    while (v := p.request(d.control_endpoint, m.VerifyRequest(transfer_id="fenced"), timeout=5)) and \
+            (v.crc_k[0], v.crc_v[0]) != (ck[0], cv[0]):
         assert time.monotonic() < end, "layer 0 never landed"
         time.sleep(0.01)
     p.request(d.control_endpoint, m.AbortRequest(transfer_id="fenced", reason="client gone", token=token))
