@@ -12,7 +12,7 @@ import msgspec
 from .errors import ConfigError
 from .transport import Transport
 
-DEFAULT_INTEGRITY_SAMPLE = 0.01   # share of transfers checked end to end: a CRC pass over 1 % of the bytes
+DEFAULT_INTEGRITY_SAMPLE = 0.01   # share of transfers checked end to end: a digest pass over 1 % of the bytes
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1, "uint8": 1}
 
 

@@ -76,24 +76,31 @@ class LayoutReply(_Msg, tag="layout", frozen=True):
     head_bytes: int = 0        # head_dim * dtype bytes
     kv_layout: str = ""        # "NHD" or "HND" (protocol.plan.HeadGeometry)
     kv_interior: str = ""      # what a head's bytes hold token by token (HeadGeometry.interior)
+    # Integrity digests D can verify besides "crc32" (LayerCheck.digest); [] from an older D: crc32 only.
+    digests: list[str] = []
 
 
 # --- transfer outcome (P tells D) ----------------------------------------------------------------
 
 MAX_CHECK_RUNS = 4096   # runs per layer a sampled integrity check may name (larger transfers are not sampled)
+# The digests a LayerCheck may name, slowest first: CRC32 (zlib, ~4 GB/s on one core) is what every
+# version verifies; XXH3-64 (~50 GB/s) only where D's layout lists it.
+CHECK_DIGESTS = ("crc32", "xxh3_64")
 
 
 class LayerCheck(msgspec.Struct, frozen=True, kw_only=True):
-    """A transfer's sampled end-to-end check: for each sampled layer (``layers``, ascending), the CRC32
-    of the bytes P wrote, taken in run order over P's source; ``offsets``/``lengths`` are the runs at D,
-    relative to a layer's base (the same for every layer, and for K and V). ``crc_v`` is empty where K
-    and V share one plane."""
+    """A transfer's sampled end-to-end check: for each sampled layer (``layers``, ascending), the digest
+    (``digest``, one of ``CHECK_DIGESTS``) of the bytes P wrote, taken in run order over P's source;
+    ``offsets``/``lengths`` are the runs at D, relative to a layer's base (the same for every layer, and
+    for K and V). ``crc_k``/``crc_v`` hold the digests (their names predate the choice); ``crc_v`` is
+    empty where K and V share one plane."""
 
     layers: list[int]
     offsets: list[int]
     lengths: list[int]
     crc_k: list[int]
     crc_v: list[int] = []
+    digest: str = "crc32"
 
 
 class Done(_Msg, tag="done", frozen=True):

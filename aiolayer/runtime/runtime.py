@@ -41,6 +41,7 @@ from .loop import LoopThread
 from .send.metadata import LayoutCache
 from .metrics import MetricsServer, render, snapshot
 from .control.hooks import NO_HOOKS
+from .integrity import VERIFIES
 from .receive.entry import Received
 from .receive.receiver import Receiver
 from .receive.receiving import ReceiveApi
@@ -238,7 +239,7 @@ class Runtime(ReceiveApi):
         self._running_sender().set_local_layout(k_base, v_base, block_bytes, num_blocks, kv_heads, geometry, host)
         reply = m.LayoutReply(
             engine_id=self.node.engine_id, incarnation=self.incarnation, session=self.backend.session,
-            block_bytes=block_bytes, num_blocks=num_blocks,
+            block_bytes=block_bytes, num_blocks=num_blocks, digests=list(VERIFIES),
             layers=[m.LayerRegion(int(k), int(v)) for k, v in zip(k_base, v_base)])
         if geometry is not None:
             reply = msgspec.structs.replace(reply, kv_heads=kv_heads, block_size=geometry.block_size,

@@ -140,6 +140,7 @@ class RemoteLayout(msgspec.Struct, frozen=True):
     head_bytes: int = 0
     kv_layout: str = ""
     kv_interior: str = ""
+    digests: tuple[str, ...] = ()   # integrity digests D verifies besides crc32
 
     @property
     def num_layers(self) -> int:
@@ -150,7 +151,8 @@ class RemoteLayout(msgspec.Struct, frozen=True):
         return cls(endpoint, reply.engine_id, reply.incarnation, reply.session, reply.block_bytes,
                    reply.num_blocks, np.array([r.k_base for r in reply.layers], dtype=np.int64),
                    np.array([r.v_base for r in reply.layers], dtype=np.int64),
-                   reply.kv_heads, reply.block_size, reply.head_bytes, reply.kv_layout, reply.kv_interior)
+                   reply.kv_heads, reply.block_size, reply.head_bytes, reply.kv_layout, reply.kv_interior,
+                   tuple(reply.digests))
 
 
 def check_spec(spec: object) -> None:

@@ -1,4 +1,4 @@
-"""Sampled end-to-end KV integrity: D verifies what landed against P's CRCs before it accepts DONE.
+"""Sampled end-to-end KV integrity: D verifies what landed against P's digests before it accepts DONE.
 
 P and D are real runtimes (memory backend) with host-memory paged caches; a fault hook on D flips
 bytes of one layer in the transfer's blocks after they landed and before D handles the DONE, as a
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -16,7 +17,7 @@ from aiolayer import KVShape, NodeConfig, ReceiveSpec, Runtime, Timeouts, Transf
 from aiolayer.kvcache import PagedKVCache
 from aiolayer.protocol import messages as m
 from aiolayer.runtime.control.hooks import install_hooks
-from aiolayer.runtime.integrity import sample_check, verify_check
+from aiolayer.runtime.integrity import digest_of_runs, pick_digest, sample_check, verify_check
 from helpers_memory import host_cache
 
 pytestmark = pytest.mark.timeout(60)
@@ -31,8 +32,11 @@ class Corrupter:
         self.cache: PagedKVCache | None = None
         self.blocks: dict[str, list[int]] = {}
         self.target: tuple[int, int] | None = None   # (layer, plane) to corrupt, or None
+        self.digests: list[str] = []                 # each checked DONE's digest
 
     def __call__(self, msg) -> None:
+        if isinstance(msg, m.Done) and msg.check is not None:
+            self.digests.append(msg.check.digest)
         if isinstance(msg, m.Done) and self.target is not None:
             layer, plane = self.target
             block = self.blocks[msg.transfer_id][-1]
@@ -74,6 +78,36 @@ def test_every_sampled_transfer_that_landed_intact_is_verified(pair):
         assert received.ok, received.reason
     assert d.metrics_snapshot()["integrity"].get("verified") == 5
     assert p.metrics_snapshot()["integrity"]["sampled"] == 5
+    assert corrupter.digests == ["xxh3_64"] * 5   # D's layout offered it, so P took the fast one
+
+
+def test_p_checks_with_crc32_for_a_d_that_offers_no_other_digest(pair):
+    p, d, corrupter = pair
+    d.layout_reply = msgspec.structs.replace(d.layout_reply, digests=[])   # as an older D answers
+    for i in range(3):
+        layer = i % SHAPE.num_layers
+        corrupter.target = (layer, 0) if i else None
+        _, received = _transfer(p, d, corrupter, f"old{i}", [i], [i + 4])
+        assert received.ok is (i == 0), received.reason
+        if i:
+            assert f"integrity: layer {layer} K" in received.reason and "CRC32" in received.reason
+    assert corrupter.digests == ["crc32"] * 3
+
+
+def test_each_digest_tells_a_single_flipped_bit_anywhere_in_the_runs():
+    rng = np.random.default_rng(11)
+    data = rng.integers(0, 256, 3 * 4096, dtype=np.uint8)
+    base, offsets, lengths = data.ctypes.data, [0, 4096, 9000], [4096, 4000, 3000]
+    assert pick_digest([]) == "crc32" and pick_digest(["xxh3_64"]) == "xxh3_64"
+    for digest in m.CHECK_DIGESTS:
+        clean = digest_of_runs(digest, [base], offsets, lengths)
+        assert digest_of_runs(digest, [base], offsets[::-1], lengths[::-1]) != clean   # run order counts
+        for at in rng.choice([o + k for o, n in zip(offsets, lengths) for k in range(n)], 50, replace=False):
+            bit = np.uint8(1 << int(rng.integers(8)))
+            data[at] ^= bit
+            assert digest_of_runs(digest, [base], offsets, lengths) != clean, (digest, at)
+            data[at] ^= bit
+        assert digest_of_runs(digest, [base], offsets, lengths) == clean
 
 
 def test_bytes_flipped_after_they_landed_are_detected_every_time(pair):
@@ -99,6 +133,8 @@ def test_a_check_naming_bytes_outside_the_transfer_fails_it(pair):
     huge = m.LayerCheck(layers=every, offsets=[0], lengths=[1 << 60], crc_k=[0] * SHAPE.num_layers,
                         crc_v=[0] * SHAPE.num_layers)
     assert "malformed" in verify_check(local, [0], huge)
+    unknown = m.LayerCheck(layers=[0], offsets=[0], lengths=[1], crc_k=[0], crc_v=[0], digest="md4")
+    assert "digest 'md4' is none of crc32, xxh3_64" in verify_check(local, [0], unknown)
     for layers in ([1, 0], [0, 0], [SHAPE.num_layers], [-1]):
         bad = m.LayerCheck(layers=layers, offsets=[0], lengths=[1], crc_k=[0] * len(layers), crc_v=[0] * len(layers))
         assert "not ascending layers" in verify_check(local, [0], bad), layers

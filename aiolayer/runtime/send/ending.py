@@ -76,7 +76,8 @@ class TransferEnding:
         req.state.apply(Event.ALL_LAYERS_WRITTEN)
         check = None
         if self.integrity_sample:   # every write completed: the held source is what D must hold now
-            check = await asyncio.to_thread(sample_check, self.local, req.runs, req.spans, self.integrity_sample)
+            check = await asyncio.to_thread(sample_check, self.local, req.runs, req.spans, self.integrity_sample,
+                                            req.digest)
             self.integrity_checks += check is not None
         msg = m.Done(transfer_id=spec.transfer_id, sender=self.engine_id, incarnation=spec.dst_incarnation,
                      layers=len(req.timings), bytes=req.bytes, token=spec.token, check=check)

@@ -75,7 +75,7 @@ class Request:
     """One transfer on the loop: its step's layers, its state, and what its fence waits for."""
 
     __slots__ = ("spec", "runs", "spans", "feed", "cursor", "_waiter", "state", "timings", "bytes", "pending",
-                 "quiet")
+                 "quiet", "digest")
 
     def __init__(self, spec: TransferSpec, runs: BlockRuns | None, feed: StepLayers | None = None) -> None:
         self.spec = spec
@@ -89,6 +89,7 @@ class Request:
         self.bytes = 0
         self.pending: list[asyncio.Future[Any]] = []   # timed-out writes that may still land
         self.quiet = asyncio.Event()                   # set once no write of ours can be in flight
+        self.digest = "crc32"                          # the integrity digest D's layout offered (integrity.py)
 
     @property
     def aborted(self) -> str:

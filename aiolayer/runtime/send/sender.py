@@ -49,6 +49,7 @@ from .done_batch import DoneBatcher
 from .ending import TransferEnding
 from .events import device_recorder, record_event
 from .fence import MAX_EARLY_ABORTS, EarlyAborts, InboxEntry, Request, StepLayers, guarded
+from ..integrity import pick_digest
 from ..loop import Spawn, not_running
 from .metadata import LayoutCache
 from .results import Results
@@ -320,6 +321,7 @@ class Sender(TransferEnding):
                                                                 req.spec.writers), req.spec.dst_incarnation)
             local = self._local()
             req.spans = check_layout(local, req.spec, req.runs, layout)
+            req.digest = pick_digest(layout.digests)
             req.state.apply(Event.LAYOUT_READY)
             settled = await self.stream.stream(req, local, layout)
         except asyncio.CancelledError:
