@@ -12,7 +12,7 @@ vLLM's own connectors where they run here (``peers.py``). P and D sit on disjoin
 its own (``--pin``); the aggregated engine on the first.
 Every answer is checked against the aggregated engine's under greedy sampling: a row's requests that
 differ or fail are counted, never dropped. aiolayer's rows also check the bytes of every layer of every
-transfer (P's CRC32 against what landed at D, ``integrity_sample`` 1.0): an answer that drifts from the
+transfer (P's digest against what landed at D, ``integrity_sample`` 1.0): an answer that drifts from the
 aggregated one while every byte verified is numerics (bf16 is not batch-invariant on vLLM CPU), counted
 as such and not a failure; a byte mismatch, or a drift in a row whose bytes were not all verified, is.
 Writes ``engines.json`` and ``engines.png`` under ``--out``. ``--link-gbit``: the same rows with P and D
@@ -107,7 +107,7 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, mode: str = "layerwise
         transport = {"transport": {"bind_host": side.address}} if where.two_hosts else {}
         return connector(role, engine_id, port, **transport, **extra, **more)
 
-    sample = getattr(args, "integrity_sample", 1.0)   # P sends a CRC32 of every layer it wrote (at 1.0)
+    sample = getattr(args, "integrity_sample", 1.0)   # P sends a digest of every layer it wrote (at 1.0)
     p = where.p.engine(model, "prefill", p_core, args, env=env,
                        kv_transfer_config=config("kv_producer", "p", p_ctl, where.p, integrity_sample=sample))
     d = where.d.engine(model, "decode", d_core, args, env=env,
@@ -127,7 +127,7 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, mode: str = "layerwise
                 "the proxy's default: P and D at once, P's destination bound late where both engines can"
             how = {"flow": f"{flow}, through aiolayer proxy (a process)", "connector": "AiolayerConnector",
                    "transfer_mode": mode, "transport": f"Mooncake TCP, {where.label}",
-                   "byte_check": f"integrity_sample {sample:g} (1: every layer of every transfer, P's CRC32 against "
+                   "byte_check": f"integrity_sample {sample:g} (1: every layer of every transfer, P's digest against "
                                  "what landed at D)"}
             how["_p_modes"] = lambda: settled(p, SEND_MODES, 3.0)   # read (and popped) by the link sweep per cell
             yield via_url(proxy.url, model), how

@@ -331,6 +331,11 @@ class WorkerSide:
             return sending, recving, failed
         for outcome in self.runtime.pop_outcomes():
             self._timings.sent(outcome)
+            if outcome.ok and outcome.layers:   # P's side of "last layer -> DONE", by its own stamps
+                stage(outcome.transfer_id, "p_last_taken", max(t.submitted_s for t in outcome.layers))
+                stage(outcome.transfer_id, "p_landed", max(t.landed_s for t in outcome.layers))
+                stage(outcome.transfer_id, "p_settled", outcome.writes_settled_s)
+                stage(outcome.transfer_id, "p_done_acked", outcome.finished_s)
             if self._figures is not None:
                 self._figures.add(self._req_of.get(outcome.transfer_id), outcome)
             if not outcome.ok:
