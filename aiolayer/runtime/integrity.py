@@ -100,14 +100,14 @@ def verify_check(local: LocalLayout | None, block_ids: list[int], check: m.Layer
     problem = _check_shape(local, block_ids, check)
     if problem:
         return f"integrity: malformed check: {problem}"
-    runs = check.digest, check.offsets, check.lengths
-    got_k = digest_of_runs(runs[0], local.k_base[check.layers], *runs[1:])
-    got_v = digest_of_runs(runs[0], local.v_base[check.layers], *runs[1:]) if check.crc_v else []
+    digest, offsets, lengths = check.digest, check.offsets, check.lengths
+    got_k = digest_of_runs(digest, local.k_base[check.layers], offsets, lengths)
+    got_v = digest_of_runs(digest, local.v_base[check.layers], offsets, lengths) if check.crc_v else []
     for plane, want, got in (("K", check.crc_k, got_k), ("V", check.crc_v, got_v)):
         for layer, a, b in zip(check.layers, want, got):
             if a != b:
                 return (f"integrity: layer {layer} {plane}: the bytes that landed differ from what P wrote "
-                        f"({check.digest.upper()} {b:08x}, P's {a:08x})")
+                        f"({digest.upper()} {b:08x}, P's {a:08x})")
     return ""
 
 

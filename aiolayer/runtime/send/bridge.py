@@ -10,8 +10,8 @@ pays when it shares its core, so ticks every 1 ms through a 300 ms prefill would
 An item put with ``wake=True`` (a step's end: its last layer is waiting) cuts a lingering or polling
 consumer's nap short, so it is not left for up to a tick; one wake-up per step, not per layer.
 While a step's layers come at a steady rhythm (a prefill: one every ~20 ms here), ``LayerPace`` lets
-the consumer sleep through most of the gap to the next one instead of ticking through it: about two
-looks per layer instead of six, and the wait of a layer for its look stays within ``max_poll_s``.
+the consumer sleep through most of the gap to the next one instead of ticking through it: about 2.6
+looks per layer instead of six, while a layer waits for its look about as long as without it.
 If the consumer is dead the producer gets ``BridgeClosed`` at once;
 if it falls behind by ``capacity`` items, ``BridgeFull``.
 """
@@ -112,7 +112,6 @@ class LayerBridge:
             self._nap = None
 
     def next_tick(self, tick: float, found: bool) -> float:
-        # (after a look that found layers of an open step, LayerPace.after gives the tick instead)
         """The poll tick after a look: back to ``poll_s`` if it found something, else twice as long."""
         return self.poll_s if found else min(2 * tick, self.max_poll_s)
 
@@ -156,10 +155,9 @@ class LayerPace:
     ``count`` layers, the consumer may nap ``share`` of the time one layer took since the previous
     finding look, at most ``max_nap_s``; a nap that ends before the next layer is followed by the
     bridge's ticks from the shortest (``poll_s``, then doubling), so a layer waits for its look about
-    as long as without the pace. A nap only
-    ever shrinks where layers come faster (several found at once: their time is split), so a pace
-    learned from a slow step costs a fast one no more than a nap. The loop calls ``reset`` whenever no
-    step is open: the next step's rhythm is learned afresh."""
+    as long as without the pace. Where layers come faster the nap shrinks (several found at once split
+    the time), so a pace learned from a slow step costs a fast one no more than one nap. The loop calls
+    ``reset`` whenever no step is open: the next step's rhythm is learned afresh."""
 
     def __init__(self, poll_s: float, share: float = 0.9, max_nap_s: float = 0.05) -> None:
         self.poll_s, self.share, self.max_nap_s = poll_s, share, max_nap_s

@@ -331,7 +331,7 @@ class WorkerSide:
             return sending, recving, failed
         for outcome in self.runtime.pop_outcomes():
             self._timings.sent(outcome)
-            if outcome.ok and outcome.layers:   # P's side of "last layer -> DONE", by its own stamps
+            if outcome.ok and outcome.layers and log.isEnabledFor(logging.DEBUG):   # P's side of the timeline
                 stage(outcome.transfer_id, "p_last_taken", max(t.submitted_s for t in outcome.layers))
                 stage(outcome.transfer_id, "p_landed", max(t.landed_s for t in outcome.layers))
                 stage(outcome.transfer_id, "p_settled", outcome.writes_settled_s)
