@@ -47,17 +47,15 @@ class StepLayers:
         self.items.append(item)
         self._wake()
 
-    def take_inbox(self, now: float, observe: Callable[[float], None]) -> int:
+    def take_inbox(self, now: float, observe: Callable[[float], None]) -> bool:
         """Move what the forward appended to the inbox into ``items`` (the loop; popleft is atomic),
         observing each layer's wait in the inbox: a layer number came after the loop's previous look,
-        so its wait is at most ``now - looked``. How many layers there were."""
+        so its wait is at most ``now - looked``. Whether there was anything."""
         inbox, since, self.looked = self.inbox, self.looked, now
         if not inbox:
-            return 0
-        taken = 0
+            return False
         while inbox:
             entry = inbox.popleft()
-            taken += 1
             if isinstance(entry, int):
                 observe(now - since)
                 self.items.append((entry, READY, now))
@@ -65,7 +63,7 @@ class StepLayers:
                 observe(now - entry[2])
                 self.items.append(entry)
         self._wake()
-        return taken
+        return True
 
     def _wake(self) -> None:
         waiting, self.waiting = self.waiting, []
