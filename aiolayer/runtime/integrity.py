@@ -41,8 +41,10 @@ VERIFIES = [d for d in m.CHECK_DIGESTS if d != "crc32"]
 
 
 def pick_digest(offered: Iterable[str]) -> str:
-    """P: the fastest digest D's layout offers (an older D offers none: crc32)."""
-    return "xxh3_64" if "xxh3_64" in offered else "crc32"
+    """P: the last (fastest) of ``CHECK_DIGESTS`` that D's layout offers; crc32, which every D verifies,
+    where it offers none (an older D)."""
+    offered = set(offered)
+    return next((d for d in reversed(m.CHECK_DIGESTS) if d in offered), "crc32")
 
 
 def digest_of_runs(digest: str, bases: Iterable[int], offsets: Iterable[int], lengths: Iterable[int]) -> list[int]:
