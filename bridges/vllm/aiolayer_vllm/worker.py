@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,17 +33,10 @@ from .ranks import (Topology, rank_transfer_id, refused_d_ranks, routes_for_p, w
                     writers_of_d)
 from .stats import AiolayerStats, Observations, delta, totals
 from .threads import unpinned
+from .timeline import p_stages, stage
 from .wake import Waker
 
 log = logging.getLogger(__name__)
-
-
-def stage(transfer_id: str, name: str, at: float | None = None) -> None:
-    """Debug timeline: one line per stage of a transfer, in ``time.perf_counter`` seconds
-    (CLOCK_MONOTONIC on Linux: comparable across P, D and the proxy on one host), so that the time a
-    stage aiolayer owns takes can be read off the logs (tests/vllm_bridge/one_pair/test_stage_timeline.py does)."""
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug("timeline %s %s %.6f", transfer_id, name, time.perf_counter() if at is None else at)
 
 
 class WorkerSide:
@@ -331,11 +323,7 @@ class WorkerSide:
             return sending, recving, failed
         for outcome in self.runtime.pop_outcomes():
             self._timings.sent(outcome)
-            if outcome.ok and outcome.layers and log.isEnabledFor(logging.DEBUG):   # P's side of the timeline
-                stage(outcome.transfer_id, "p_last_taken", max(t.submitted_s for t in outcome.layers))
-                stage(outcome.transfer_id, "p_landed", max(t.landed_s for t in outcome.layers))
-                stage(outcome.transfer_id, "p_settled", outcome.writes_settled_s)
-                stage(outcome.transfer_id, "p_done_acked", outcome.finished_s)
+            p_stages(outcome)
             if self._figures is not None:
                 self._figures.add(self._req_of.get(outcome.transfer_id), outcome)
             if not outcome.ok:
