@@ -11,13 +11,26 @@ cores a 2,000-token request took 45 s through the proxy against 0.19 s on one en
 capped at 2 ms, 0.30 s (docs/results.md, ``make bench-vllm`` unpinned). Past the cap a reader sleeps until
 the writer's notification, vLLM's own idle path; the wake-up costs ~0.1 ms (p50 112 us, p90 215 us
 here, on a loaded box), paid only when two messages are more than the cap apart.
+
+That sleep can miss its wake-up. The writer's notification socket (PUB, send limit 1) drops a
+notification while the previous one is still in flight, and the reader's (SUB, conflated) keeps one: a
+reader that took the stale one for an earlier message sleeps on, with the next message already there,
+until vLLM's recheck, 5 s later (``SHM_READER_RECHECK_INTERVAL_MS``). Seen as ~5 s steps of P's DP
+ranks (each engine core and its worker both asleep, each waiting for the other) and ~5 s requests at
+random. Within ``BUSY_WINDOW_S`` of its last message a capped reader therefore sleeps at most
+``LOST_WAKEUP_CAP_MS`` per look (vLLM's read loop looks again after every wait), so a lost wake-up
+costs that much; an engine idle for longer sleeps as vLLM has it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 log = logging.getLogger(__name__)
+
+BUSY_WINDOW_S = 1.0         # vLLM's own spin window: a reader this close to its last message is in a busy phase
+LOST_WAKEUP_CAP_MS = 10     # the longest sleep per look then: what a lost notification costs
 
 
 def cap_spin(seconds: float) -> bool:
@@ -35,11 +48,13 @@ def cap_spin(seconds: float) -> bool:
         return True
     original = SpinCondition.wait
 
-    def wait(self, *args, **kwargs):
+    def wait(self, timeout_ms: int | None = None):
         cap = SpinCondition._aiolayer_spin_cap   # noqa: SLF001
         if getattr(self, "busy_loop_s", 0) > cap:   # the writers' is 0: only readers spin
             self.busy_loop_s = cap
-        return original(self, *args, **kwargs)
+        if time.monotonic() - getattr(self, "last_read", 0.0) < BUSY_WINDOW_S:
+            timeout_ms = LOST_WAKEUP_CAP_MS if timeout_ms is None else min(timeout_ms, LOST_WAKEUP_CAP_MS)
+        return original(self, timeout_ms=timeout_ms)
 
     SpinCondition.wait = wait
     log.info("aiolayer: vLLM's shm message-queue readers spin at most %g ms after a message", seconds * 1e3)
