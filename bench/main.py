@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from aiolayer.cli import HELP_FORMAT, Command
@@ -82,7 +83,16 @@ def bench_argv(words: list[str]) -> list[str]:
     return [DEFAULT, *words]
 
 
+def _unwind_on_sigterm() -> None:
+    """SIGTERM (a ``timeout``, a CI runner) unwinds the bench as Ctrl-C does, so that the engines, proxies
+    and network namespaces it started are stopped and deleted by their own clean-up, not left behind."""
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def run_bench(args: argparse.Namespace) -> int:
+    _unwind_on_sigterm()
     for key, value in MOONCAKE_ENV.items():
         os.environ.setdefault(key, value)
     if args.bench == "vllm":   # real engines: no torch, no simulated forward in this process
