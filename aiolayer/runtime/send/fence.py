@@ -47,15 +47,17 @@ class StepLayers:
         self.items.append(item)
         self._wake()
 
-    def take_inbox(self, now: float, observe: Callable[[float], None]) -> bool:
+    def take_inbox(self, now: float, observe: Callable[[float], None]) -> int:
         """Move what the forward appended to the inbox into ``items`` (the loop; popleft is atomic),
         observing each layer's wait in the inbox: a layer number came after the loop's previous look,
-        so its wait is at most ``now - looked``. Whether there was anything."""
+        so its wait is at most ``now - looked``. How many layers there were."""
         inbox, since, self.looked = self.inbox, self.looked, now
         if not inbox:
-            return False
+            return 0
+        taken = 0
         while inbox:
             entry = inbox.popleft()
+            taken += 1
             if isinstance(entry, int):
                 observe(now - since)
                 self.items.append((entry, READY, now))
@@ -63,7 +65,7 @@ class StepLayers:
                 observe(now - entry[2])
                 self.items.append(entry)
         self._wake()
-        return True
+        return taken
 
     def _wake(self) -> None:
         waiting, self.waiting = self.waiting, []

@@ -43,7 +43,7 @@ from ...protocol.codes import AckDetail, NackCode
 from ...protocol.plan import BlockRuns, HeadGeometry, check_block_bounds, check_geometry, merge_runs
 from ...protocol.state import Event
 from ...stats import LatencyHistogram
-from .bridge import LayerBridge
+from .bridge import LayerBridge, LayerPace
 from ..control.plane import ControlPeers
 from .done_batch import DoneBatcher
 from .ending import TransferEnding
@@ -92,6 +92,7 @@ class Sender(TransferEnding):
         self.bytes_sent = 0
         self.deadlines: collections.Counter[str] = collections.Counter()
         self.handoff = LatencyHistogram()
+        self.inbox_looks = 0   # the loop's looks into open steps' inboxes (its polling cost)
         self.stream = LayerStreamer(backend, timeouts, self.deadlines)
         self.dones = DoneBatcher(peers, timeouts)   # the DONEs of one pass of the loop, one frame per D
 
@@ -185,6 +186,7 @@ class Sender(TransferEnding):
         """Drain the bridge until it is closed; owned by the runtime's TaskGroup."""
         self._spawn = self.dones.spawn = spawn
         tick = self.bridge.poll_s
+        pace, napped = LayerPace(self.bridge.poll_s), False
         try:
             while True:
                 # while a step is open its layers come into its inbox without a wake-up: look every tick
@@ -196,16 +198,25 @@ class Sender(TransferEnding):
                         self._dispatch(item)
                     except Exception:  # one bad item must not end the sender
                         log.exception("sender: bridge item %.200r dropped", item)
-                tick = self.bridge.next_tick(tick, self._take_inboxes() or bool(batch))
+                now = time.perf_counter()
+                found = self._take_inboxes(now)
+                if found:
+                    tick, napped = pace.after(now, found), True
+                else:   # a nap that ended early of its layer: look again at the shortest tick, then back off
+                    tick = self.bridge.poll_s if napped else self.bridge.next_tick(tick, bool(batch))
+                    napped = False
+                if not self._steps:
+                    pace.reset()
         finally:
             self.bridge.close("sender stopped")
             self._fail_unstarted("sender stopped")
 
-    def _take_inboxes(self) -> bool:
-        """Every open step's inbox looked into; whether any held a layer."""
-        now, found = time.perf_counter(), False
+    def _take_inboxes(self, now: float) -> int:
+        """Every open step's inbox looked into; how many layers they held."""
+        self.inbox_looks += 1
+        found = 0
         for feed in self._steps.values():
-            found = feed.take_inbox(now, self.handoff.observe) or found
+            found += feed.take_inbox(now, self.handoff.observe)
         return found
 
     def _dispatch(self, item: tuple[Any, ...]) -> None:
