@@ -28,11 +28,6 @@ from ..errors import BackendError, TransferTimeout, WriteRefused
 # would spin a core. Yielding at once after progress (as before) spun a core while writes streamed,
 # taking it from Mooncake's own threads; a tick sees every run that ended since the last one.
 _POLL_TICK_S = 0.001
-# A tick that saw nothing settle doubles the next one, up to this; one that saw progress, or a new
-# write, brings it back to _POLL_TICK_S. On a slow link a layer's write is in flight for tens of
-# ms: ticking every ms there cost P's loop ~30 wake-ups per layer, on the core its forward runs on,
-# for a landing seen at most this much later.
-_MAX_POLL_TICK_S = 0.004
 # Timed-out writes only need to be seen ending, not fast: checking a backlog of them every tick
 # would keep a core busy (a refusing peer's backlog drains at ~5 writes per second).
 _QUARANTINE_POLL_S = 0.05
@@ -129,8 +124,6 @@ class GroupPoller:
         self._quarantine: dict[int, asyncio.Future] = {}     # timed out, may still land: id -> settled
         self._wake = asyncio.Event()                         # made again at start, on the loop
         self._quarantine_due = 0.0
-        self._progress = 0                                    # settles and new writes seen; the tick's reset
-        self.ticks = 0                                        # looks at the groups in flight
 
     @property
     def runs(self) -> int:
@@ -155,14 +148,11 @@ class GroupPoller:
         self._count(target, len(group.ids))
         if group.waiting:
             self._waiting.setdefault(target, collections.deque()).append(group)
-        self._progress += 1
         self._wake.set()
 
     def _count(self, target: str, runs: int) -> None:
         """``runs`` more (or fewer) in flight to ``target``."""
         self._runs += runs
-        if runs < 0:
-            self._progress += 1
         now = self._target_runs[target] + runs
         if now:
             self._target_runs[target] = now
@@ -178,17 +168,13 @@ class GroupPoller:
     async def run(self) -> None:
         """Check the groups in flight once per timer tick (the backend's task, until cancelled)."""
         loop = asyncio.get_running_loop()
-        tick, seen = _POLL_TICK_S, self._progress
         while True:
             if not self._groups and not self._quarantine:
                 self._wake.clear()
                 await self._wake.wait()
             self._check_all(loop.time())
-            self.ticks += 1
             if self._groups:
-                tick = _POLL_TICK_S if self._progress != seen else min(2 * tick, _MAX_POLL_TICK_S)
-                seen = self._progress
-                await asyncio.sleep(tick)
+                await asyncio.sleep(_POLL_TICK_S)
             else:   # only quarantined writes left: look rarely, but a new write wakes us at once
                 self._wake.clear()
                 try:
