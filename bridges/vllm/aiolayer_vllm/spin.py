@@ -48,13 +48,13 @@ def cap_spin(seconds: float) -> bool:
         return True
     original = SpinCondition.wait
 
-    def wait(self, timeout_ms: int | None = None):
+    def wait(self, timeout_ms: int | None = None, *args, **kwargs):
         cap = SpinCondition._aiolayer_spin_cap   # noqa: SLF001
         if getattr(self, "busy_loop_s", 0) > cap:   # the writers' is 0: only readers spin
             self.busy_loop_s = cap
         if time.monotonic() - getattr(self, "last_read", 0.0) < BUSY_WINDOW_S:
             timeout_ms = LOST_WAKEUP_CAP_MS if timeout_ms is None else min(timeout_ms, LOST_WAKEUP_CAP_MS)
-        return original(self, timeout_ms=timeout_ms)
+        return original(self, timeout_ms, *args, **kwargs)
 
     SpinCondition.wait = wait
     log.info("aiolayer: vLLM's shm message-queue readers spin at most %g ms after a message", seconds * 1e3)
