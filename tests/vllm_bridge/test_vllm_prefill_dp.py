@@ -49,7 +49,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 MAX_TOKENS = 8
 RANKS = ("0", "1")
 # P: a short write deadline, so that a rank waiting on a stalled write would show a step of that length, and
-# short waits after it: for the timed-out write to end (Mooncake ends it at 5 s, MC_ENV), then to tell D.
+# short waits after it: for P to stop waiting on the timed-out write (to a stopped D it stays pending in
+# Mooncake until D resumes: docs/mooncake.md), then to tell D.
 P_TIMEOUTS = {"layer_write": 4.0, "quarantine": 8.0, "control_call": 5.0, "done_delivery": 5.0, "layout_fetch": 20.0}
 D1_TIMEOUTS = {"receive": 90.0, "control_call": 5.0}
 D2_TIMEOUTS = {"receive": 15.0, "fence_grace": 8.0, "control_call": 5.0}
