@@ -202,7 +202,7 @@ class Sender(TransferEnding):
                 found = self._take_inboxes(now)
                 if found:
                     tick, napped = pace.after(now, found), True
-                else:   # a nap that ended early of its layer: look again at the shortest tick, then back off
+                else:   # a nap that ended before its layer came: look again at the shortest tick, then back off
                     tick = self.bridge.poll_s if napped else self.bridge.next_tick(tick, bool(batch))
                     napped = False
                 if not self._steps:
