@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import time
 
+from aiolayer import Outcome
+
 log = logging.getLogger("aiolayer_vllm.worker")   # the name the timeline has always been logged under
 
 
@@ -19,7 +21,7 @@ def stage(transfer_id: str, name: str, at: float | None = None) -> None:
         log.debug("timeline %s %s %.6f", transfer_id, name, time.perf_counter() if at is None else at)
 
 
-def p_stages(outcome) -> None:
+def p_stages(outcome: Outcome) -> None:
     """P's own stamps from a send's outcome: its last layer taken by the loop, landed, every write
     settled, DONE acknowledged. Computed only when logged."""
     if outcome.ok and outcome.layers and log.isEnabledFor(logging.DEBUG):
