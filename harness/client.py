@@ -151,8 +151,10 @@ async def acompletion(server: VllmServer | str, prompt: str | list[int] | list[d
                       kv_transfer_params: Mapping[str, Any] | None = None, stream: bool = False,
                       timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, ignore_eos: bool = True,
                       model: str | None = None, path: str = "/v1/completions",
-                      client: httpx.AsyncClient | None = None, **extra: Any) -> Completion:
-    """``completion`` for asyncio tests (many requests at once); the deadline is a hard asyncio one."""
+                      client: httpx.AsyncClient | None = None, headers: Mapping[str, str] | None = None,
+                      **extra: Any) -> Completion:
+    """``completion`` for asyncio tests (many requests at once); the deadline is a hard asyncio one.
+    ``headers``: sent with the request (a proxy's own, such as the transfer mode it should ask P for)."""
     import asyncio
 
     base, model = _target(server, model)
@@ -165,11 +167,11 @@ async def acompletion(server: VllmServer | str, prompt: str | list[int] | list[d
     async def run() -> Completion:
         t0 = time.monotonic()
         if not stream:
-            r = await client.post(base + path, json=body)
+            r = await client.post(base + path, json=body, headers=headers)
             _raise_for_status(r)
             return _from_body(r.json(), time.monotonic() - t0)
         acc = _StreamAccumulator(t0)
-        async with client.stream("POST", base + path, json=body) as r:
+        async with client.stream("POST", base + path, json=body, headers=headers) as r:
             if r.status_code >= 400:
                 await r.aread()
                 _raise_for_status(r)

@@ -5,18 +5,18 @@ P's engine runs in host A, D's in host B (``netns.two_hosts(management=True)``: 
 namespaces joined by a veth pair, shaped with tbf on both ends); their KV and control traffic
 crosses that link only (the connectors bound to the 10.S.0.x addresses), this process reaches their
 HTTP ports over the management links, and aiolayer's proxy runs in host A, beside P. The aggregated
-engine needs no link: it runs in this namespace. Each row's engines start once; for every cell (a
-rate, then a prompt length) the link is reshaped, one request warms the cell, and ``--prompts``
-requests are measured one at a time (no burst). Every prompt is new to every engine (a prefix-cache
-hit would skip the transfer), and every answer is checked against the aggregated engine's for the
-same prompt, as in ``run.py``; aiolayer's rows byte-check every layer of every transfer.
+engine needs no link: it runs in this namespace. Each row's engines start once (aiolayer's mode rows
+share one pair, their requests alternating: ``link_rows.py``); for every cell (a rate, then a prompt
+length) the link is reshaped, one request per row warms the cell, and ``--prompts`` requests per row
+are measured one at a time (no burst). Every prompt is new to every engine (a prefix-cache hit would
+skip the transfer), and every answer is checked against the aggregated engine's for the same prompt,
+as in ``run.py``; aiolayer's rows byte-check every layer of every transfer.
 Writes ``engines_link.json`` and ``engines_link.png`` (``link_plot.py``) under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 
 from aiolayer.harness import netns
+from .link_rows import MODE_ROWS, auto_choices, cell_key, lanes, measure_cell, prompt_sets, row_groups
 from .place import of_hosts
-from .run import SYSTEMS, _measure, _summary, bytes_verified, kv_bytes_per_token, model_spec, row_names, run_engines
+from .run import SYSTEMS, _summary, bytes_verified, kv_bytes_per_token, model_spec, row_names, run_engines
 from aiolayer.harness.tiny_model import long_prompt, tiny_model_dir
 
 PEERS = ("mooncake", "nixl")     # vLLM's own connectors: the heatmap's baseline
@@ -46,14 +47,18 @@ def label(gbit: float) -> str:
     return "unshaped" if gbit == 0 else f"{gbit:g} Gbit/s"
 
 
-def cell_texts(rates: list[float], lengths: list[int], prompts: int) -> dict[tuple[int, int], dict[str, list[str]]]:
-    """(rate index, length index) -> its warm-up and measured prompts, none repeated anywhere in the run."""
+def cell_texts(rates: list[float], lengths: list[int], prompts: int,
+               sets: int = 1) -> dict[tuple[int, int], list[dict[str, list[str]]]]:
+    """(rate index, length index) -> per prompt set (``link_rows.lanes``), its warm-up and measured prompts,
+    none repeated anywhere in the run."""
     out = {}
     for ri in range(len(rates)):
         for li, length in enumerate(lengths):
-            seed = 20_000 + 1_000 * ri + 100 * li
-            out[ri, li] = {"warmup": [long_prompt(length, seed=seed + 99)],
-                           "serial": [long_prompt(length, seed=seed + i) for i in range(prompts)]}
+            out[ri, li] = []
+            for k in range(sets):
+                seed = 20_000 + 100_000 * k + 1_000 * ri + 100 * li
+                out[ri, li].append({"warmup": [long_prompt(length, seed=seed + 99)],
+                                    "serial": [long_prompt(length, seed=seed + i) for i in range(prompts)]})
     return out
 
 
@@ -80,48 +85,86 @@ def tbf_drops(hosts) -> int:
         return -1
 
 
-def _cell(complete, texts: dict, args: argparse.Namespace, hosts, p_modes=None) -> tuple[list[dict], dict]:
-    """One warm-up, then the measured requests one at a time; with them the load average, the bytes per
+def _cell(completes: dict, cell_lanes: list[tuple[str, int]], texts: list[dict], args: argparse.Namespace,
+          hosts, p_modes=None) -> tuple[dict, dict]:
+    """One cell of a group of rows (``link_rows.measure_cell``); with it the load average, the bytes per
     request A sent on the link (the KV, which goes from P to D, and the control plane), tbf's drops and
     (aiolayer's rows: ``p_modes`` reads P's counters) how P sent them, warm-up included."""
     sent, dropped, before = link_bytes(hosts), tbf_drops(hosts), p_modes() if p_modes else {}
-    asyncio.run(_measure(complete, texts["warmup"], False, args.max_tokens))
-    serial = asyncio.run(_measure(complete, texts["serial"], False, args.max_tokens))
-    moved = (link_bytes(hosts) - sent) / (len(texts["warmup"]) + len(serial))
-    meta = {"loadavg_1m": round(os.getloadavg()[0], 2), "link_mb_per_request": round(moved / 1e6, 2),
+    results = measure_cell(completes, cell_lanes, texts, args)
+    requests = len(completes) + sum(len(r) for r in results.values())
+    meta = {"loadavg_1m": round(os.getloadavg()[0], 2),
+            "link_mb_per_request": round((link_bytes(hosts) - sent) / requests / 1e6, 2),
             "tbf_drops": tbf_drops(hosts) - dropped}
     if p_modes:
-        meta["modes"] = {k: int(v - before.get(k, 0)) for k, v in p_modes().items()}
-    return serial, meta
+        delta = {k: v - before.get(k, 0) for k, v in p_modes().items()}
+        meta["modes"] = auto_choices(delta, results) if len(completes) > 1 else {k: int(v) for k, v in delta.items()}
+    return results, meta
 
 
-def run_row(name: str, index: str, model: Path, args: argparse.Namespace, hosts, rates: list[float],
-            lengths: list[int], texts: dict) -> dict:
-    """One row's engines, started once, through every cell; a row that cannot start is reported as such."""
-    t0, cells, meta = time.monotonic(), {}, {}
+def _start(group: list[str], model: Path, args: argparse.Namespace):
+    """The engines of a group of rows: a row's own system, or (aiolayer's mode rows together) one pair
+    whose P chooses each send's mode unless the request names it."""
+    return SYSTEMS[group[0] if len(group) == 1 else "aiolayer-auto"](model, args)
+
+
+def _completes(group: list[str], complete, how: dict) -> dict:
+    if len(group) == 1:
+        return {group[0]: complete}
+    return {name: how["_complete_as"](MODE_ROWS[name]) for name in group}
+
+
+def _row_how(name: str, group: list[str], how: dict) -> dict:
+    if len(group) == 1:
+        return how
+    asked = MODE_ROWS[name]
+    return {**how, "transfer_mode": f"{asked}, asked by each request (x-aiolayer-transfer-mode)" if asked else "auto",
+            "engines": f"shared by the rows {', '.join(group)}, their requests alternating"}
+
+
+def run_group(group: list[str], index: str, model: Path, args: argparse.Namespace, hosts, rates: list[float],
+              lengths: list[int], texts: dict) -> list[dict]:
+    """One group's engines (``link_rows.row_groups``), started once, through every cell; one result per
+    row. A group that cannot start is reported as such, each of its rows."""
+    t0, sets = time.monotonic(), len(next(iter(texts.values())))
+    cell_lanes = lanes(group, sets)
+    cells: dict[str, dict] = {name: {} for name in group}
+    meta: dict[str, dict] = {name: {} for name in group}
+    title = "+".join(group)
     try:
-        with SYSTEMS[name](model, args) as (complete, how):
-            p_modes = how.pop("_p_modes", None)
-            print(f"{index} {name}: engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+        with _start(group, model, args) as (complete, how):
+            p_modes, completes = how.pop("_p_modes", None), _completes(group, complete, how)
+            how.pop("_complete_as", None)
+            print(f"{index} {title}: engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
             for ri, gbit in enumerate(rates):
                 hosts.shape(gbit or None)   # the aggregated engine uses no link: the rate changes nothing for it
                 for li, length in enumerate(lengths):
                     t1, key = time.monotonic(), f"{ri},{li}"
-                    cells[key], meta[key] = _cell(complete, texts[ri, li], args, hosts, p_modes)
-                    ttft = [r["ttft_ms"] for r in cells[key] if r.get("ttft_ms") is not None]
-                    p50 = f"TTFT p50 {statistics.median(ttft):.0f} p99 {p99(ttft):.0f} ms" if ttft else "no TTFT"
-                    ok = sum(1 for r in cells[key] if "error" not in r)   # 2 shared cores: the load says what else ran
-                    print(f"{index} {name} | {label(gbit)} | {length} tokens: {p50}, {ok}/{len(cells[key])} answered, "
-                          f"{meta[key]['link_mb_per_request']:.1f} MB A->B each, {meta[key]['tbf_drops']} tbf drops "
-                          f"({time.monotonic() - t1:.0f} s, load {meta[key]['loadavg_1m']})"
-                          + (f", modes {meta[key]['modes']}" if "modes" in meta[key] else ""),
-                          file=sys.stderr, flush=True)
+                    results, cell_meta = _cell(completes, cell_lanes, texts[ri, li], args, hosts, p_modes)
+                    for (name, k), answers in results.items():
+                        cells[name][cell_key(key, k if name == "aggregated" else 0)] = answers
+                    for name in group:
+                        meta[name][key] = cell_meta if name == "aiolayer-auto" or len(group) == 1 else \
+                            {k: v for k, v in cell_meta.items() if k != "modes"}
+                        _print_cell(f"{index} {name}", gbit, length, cells[name][key], meta[name][key],
+                                    time.monotonic() - t1)
     except Exception as exc:   # noqa: BLE001 - reported in the row, with its error; the others still run
-        print(f"{index} {name}: not run: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr, flush=True)
-        return {"row": name, "ran": False, "error": f"{type(exc).__name__}: {exc}"[:3000], "cells": cells,
-                "meta": meta}
-    return {"row": name, "ran": True, "how": how, "cells": cells, "meta": meta,
-            "wall_s": round(time.monotonic() - t0, 1)}
+        print(f"{index} {title}: not run: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr, flush=True)
+        return [{"row": name, "ran": False, "error": f"{type(exc).__name__}: {exc}"[:3000], "cells": cells[name],
+                 "meta": meta[name]} for name in group]
+    wall = round(time.monotonic() - t0, 1)
+    return [{"row": name, "ran": True, "how": _row_how(name, group, how), "cells": cells[name], "meta": meta[name],
+             "prompt_set": k if len(group) > 1 else 0, "wall_s": wall} for k, name in enumerate(group)]
+
+
+def _print_cell(title: str, gbit: float, length: int, answers: list[dict], meta: dict, took_s: float) -> None:
+    ttft = [r["ttft_ms"] for r in answers if r.get("ttft_ms") is not None]
+    p50 = f"TTFT p50 {statistics.median(ttft):.0f} p99 {p99(ttft):.0f} ms" if ttft else "no TTFT"
+    ok = sum(1 for r in answers if "error" not in r)   # 2 shared cores: the load says what else ran
+    print(f"{title} | {label(gbit)} | {length} tokens: {p50}, {ok}/{len(answers)} answered, "
+          f"{meta['link_mb_per_request']:.1f} MB A->B each, {meta['tbf_drops']} tbf drops "
+          f"({took_s:.0f} s, load {meta['loadavg_1m']})" + (f", modes {meta['modes']}" if "modes" in meta else ""),
+          file=sys.stderr, flush=True)
 
 
 def summarize(rows: list[dict], rates: list[float], lengths: list[int]) -> list[dict]:
@@ -138,7 +181,8 @@ def summarize(rows: list[dict], rates: list[float], lengths: list[int]) -> list[
             for li, length in enumerate(lengths):
                 key = f"{ri},{li}"
                 results = row["cells"].get(key, [])
-                reference = ref["cells"].get(key) if ref is not None and row is not ref else None
+                reference = ref["cells"].get(cell_key(key, row.get("prompt_set", 0))) \
+                    if ref is not None and row is not ref else None
                 s = _summary(results, reference, checked)
                 s["ttft_ms_p99"] = p99([r["ttft_ms"] for r in results if r.get("ttft_ms") is not None])
                 cells.append({"link_gbit": gbit, "prompt_tokens": length, **row["meta"].get(key, {}), **s})
@@ -243,19 +287,21 @@ def run_link(args: argparse.Namespace, names: list[str]) -> int:
     print(f"model: {spec.num_layers} layers x {spec.num_kv_heads} KV heads of {spec.head_dim}, {dtype}: "
           f"{per_token} B of KV per token; at 1 Gbit/s a {max(lengths)}-token prompt's KV takes "
           f"{per_token * max(lengths) * 8 / 1e6:.0f} ms", file=sys.stderr, flush=True)
-    texts, rows = cell_texts(rates, lengths, args.prompts), []
+    groups = row_groups(names, args.separate_engines)
+    texts, rows = cell_texts(rates, lengths, args.prompts, prompt_sets(groups)), []
     with netns.two_hosts(management=True) as hosts:
         args.place = of_hosts(hosts)
         namespaces = [hosts.a.ns, hosts.b.ns]
-        for i, name in enumerate(names):
-            rows.append(run_row(name, f"[{i + 1}/{len(names)}]", model, args, hosts, rates, lengths, texts))
+        for i, group in enumerate(groups):
+            rows += run_group(group, f"[{i + 1}/{len(groups)}]", model, args, hosts, rates, lengths, texts)
     args.place = None
     summary = summarize(rows, rates, lengths)
     basis, cells = ratios(summary)
     print_table(summary, rates, lengths, basis, cells)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config = {"link_gbit": rates, "prompt_lengths": lengths, "rows": names, "prompts_per_cell": args.prompts,
+    config = {"link_gbit": rates, "prompt_lengths": lengths, "rows": names, "engines": [list(g) for g in groups],
+              "prompts_per_cell": args.prompts,
               "warmup_per_cell": 1, "max_tokens": args.max_tokens, "layers": spec.num_layers,
               "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "kv_bytes_per_token": per_token,
               "cores": args.cores, "pin": args.pin, "eager": args.eager, "dtype": args.dtype, "namespaces": namespaces,

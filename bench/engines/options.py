@@ -31,6 +31,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "engines_link.json and engines_link.png. Default: one run on loopback")
     g.add_argument("--prompt-lengths", default="",
                    help="--link-gbit: prompt lengths in tokens (about), comma-separated; default --prompt-tokens")
+    g.add_argument("--separate-engines", action="store_true",
+                   help="--link-gbit: start engines per aiolayer row (default: aiolayer's mode rows share one pair, "
+                        "each request naming its mode, their requests alternating)")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="every engine's --dtype (auto: vLLM's default, bf16 on CPU); float32 doubles the KV per "
                         "token for about the same prefill, so the link weighs more")

@@ -38,6 +38,8 @@ from aiolayer.harness.procs import free_port, free_ports
 from aiolayer.harness.startup import running
 from aiolayer.harness.tiny_model import TinySpec, long_prompt, tiny_model_dir
 
+from aiolayer_vllm.proxy.flow import MODE_HEADER
+
 from . import peers
 from .options import engine
 from .place import of_args
@@ -75,11 +77,11 @@ def prompts(args: argparse.Namespace) -> dict[str, list[str]]:
 
 
 
-def via_url(url: str, model: Path):
+def via_url(url: str, model: Path, headers: dict[str, str] | None = None):
     """The completion call of a system that takes the request on one URL (an engine, a proxy)."""
     async def complete(text: str, max_tokens: int):
         return await acompletion(url, text, model=str(model), max_tokens=max_tokens, stream=True,
-                                 timeout_s=REQUEST_TIMEOUT_S)
+                                 timeout_s=REQUEST_TIMEOUT_S, headers=headers)
     return complete
 
 
@@ -130,6 +132,8 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, mode: str = "layerwise
                    "byte_check": f"integrity_sample {sample:g} (1: every layer of every transfer, P's digest against "
                                  "what landed at D)"}
             how["_p_modes"] = lambda: settled(p, SEND_MODES, 3.0)   # read (and popped) by the link sweep per cell
+            # requests that name their mode (the proxy's header): the link sweep's mode rows on one pair of engines
+            how["_complete_as"] = lambda asked: via_url(proxy.url, model, {MODE_HEADER: asked} if asked else None)
             yield via_url(proxy.url, model), how
             how["bytes"] = byte_checks(d)
             proxy_metrics = scrape_metrics(proxy.url)   # how P learned D's blocks, per request

@@ -3,6 +3,7 @@ namespaces over a tbf-shaped veth; every answer verified, the JSON and heatmap w
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 
 from aiolayer.harness import netns
 from aiolayer.bench.engines.link import cell_texts, p99
+from aiolayer.bench.engines.link_rows import auto_choices, cell_key, lanes, measure_cell, prompt_sets, row_groups
 
 
 def _bench(*argv: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -20,10 +22,43 @@ def _bench(*argv: str, timeout: float, env: dict | None = None) -> subprocess.Co
 
 
 def test_every_prompt_of_a_sweep_is_new_and_p99_is_the_slowest_of_few():
-    texts = cell_texts([1.0, 0.0], [64, 128], prompts=3)
-    every = [t for cell in texts.values() for phase in cell.values() for t in phase]
-    assert len(every) == len(set(every)) == 2 * 2 * 4   # a repeat would hit the prefix cache, skip the transfer
+    texts = cell_texts([1.0, 0.0], [64, 128], prompts=3, sets=2)
+    every = [t for cell in texts.values() for one_set in cell for phase in one_set.values() for t in phase]
+    assert len(every) == len(set(every)) == 2 * 2 * 2 * 4   # a repeat would hit the prefix cache, skip the transfer
     assert p99([3.0, 1.0, 2.0]) == 3.0 and p99([]) is None
+
+
+def test_the_mode_rows_share_engines_and_their_requests_alternate():
+    names = ["aggregated", "aiolayer", "mooncake", "aiolayer-bulk", "aiolayer-auto"]
+    groups = row_groups(names)
+    assert groups == [["aggregated"], ["aiolayer", "aiolayer-bulk", "aiolayer-auto"], ["mooncake"]]
+    assert row_groups(names, separate=True) == [[n] for n in names]
+    assert row_groups(["aggregated", "aiolayer", "mooncake"]) == [["aggregated"], ["aiolayer"], ["mooncake"]]
+    assert lanes(["aggregated"], prompt_sets(groups)) == [("aggregated", 0), ("aggregated", 1), ("aggregated", 2)]
+    assert lanes(groups[1], 3) == [("aiolayer", 0), ("aiolayer-bulk", 1), ("aiolayer-auto", 2)]
+    assert [cell_key("1,2", k) for k in (0, 2)] == ["1,2", "1,2/2"]
+
+    calls: list[str] = []
+
+    def complete_as(name: str):
+        async def complete(text: str, max_tokens: int):
+            calls.append(f"{name}:{text}")
+            raise RuntimeError("no engine")   # counted as the request's error; the order is what is tested
+        return complete
+
+    texts = [{"warmup": [f"w{k}"], "serial": [f"s{k}.{i}" for i in range(3)]} for k in range(2)]
+    two = [("aiolayer", 0), ("aiolayer-bulk", 1)]
+    results = measure_cell({n: complete_as(n) for n, _ in two}, two, texts, argparse.Namespace(max_tokens=2))
+    assert calls == ["aiolayer:w0", "aiolayer-bulk:w1", "aiolayer:s0.0", "aiolayer-bulk:s1.0",
+                     "aiolayer-bulk:s1.1", "aiolayer:s0.1", "aiolayer:s0.2", "aiolayer-bulk:s1.2"]
+    assert [len(results[lane]) for lane in two] == [3, 3] and "error" in results[two[0]][0]
+
+
+def test_auto_choices_are_what_p_sent_less_what_the_other_rows_asked_for():
+    ok, failed = {"ttft_ms": 1.0}, {"error": "x"}
+    results = {("aiolayer", 0): [ok, ok], ("aiolayer-bulk", 1): [ok, failed], ("aiolayer-auto", 2): [ok, ok]}
+    # P sent 3 + 3 layer-wise (the layer-wise row's warm-up and two; auto's warm-up and two) and the bulk row's 2
+    assert auto_choices({"layerwise": 6, "bulk": 2}, results) == {"layerwise": 3, "bulk": 0}
 
 
 def test_auto_is_compared_with_the_better_fixed_mode_in_each_cell(tmp_path):
@@ -69,16 +104,22 @@ def test_a_small_sweep_over_a_shaped_link_verifies_every_answer_and_leaves_no_na
     # It is also the two-host set-up docs/operations.md describes: each engine in its namespace bound to its
     # address there, the proxy beside P; a 127.0.0.1 leaked into an advertised address dials the wrong
     # namespace and fails the row. ~150 tokens: a prompt over two of vLLM's 128-token blocks.
-    r = _bench("--link-gbit", "1", "--prompt-lengths", "150", "--rows", "aggregated,aiolayer", "--layers", "2",
-               "--prompts", "2", "--max-tokens", "4", "--eager", "--out", str(tmp_path), timeout=560)
+    # The layer-wise and bulk rows share one pair of engines, each request naming its mode (the proxy's header).
+    r = _bench("--link-gbit", "1", "--prompt-lengths", "150", "--rows", "aggregated,aiolayer,aiolayer-bulk",
+               "--layers", "2", "--prompts", "2", "--max-tokens", "4", "--eager", "--out", str(tmp_path), timeout=560)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "aiolayer | 1 Gbit/s | 150 tokens: TTFT p50" in r.stderr   # a progress line per cell
     report = json.loads((tmp_path / "engines_link.json").read_text())
+    assert report["config"]["engines"] == [["aggregated"], ["aiolayer", "aiolayer-bulk"]]
     rows = {s["row"]: s for s in report["summary"]}
-    assert rows["aiolayer"]["ran"], rows["aiolayer"]
+    for name in ("aiolayer", "aiolayer-bulk"):
+        assert rows[name]["ran"], rows[name]
+        (cell,) = rows[name]["cells"]
+        assert (cell["link_gbit"], cell["prompt_tokens"]) == (1.0, 150)
+        assert (cell["verified"], cell["failed"], cell["differ"]) == (2, 0, 0), (name, cell)
+    # P sent each row's warm-up and two requests the way the request asked
+    assert rows["aiolayer-bulk"]["how"]["sends_by_mode"] == {"layerwise": 3, "bulk": 3}, rows["aiolayer-bulk"]["how"]
     (cell,) = rows["aiolayer"]["cells"]
-    assert (cell["link_gbit"], cell["prompt_tokens"]) == (1.0, 150)
-    assert (cell["verified"], cell["failed"], cell["differ"]) == (2, 0, 0), cell
     assert cell["ttft_ms_median"] > 0 and cell["ttft_ms_p99"] >= cell["ttft_ms_median"]
     assert "veth 10." in rows["aiolayer"]["how"]["transport"]
     kv_bytes = 150 * report["config"]["kv_bytes_per_token"]             # the KV crossed the namespaces' link

@@ -251,6 +251,25 @@ def test_authorization_and_request_id_reach_both_engines(stack):
     assert "cookie" not in p.headers[tid]        # only the two named headers go on
 
 
+def test_a_requested_transfer_mode_reaches_p_and_a_bad_one_is_a_400(stack):
+    proxy, p = stack["proxy"], stack["p"]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    with _client() as client:
+        for sent, want in (("bulk", "bulk"), ("LayerWise", "layerwise"), (None, None)):
+            reply = client.post(proxy.url + "/v1/completions", json={"prompt": "mode", "max_tokens": 2},
+                                headers={"X-Aiolayer-Transfer-Mode": sent} if sent else {})
+            assert reply.status_code == 200, reply.text
+            assert p.requests[-1]["kv_transfer_params"]["aiolayer"].get("transfer_mode") == want, p.requests[-1]
+        seen = len(p.requests)
+        for bad in ("auto", "fast", ""):
+            reply = client.post(proxy.url + "/v1/completions", json={"prompt": "mode"},
+                                headers={"X-Aiolayer-Transfer-Mode": bad})
+            assert reply.status_code == 400 and "x-aiolayer-transfer-mode" in reply.json()["error"]["message"], \
+                reply.text
+        assert len(p.requests) == seen, "a refused request reached P"
+    _wait_for(proxy.idle, 10, "every lease released")
+
+
 def test_ds_first_token_is_relayed_before_ps_reply_arrives(stack):
     """D decodes as soon as the KV is there; the client must not wait for P's own HTTP answer too."""
     proxy, p = stack["proxy"], stack["p"]

@@ -15,13 +15,17 @@ pytestmark = pytest.mark.timeout(120)
 engines = pytest.fixture(engines_fixture, name="engines")
 
 
-def _transfer(p, d, tid: str, prompt: list[int]) -> bool:
-    """One request P -> D; returns whether P sent it layer-wise. Ends when P freed its blocks (its
-    send's figures then went back to its scheduler) and D's KV landed."""
+def _transfer(p, d, tid: str, prompt: list[int], requested: str = "") -> bool:
+    """One request P -> D (``requested``: the mode the request itself asks for); returns whether P sent
+    it layer-wise. Ends when P freed its blocks (its send's figures then went back to its scheduler)
+    and D's KV landed."""
     d.add("d-" + tid, prompt, 2, {"aiolayer": {"transfer_id": tid, "token": tok(tid),
                                               "prefill_controls": [p.runtime.control_endpoint]}})
     d.step()
-    p.add("p-" + tid, prompt, 1, send_params(d, tid, lookup(p, d, tid)))
+    params = send_params(d, tid, lookup(p, d, tid))
+    if requested:
+        params["aiolayer"]["transfer_mode"] = requested
+    p.add("p-" + tid, prompt, 1, params)
     out = p.step(before_save=layer_pattern(p, "p-" + tid))
     (send,) = out.kv_connector_metadata.sends
     steps_until(lambda: "p-" + tid not in p.scheduler.requests, p)
@@ -46,6 +50,19 @@ def test_auto_tries_both_modes_then_chooses_from_what_the_sends_measured(engines
     counted = {k: sum(stats.data.get(k, 0) for _, stats in p.reports if stats)   # vLLM's stats, per mode
                for k in ("sends_layerwise", "sends_bulk")}
     assert counted == {"sends_layerwise": modes.count(True), "sends_bulk": modes.count(False)}, counted
+
+
+def test_a_request_that_names_its_mode_is_sent_so_and_does_not_teach_auto(engines):
+    d = engines("kv_consumer", "d-asked")
+    p = engines("kv_producer", "p-asked", extra={"transfer_mode": "auto"})
+    prompt = list(range(3, 103))
+    # auto's first send would be layer-wise (nothing measured yet): the request's own mode wins
+    assert [_transfer(p, d, f"a{i}", prompt, mode) for i, mode in enumerate(("bulk", "layerwise", "bulk"))] \
+        == [False, True, False]
+    assert _policy(p).chooser.snapshot()["s_per_step_token"] == {}, "a requested mode's figures reached auto"
+    assert _transfer(p, d, "a3", prompt) is True   # auto's own first choice, as on a fresh engine
+    learned = _policy(p).chooser.snapshot()["s_per_step_token"]
+    assert learned and all(key.startswith("layerwise@") for key in learned), learned
 
 
 def test_fixed_modes_report_nothing_back():

@@ -4,7 +4,9 @@ With ``auto`` the scheduler asks ``aiolayer.protocol.mode.ModeChooser`` before e
 what each finished send measured. The measurements come from P's workers: each finished send's
 per-layer times, reduced to a few numbers (``SendFigures``), travel back with vLLM's worker-to-scheduler
 metadata (``build_connector_worker_meta``, aggregated across workers by vLLM), and the scheduler joins
-them to what it chose for that request. Nothing here waits or does I/O.
+them to what it chose for that request. A request that names its own mode (``SendParams.transfer_mode``,
+the proxy's ``x-aiolayer-transfer-mode`` header) is sent that way whatever the engine's mode. Nothing here
+waits or does I/O.
 """
 
 from __future__ import annotations
@@ -89,7 +91,13 @@ class ModePolicy:
         self._chosen: collections.OrderedDict[str, _Chosen] = collections.OrderedDict()
         self._last: dict[int, str] = {}    # step bucket -> the mode chosen last: a change is logged
 
-    def layerwise(self, req_id: str, *, step_tokens: int, prompt_tokens: int, dest: str) -> bool:
+    def layerwise(self, req_id: str, *, step_tokens: int, prompt_tokens: int, dest: str, requested: str = "") -> bool:
+        """Whether this send goes layer-wise. ``requested`` (the request's own ``transfer_mode``) wins; such a
+        send is not auto's choice, so its figures are not observed: auto chooses alike whatever other
+        clients ask for."""
+        if requested:
+            log.debug("request %s: %s (asked for by the request)", req_id, requested)
+            return requested == LAYERWISE
         if self.chooser is None:
             if self.transfer_mode == BULK:
                 return False

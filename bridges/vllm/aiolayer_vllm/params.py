@@ -11,8 +11,9 @@ To P (remote decode), once every D rank registered (D first), ``SendParams``: ``
 str, "dst_blocks": [int], "first_block": int, "decode_ranks": [{"decode_control": "tcp://...",
 "dst_incarnation": str}, ...], "prefill_tp": int}``: D's ranks in rank order (the blocks are the same
 on every rank: one scheduler allocates them) and the P tensor-parallel size the plan assumed (0 = not
-said; P refuses to send when its own differs, telling D at once). With late binding P gets, at the same
-time as D, ``SendParams`` with ``"late": true`` and no ``dst_blocks``/``first_block``/``dst_incarnation``:
+said; P refuses to send when its own differs, telling D at once) and, where the client asked for one,
+``"transfer_mode"`` ("layerwise" or "bulk", overriding P's configured mode for this request). With
+late binding P gets, at the same time as D, ``SendParams`` with ``"late": true`` and no ``dst_blocks``/``first_block``/``dst_incarnation``:
 each P transfer asks its D rank for them (a waiting ``LookupRequest``). Ranks are always lists, one entry
 for an engine without tensor parallelism. Transfer ids are the proxy's own, never derived from vLLM's
 request ids. The token is a secret the proxy mints per transfer (``secrets.token_hex(16)``) and gives
@@ -26,7 +27,7 @@ play both roles (``kv_both``). Anything else is ``InvalidParams`` with a message
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
@@ -76,6 +77,9 @@ def check_url(value: str, field: str) -> None:
 
 
 MAX_RANKS = 1024
+# a mode a request may ask P for, overriding P's ``transfer_mode`` ("": P's own)
+RequestedMode = Literal["", "layerwise", "bulk"]
+REQUESTED_MODES: dict[str, RequestedMode] = {"layerwise": "layerwise", "bulk": "bulk"}
 Ranks = Annotated[int, Meta(ge=1, le=MAX_RANKS)]
 Rank = Annotated[int, Meta(ge=0, lt=MAX_RANKS)]
 BlockIds = Annotated[list[BlockId], Meta(min_length=1, max_length=MAX_BLOCKS)]
@@ -131,6 +135,9 @@ class SendParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # P refuses to send when its own differs. 0 = not said: not checked.
     prefill_tp: Annotated[int, Meta(ge=0, le=MAX_RANKS)] = 0
     late: bool = False
+    # how P sends this request's KV, where its client asked (the proxy's ``x-aiolayer-transfer-mode``
+    # header); "" = P's own ``transfer_mode``
+    transfer_mode: RequestedMode = ""
 
     def check(self) -> None:
         """The two forms apart (``read`` calls it; ValueError): late names no destination, D-first all of it.
@@ -142,18 +149,22 @@ class SendParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             raise ValueError("dst_blocks and every rank's dst_incarnation are required (or late: true)")
 
     @classmethod
-    def late_for(cls, transfer_id: str, token: str, decode_controls: list[str], prefill_tp: int) -> SendParams:
+    def late_for(cls, transfer_id: str, token: str, decode_controls: list[str], prefill_tp: int,
+                 transfer_mode: RequestedMode = "") -> SendParams:
         """What P is told at the same time as D (late binding): D's ranks' control endpoints only."""
         return cls(transfer_id=transfer_id, token=token, late=True, prefill_tp=prefill_tp,
-                   decode_ranks=[DecodeRank(decode_control=c) for c in decode_controls])
+                   decode_ranks=[DecodeRank(decode_control=c) for c in decode_controls],
+                   transfer_mode=transfer_mode)
 
     @classmethod
-    def for_registrations(cls, regs: list[DecodeRegistration], prefill_tp: int) -> SendParams:
+    def for_registrations(cls, regs: list[DecodeRegistration], prefill_tp: int,
+                          transfer_mode: RequestedMode = "") -> SendParams:
         """What P is told once every one of D's ranks registered (``regs`` in rank order, agreeing)."""
         first = regs[0].registration
         return cls(transfer_id=regs[0].transfer_id, token=first.token, dst_blocks=list(first.block_ids),
                    first_block=first.first_block, prefill_tp=prefill_tp,
-                   decode_ranks=[r.decode_rank for r in regs])
+                   decode_ranks=[r.decode_rank for r in regs],
+                   transfer_mode=transfer_mode)
 
 
 class DecodeRegistration(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

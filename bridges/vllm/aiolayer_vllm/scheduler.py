@@ -185,7 +185,8 @@ class SchedulerSide:
             self._sent[req_id] = send.transfer_id
             layerwise = self._modes.layerwise(req_id, step_tokens=scheduler_output.total_num_scheduled_tokens,
                                               prompt_tokens=request.num_prompt_tokens,
-                                              dest=send.decode_ranks[0].decode_control)
+                                              dest=send.decode_ranks[0].decode_control,
+                                              requested=send.transfer_mode)
             out.append(SendReq(req_id, send, src, dst, refused=refused, src_from=src_from, layerwise=layerwise))
         return out
 

@@ -25,7 +25,7 @@ from aiolayer import ControlPeers, RuntimeStateError
 
 from ..params import InvalidParams, read_registration
 from .failures import ExchangeError, answered_error, call_failed, error_event
-from .flow import BINDINGS, Exchange, ProxyTimeouts, check_body, forwarded_headers
+from .flow import BINDINGS, Exchange, ProxyTimeouts, check_body, forwarded_headers, requested_mode
 from .metrics import CONTENT_TYPE, ProxyMetrics
 from .pool import NoBackend, Pool
 from .tracing import Tracing
@@ -145,11 +145,12 @@ class ProxyState:
             return await self._answer(error, scope, receive, send)
         try:
             check_body(body)
+            mode = requested_mode(scope["headers"])
             prefill, decode = self.pool.pick("prefill"), self.pool.pick("decode")
         except (ExchangeError, NoBackend) as exc:
             failed = exc if isinstance(exc, ExchangeError) else ExchangeError(503, "no_backend", str(exc))
             return await self._answer(self._error(failed, headers.get("x-request-id")), scope, receive, send)
-        exchange = Exchange(self, path, body, prefill, decode, headers)   # leases both
+        exchange = Exchange(self, path, body, prefill, decode, headers, mode)   # leases both
         span = self.tracing.start(headers, path, exchange.started)
         if span is not None:   # P and D see the proxy's span as their parent
             exchange.headers.update(span.trace_headers())

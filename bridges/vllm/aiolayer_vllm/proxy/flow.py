@@ -30,7 +30,7 @@ from aiolayer.errors import AiolayerError, ControlRejected
 from aiolayer.protocol import messages as m
 from aiolayer.protocol.codes import NackCode
 
-from ..params import KEY, DecodeRegistration, RecvParams, SendParams
+from ..params import KEY, REQUESTED_MODES, DecodeRegistration, RecvParams, RequestedMode, SendParams
 from ..ranks import rank_transfer_id
 from .failures import ExchangeError, answered_error, call_failed
 from .pool import Backend, Lease
@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 # Passed on to P and D as the client sent them: vLLM servers started with --api-key check the first,
 # and the second ties the engines' logs to the client's request.
 FORWARDED_HEADERS = ("authorization", "x-request-id", "traceparent", "tracestate")   # the last two: W3C trace context
+# How P sends this request's KV, where the client wants a fixed mode rather than P's ``transfer_mode``
+# (a benchmark comparing the modes on one pair of engines, a request known to be short or long)
+MODE_HEADER = "x-aiolayer-transfer-mode"
 
 
 def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
@@ -77,6 +80,19 @@ def binds_late(binding: str, prefill: Learned | None, decode: Learned | None) ->
         and prefill.late_binding
 
 
+def requested_mode(raw: list[tuple[bytes, bytes]]) -> RequestedMode:
+    """The client's ``MODE_HEADER`` from an ASGI scope's ``headers``: "" without one; a 400 for another
+    value than "layerwise" or "bulk" (or two different ones)."""
+    values = {value.decode("latin-1").strip().lower() for name, value in raw
+              if name.decode("latin-1").lower() == MODE_HEADER}
+    if not values:
+        return ""
+    mode = REQUESTED_MODES.get(values.pop()) if len(values) == 1 else None
+    if mode is None:
+        raise ExchangeError(400, "invalid_request", f"{MODE_HEADER} must be one of {', '.join(REQUESTED_MODES)}")
+    return mode
+
+
 def check_body(body) -> None:
     """Refuse, at the boundary, a request the D-first flow cannot serve correctly (400, nothing sent)."""
     if not isinstance(body, dict):
@@ -105,8 +121,9 @@ class Exchange:
     """Drives one request through D then P; its owner runs ``close`` in a ``finally``."""
 
     def __init__(self, state, path: str, body: dict, prefill: Backend, decode: Backend,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, transfer_mode: RequestedMode = "") -> None:
         self.state, self.path, self.body = state, path, body
+        self.transfer_mode = transfer_mode   # "" = P's own
         self.headers = dict(headers or {})
         self.prefill, self.decode = prefill, decode
         self.p_controls = prefill.controls   # P's TP ranks as learned now: D's and P's plans must agree
@@ -154,10 +171,15 @@ class Exchange:
         body["max_tokens"] = 1
         # prefill_tp: the P ranks D was told of; P checks its own TP size against it
         if regs is None:   # late: D's ranks by endpoint; each P transfer asks its D rank for the blocks
-            params = SendParams.late_for(self.transfer_id, self.token, self.d_controls, len(self.p_controls))
+            params = SendParams.late_for(self.transfer_id, self.token, self.d_controls, len(self.p_controls),
+                                         self.transfer_mode)
         else:
-            params = SendParams.for_registrations(regs, prefill_tp=len(self.p_controls))
-        body["kv_transfer_params"] = {KEY: msgspec.to_builtins(params)}
+            params = SendParams.for_registrations(regs, prefill_tp=len(self.p_controls),
+                                                  transfer_mode=self.transfer_mode)
+        wire = msgspec.to_builtins(params)
+        if not self.transfer_mode:   # named only where asked for: a P of an older release refuses unknown fields
+            del wire["transfer_mode"]
+        body["kv_transfer_params"] = {KEY: wire}
         return body
 
     async def open_decode(self) -> httpx.Response:
