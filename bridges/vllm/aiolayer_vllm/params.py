@@ -13,11 +13,12 @@ str, "dst_blocks": [int], "first_block": int, "decode_ranks": [{"decode_control"
 on every rank: one scheduler allocates them) and the P tensor-parallel size the plan assumed (0 = not
 said; P refuses to send when its own differs, telling D at once) and, where the client asked for one,
 ``"transfer_mode"`` ("layerwise" or "bulk", overriding P's configured mode for this request). With
-late binding P gets, at the same time as D, ``SendParams`` with ``"late": true`` and no ``dst_blocks``/``first_block``/``dst_incarnation``:
-each P transfer asks its D rank for them (a waiting ``LookupRequest``). Ranks are always lists, one entry
-for an engine without tensor parallelism. Transfer ids are the proxy's own, never derived from vLLM's
-request ids. The token is a secret the proxy mints per transfer (``secrets.token_hex(16)``) and gives
-only to this transfer's D and P: D refuses layout requests and DONE/FAILED without it.
+late binding P gets, at the same time as D, ``SendParams`` with ``"late": true`` and no
+``dst_blocks``/``first_block``/``dst_incarnation``: each P transfer asks its D rank for them (a waiting
+``LookupRequest``). Ranks are always lists, one entry for an engine without tensor parallelism.
+Transfer ids are the proxy's own, never derived from vLLM's request ids. The token is a secret the
+proxy mints per transfer (``secrets.token_hex(16)``) and gives only to this transfer's D and P: D
+refuses layout requests and DONE/FAILED without it.
 
 A request's parameters come from a client: ``read`` validates them whole (types, ranges, ASCII ids
 and endpoints, no unknown field) and tells the two shapes apart by their fields, so one engine can
