@@ -146,8 +146,9 @@ def run_group(group: list[str], index: str, model: Path, args: argparse.Namespac
                     for name in group:
                         meta[name][key] = cell_meta if name == "aiolayer-auto" or len(group) == 1 else \
                             {k: v for k, v in cell_meta.items() if k != "modes"}
+                        more = sum(len(a) for (n, k), a in results.items() if n == name and k)   # the other sets
                         _print_cell(f"{index} {name}", gbit, length, cells[name][key], meta[name][key],
-                                    time.monotonic() - t1)
+                                    time.monotonic() - t1, more)
     except Exception as exc:   # noqa: BLE001 - reported in the row, with its error; the others still run
         print(f"{index} {title}: not run: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr, flush=True)
         return [{"row": name, "ran": False, "error": f"{type(exc).__name__}: {exc}"[:3000], "cells": cells[name],
@@ -157,11 +158,14 @@ def run_group(group: list[str], index: str, model: Path, args: argparse.Namespac
              "prompt_set": k if len(group) > 1 else 0, "wall_s": wall} for k, name in enumerate(group)]
 
 
-def _print_cell(title: str, gbit: float, length: int, answers: list[dict], meta: dict, took_s: float) -> None:
+def _print_cell(title: str, gbit: float, length: int, answers: list[dict], meta: dict, took_s: float,
+                more: int = 0) -> None:
+    """A cell's progress line; ``more``: answers to other rows' prompts (the aggregated engine), not in its figures."""
     ttft = [r["ttft_ms"] for r in answers if r.get("ttft_ms") is not None]
     p50 = f"TTFT p50 {statistics.median(ttft):.0f} p99 {p99(ttft):.0f} ms" if ttft else "no TTFT"
     ok = sum(1 for r in answers if "error" not in r)   # 2 shared cores: the load says what else ran
-    print(f"{title} | {label(gbit)} | {length} tokens: {p50}, {ok}/{len(answers)} answered, "
+    print(f"{title} | {label(gbit)} | {length} tokens: {p50}, {ok}/{len(answers)} answered"
+          + (f" (+{more} to the other rows' prompts)" if more else "") + ", "
           f"{meta['link_mb_per_request']:.1f} MB A->B each, {meta['tbf_drops']} tbf drops "
           f"({took_s:.0f} s, load {meta['loadavg_1m']})" + (f", modes {meta['modes']}" if "modes" in meta else ""),
           file=sys.stderr, flush=True)
