@@ -153,15 +153,16 @@ class MooncakeBackend:
         if target not in self._opened_targets or self._openers or self._thread.busy:   # _submits_block
             return None
         loop = asyncio.get_running_loop()
-        group = Group(loop.create_future(), loop.time() + timeout, timeout, target)
-        self._submit_all(target, group, src.tolist(), dst.tolist(), lengths.tolist(), 0)
+        lens = lengths.tolist()
+        group = Group(loop.create_future(), loop.time() + timeout, timeout, target, sum(lens))
+        self._submit_all(target, group, src.tolist(), dst.tolist(), lens, 0)
         self._settle_or_watch(target, group)
         return group.future
 
     async def _open_and_submit(self, target: str, srcs: list, dsts: list, lens: list,
                                timeout: float) -> asyncio.Future:
         loop = asyncio.get_running_loop()
-        group = Group(loop.create_future(), loop.time() + timeout, timeout, target)
+        group = Group(loop.create_future(), loop.time() + timeout, timeout, target, sum(lens))
         first = 0
         if target not in self._opened_targets and lens and target in self._openers:
             await self._wait_opened(target, group.deadline, timeout, loop)   # submits nothing until then

@@ -1,0 +1,71 @@
+"""The Mooncake poller's nap (``mooncake_poll.WritePace``, ``GroupPoller._tick``): across a slow link a
+layer's write takes tens of ms, and the poller sleeps through most of what is left of it rather than
+waking every 1 ms on the core the forward runs on; it still ticks where it cannot tell (no rate yet,
+runs waiting for room, a deadline near). The effect on real engines: docs/results.md."""
+
+from __future__ import annotations
+
+import heapq
+
+import pytest
+
+from aiolayer.backends.mooncake_poll import _MAX_NAP_S, _POLL_TICK_S, Group, GroupPoller, WritePace
+
+MB = 1_000_000
+
+
+def _group(target: str, nbytes: int, watched: float, deadline: float = 100.0) -> Group:
+    group = Group(None, deadline, 30.0, target, nbytes)   # type: ignore[arg-type]  # the future is not used here
+    group.watched = watched
+    return group
+
+
+def test_a_write_is_due_after_its_bytes_at_the_rate_its_target_settled_at():
+    pace = WritePace()
+    first = _group("d", 4 * MB, watched=0.0)
+    assert pace.due(first) is None                 # no rate measured yet
+    pace.settled(first, 0.040)                     # 4 MB in 40 ms: 100 MB/s
+    alone = _group("d", 2 * MB, watched=1.0)       # sent after an idle second: timed from its own start
+    assert pace.due(alone) == pytest.approx(1.020)
+    queued = _group("d", 4 * MB, watched=0.010)    # behind the first: timed from the first's settling
+    assert pace.due(queued) == pytest.approx(0.080)
+    assert pace.due(_group("other", MB, watched=0.0)) is None   # rates are per target
+    pace.settled(_group("d", 4 * MB, watched=0.040), 0.060)     # 200 MB/s now: the estimate moves halfway
+    assert pace.due(_group("d", 3 * MB, watched=0.060)) == pytest.approx(0.080)
+
+
+def _poller_with(*groups: Group) -> GroupPoller:
+    poller = GroupPoller()
+    for group in groups:
+        poller._inflight.setdefault(group.target, []).append(group)
+        heapq.heappush(poller._deadlines, (group.deadline, id(group), group))
+    return poller
+
+
+def test_the_poller_naps_through_most_of_a_long_write_and_ticks_near_its_end():
+    measured = _group("d", 4 * MB, watched=0.0)
+    head = _group("d", 4 * MB, watched=0.040)      # due at 0.080 once the rate is 100 MB/s
+    poller = _poller_with(head)
+    assert poller._tick(0.040) == _POLL_TICK_S     # no rate for its target yet
+    poller.pace.settled(measured, 0.040)
+    assert poller._tick(0.041) == _MAX_NAP_S       # 39 ms left: the longest nap
+    assert poller._tick(0.068) == pytest.approx(0.8 * 0.012)
+    assert poller._tick(0.076) == _POLL_TICK_S     # nearly due: tick, so it is seen as soon as it lands
+    assert poller._tick(0.200) == _POLL_TICK_S     # overdue: tick
+    assert poller.naps == 2
+    short = _poller_with(_group("d", 800_000, watched=0.040))   # 8 ms of write: only ticked (loopback)
+    short.pace.settled(measured, 0.040)
+    assert short._tick(0.040) == _POLL_TICK_S and short.naps == 0
+
+
+def test_the_poller_ticks_where_a_nap_could_miss_something():
+    poller = _poller_with(_group("d", 4 * MB, watched=0.040, deadline=0.053))
+    poller.pace.settled(_group("d", 4 * MB, watched=0.0), 0.040)
+    assert poller._tick(0.041) == pytest.approx(0.8 * 0.012)   # never past a deadline (12 ms away)
+    waiting = _poller_with(_group("d", 4 * MB, watched=0.040))
+    waiting.pace.settled(_group("d", 4 * MB, watched=0.0), 0.040)
+    waiting._waiting["d"] = None                   # type: ignore[assignment]  # runs waiting for room: top-ups need ticks
+    assert waiting._tick(0.041) == _POLL_TICK_S
+    two = _poller_with(_group("d", 4 * MB, watched=0.040), _group("new", MB, watched=0.040))
+    two.pace.settled(_group("d", 4 * MB, watched=0.0), 0.040)
+    assert two._tick(0.041) == _POLL_TICK_S        # one target without a rate: tick for it
