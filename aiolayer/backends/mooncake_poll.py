@@ -44,9 +44,9 @@ MAX_RUNS_PER_TARGET = 16384
 # poller naps through this share of what is left of it instead of ticking: across a slow link a layer's
 # write takes tens of ms, and each tick is a wake-up on the core the forward runs on (at 1 Gbit/s the
 # loop's CPU went down by ~15%, docs/results.md). The last few ms are ticked as before, so a write is
-# seen settled as soon as without the nap. Writes due sooner than ``_NAP_FROM_S`` are only ticked: on loopback (`make
-# bench`, ~4 ms per layer) naps from 5 ms on lowered the streamed layers' rate by ~0.06 of raw
-# Mooncake's; from 10 ms on it takes none there.
+# seen settled as soon as without the nap. Writes due sooner than ``_NAP_FROM_S`` are only ticked: on
+# loopback (`make bench`, ~4 ms per layer) naps from 5 ms on lowered the streamed layers' rate by ~0.06
+# of raw Mooncake's; from 10 ms on it takes none there.
 _NAP_SHARE = 0.8
 _NAP_FROM_S = 0.01
 _MAX_NAP_S = 0.01
@@ -170,7 +170,7 @@ class GroupPoller:
         self._wake = asyncio.Event()                         # made again at start, on the loop
         self._quarantine_due = 0.0
         self.pace = WritePace()
-        self.naps = 0                                         # ticks skipped by a nap (a write not yet due)
+        self.naps = 0                                         # naps taken instead of a tick (a write not yet due)
 
     @property
     def runs(self) -> int:

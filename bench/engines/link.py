@@ -143,10 +143,10 @@ def run_group(group: list[str], index: str, model: Path, args: argparse.Namespac
                     results, cell_meta = _cell(completes, cell_lanes, texts[ri, li], args, hosts, p_modes)
                     for (name, k), answers in results.items():
                         cells[name][cell_key(key, k if name == "aggregated" else 0)] = answers
-                    for name in group:
+                    for name in group:   # what P chose is the auto row's (``auto_choices``)
                         meta[name][key] = cell_meta if name == "aiolayer-auto" or len(group) == 1 else \
-                            {k: v for k, v in cell_meta.items() if k != "modes"}
-                        more = sum(len(a) for (n, k), a in results.items() if n == name and k)   # the other sets
+                            {field: v for field, v in cell_meta.items() if field != "modes"}
+                        more = sum(len(a) for (row, other), a in results.items() if row == name and other)
                         _print_cell(f"{index} {name}", gbit, length, cells[name][key], meta[name][key],
                                     time.monotonic() - t1, more)
     except Exception as exc:   # noqa: BLE001 - reported in the row, with its error; the others still run
