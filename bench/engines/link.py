@@ -8,9 +8,10 @@ HTTP ports over the management links, and aiolayer's proxy runs in host A, besid
 engine needs no link: it runs in this namespace. Each row's engines start once (aiolayer's mode rows
 share one pair, their requests alternating: ``link_rows.py``); for every cell (a rate, then a prompt
 length) the link is reshaped, one request per row warms the cell, and ``--prompts`` requests per row
-are measured one at a time (no burst). Every prompt is new to every engine (a prefix-cache hit would
-skip the transfer), and every answer is checked against the aggregated engine's for the same prompt,
-as in ``run.py``; aiolayer's rows byte-check every layer of every transfer.
+(more for short prompts: ``prompts_for``) are measured one at a time (no burst). Every prompt is new
+to every engine (a prefix-cache hit would skip the transfer), and every answer is checked against the
+aggregated engine's for the same prompt, as in ``run.py``; aiolayer's rows byte-check every layer of
+every transfer.
 Writes ``engines_link.json`` and ``engines_link.png`` (``link_plot.py``) under ``--out``.
 """
 
@@ -47,10 +48,16 @@ def label(gbit: float) -> str:
     return "unshaped" if gbit == 0 else f"{gbit:g} Gbit/s"
 
 
+def prompts_for(length: int, prompts: int) -> int:
+    """Measured requests per row in a cell of ``length``-token prompts: ``--prompts``, and up to 4x that
+    below 1,024 tokens, where a request takes ~0.1 s and its TTFT varies most (a few ms of ~90)."""
+    return prompts * min(4, max(1, 1024 // length))
+
+
 def cell_texts(rates: list[float], lengths: list[int], prompts: int,
                sets: int = 1) -> dict[tuple[int, int], list[dict[str, list[str]]]]:
-    """(rate index, length index) -> per prompt set (``link_rows.lanes``), its warm-up and measured prompts,
-    none repeated anywhere in the run."""
+    """(rate index, length index) -> per prompt set (``link_rows.lanes``), its warm-up and measured prompts
+    (``prompts_for``), none repeated anywhere in the run."""
     out = {}
     for ri in range(len(rates)):
         for li, length in enumerate(lengths):
@@ -58,7 +65,8 @@ def cell_texts(rates: list[float], lengths: list[int], prompts: int,
             for k in range(sets):
                 seed = 20_000 + 100_000 * k + 1_000 * ri + 100 * li
                 out[ri, li].append({"warmup": [long_prompt(length, seed=seed + 99)],
-                                    "serial": [long_prompt(length, seed=seed + i) for i in range(prompts)]})
+                                    "serial": [long_prompt(length, seed=seed + i)
+                                               for i in range(prompts_for(length, prompts))]})
     return out
 
 
@@ -146,7 +154,7 @@ def run_group(group: list[str], index: str, model: Path, args: argparse.Namespac
                     for name in group:   # what P chose is the auto row's (``auto_choices``)
                         meta[name][key] = cell_meta if name == "aiolayer-auto" or len(group) == 1 else \
                             {field: v for field, v in cell_meta.items() if field != "modes"}
-                        more = sum(len(a) for (row, other), a in results.items() if row == name and other)
+                        more = sum(len(a) for (row, _), a in results.items() if row == name) - len(cells[name][key])
                         _print_cell(f"{index} {name}", gbit, length, cells[name][key], meta[name][key],
                                     time.monotonic() - t1, more)
     except Exception as exc:   # noqa: BLE001 - reported in the row, with its error; the others still run
@@ -305,7 +313,7 @@ def run_link(args: argparse.Namespace, names: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = {"link_gbit": rates, "prompt_lengths": lengths, "rows": names, "engines": [list(g) for g in groups],
-              "prompts_per_cell": args.prompts,
+              "prompts_per_cell": {length: prompts_for(length, args.prompts) for length in lengths},
               "warmup_per_cell": 1, "max_tokens": args.max_tokens, "layers": spec.num_layers,
               "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "kv_bytes_per_token": per_token,
               "cores": args.cores, "pin": args.pin, "eager": args.eager, "dtype": args.dtype, "namespaces": namespaces,

@@ -15,7 +15,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=16, help="layers of the offline model built for the run")
     p.add_argument("--kv-heads", type=int, default=2, help="KV heads (of 64 dims; as many query heads) of the model")
     p.add_argument("--prompt-tokens", type=int, default=2000, help="tokens per prompt (about)")
-    p.add_argument("--prompts", type=int, default=6, help="measured requests at concurrency 1 per row")
+    p.add_argument("--prompts", type=int, default=6,
+                   help="measured requests at concurrency 1 per row (--link-gbit: per cell, up to 4x that below "
+                        "1,024 tokens)")
     p.add_argument("--concurrency", type=int, default=8, help="requests of the concurrent burst per row")
     p.add_argument("--max-tokens", type=int, default=20, help="output tokens per request")
     p.add_argument("--cores", default="0,1", help="P's core, D's core (the aggregated engine: P's)")

@@ -22,9 +22,10 @@ def _bench(*argv: str, timeout: float, env: dict | None = None) -> subprocess.Co
 
 
 def test_every_prompt_of_a_sweep_is_new_and_p99_is_the_slowest_of_few():
-    texts = cell_texts([1.0, 0.0], [64, 128], prompts=3, sets=2)
+    texts = cell_texts([1.0, 0.0], [256, 2000], prompts=3, sets=2)
     every = [t for cell in texts.values() for one_set in cell for phase in one_set.values() for t in phase]
-    assert len(every) == len(set(every)) == 2 * 2 * 2 * 4   # a repeat would hit the prefix cache, skip the transfer
+    assert len(every) == len(set(every)) == 2 * 2 * (13 + 4)   # a repeat would hit the prefix cache, skip the transfer
+    assert [len(texts[0, li][1]["serial"]) for li in (0, 1)] == [12, 3]   # short prompts: more of them
     assert p99([3.0, 1.0, 2.0]) == 3.0 and p99([]) is None
 
 
