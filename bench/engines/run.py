@@ -38,8 +38,6 @@ from aiolayer.harness.procs import free_port, free_ports
 from aiolayer.harness.startup import running
 from aiolayer.harness.tiny_model import TinySpec, long_prompt, tiny_model_dir
 
-from aiolayer_vllm.proxy.flow import MODE_HEADER
-
 from . import peers
 from .options import engine
 from .place import of_args
@@ -99,6 +97,8 @@ def _proxy_debug() -> tuple[str, ...]:
 
 @contextlib.contextmanager
 def aiolayer_pd(model: Path, args: argparse.Namespace, *, mode: str = "layerwise", binding: str = "auto"):
+    from aiolayer_vllm.proxy.flow import MODE_HEADER   # the bridge: installed with vLLM (`make bench-vllm`)
+
     p_core, d_core = args.cores.split(",")[:2]
     where = of_args(args)
     extra: dict = {"transfer_mode": mode}
