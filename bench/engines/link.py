@@ -28,7 +28,8 @@ from pathlib import Path
 from aiolayer.harness import netns
 from .link_rows import MODE_ROWS, auto_choices, cell_key, lanes, measure_cell, prompt_sets, row_groups
 from .place import of_hosts
-from .run import SYSTEMS, _summary, bytes_verified, kv_bytes_per_token, model_spec, row_names, run_engines
+from .run import (SYSTEMS, _summary, bytes_verified, kv_bytes_per_token, model_spec, row_names, run_engines,
+                  take_hooks)
 from aiolayer.harness.tiny_model import long_prompt, tiny_model_dir
 
 PEERS = ("mooncake", "nixl")     # vLLM's own connectors: the heatmap's baseline
@@ -116,10 +117,10 @@ def _start(group: list[str], model: Path, args: argparse.Namespace):
     return SYSTEMS[group[0] if len(group) == 1 else "aiolayer-auto"](model, args)
 
 
-def _completes(group: list[str], complete, how: dict) -> dict:
+def _completes(group: list[str], complete, hooks: dict) -> dict:
     if len(group) == 1:
         return {group[0]: complete}
-    return {name: how["_complete_as"](MODE_ROWS[name]) for name in group}
+    return {name: hooks["_complete_as"](MODE_ROWS[name]) for name in group}
 
 
 def _row_how(name: str, group: list[str], how: dict) -> dict:
@@ -141,8 +142,8 @@ def run_group(group: list[str], index: str, model: Path, args: argparse.Namespac
     title = "+".join(group)
     try:
         with _start(group, model, args) as (complete, how):
-            p_modes, completes = how.pop("_p_modes", None), _completes(group, complete, how)
-            how.pop("_complete_as", None)
+            hooks = take_hooks(how)
+            p_modes, completes = hooks.get("_p_modes"), _completes(group, complete, hooks)
             print(f"{index} {title}: engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
             for ri, gbit in enumerate(rates):
                 hosts.shape(gbit or None)   # the aggregated engine uses no link: the rate changes nothing for it

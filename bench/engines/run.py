@@ -169,6 +169,12 @@ def settled(server, names: dict[str, str], settle_s: float) -> dict[str, float]:
         time.sleep(1.0)
 
 
+def take_hooks(how: dict) -> dict:
+    """A system's callables for the link sweep (keys from "_": ``_p_modes``, ``_complete_as``), taken out
+    of ``how``, which goes into the JSON."""
+    return {key: how.pop(key) for key in [k for k in how if k.startswith("_")]}
+
+
 def bytes_verified(how: dict) -> bool:
     """Every transfer of the row byte-checked (one check per transfer D finished: a transfer too
     scattered to check, integrity.MAX_CHECK_RUNS, leaves it unverified) and none mismatched or failed."""
@@ -212,7 +218,7 @@ def run_row(name: str, model: Path, args: argparse.Namespace, texts: dict[str, l
     t0 = time.monotonic()
     try:
         with SYSTEMS[name](model, args) as (complete, how):
-            how.pop("_p_modes", None)
+            take_hooks(how)   # the link sweep's; a loopback row needs none
             print(f"  {name}: engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
             asyncio.run(_measure(complete, texts["warmup"], False, args.max_tokens))
             serial = asyncio.run(_measure(complete, texts["serial"], False, args.max_tokens))
