@@ -98,6 +98,7 @@ class FakeEngine:
         self.headers: dict[str, dict] = {}    # transfer id -> the headers its OpenAI request came with
         self.streams: dict[str, str] = {}     # D: transfer id -> open | completed | closed
         self.aborts: list[str] = []           # D: transfer ids the proxy told to abort
+        self.local: list[dict] = []           # D: bodies it prefilled itself (no kv_transfer_params)
         self.gate = threading.Event()         # P: answers prefills only while set
         self.gate.set()
         self.control = control
@@ -151,12 +152,19 @@ class FakeEngine:
     async def _serve(self, request):
         body = await request.json()
         self.requests.append(body)
+        fake = body.get("fake", {})
+        if self.role == "decode" and body.get("kv_transfer_params") is None:   # no P: D prefills it itself
+            await asyncio.sleep(fake.get("local_prefill_s", 0))
+            self.local.append(body)
+            if not body.get("stream"):
+                return JSONResponse({"choices": [{"text": f"{self.name}: local"}], "engine": self.name})
+            return StreamingResponse(self._stream_local(fake), media_type="text/event-stream")
         params = body["kv_transfer_params"]["aiolayer"]
         self.headers[params["transfer_id"]] = dict(request.headers)
-        fake = body.get("fake", {})
         if self.role == "prefill":
             while not self.gate.is_set():
                 await asyncio.sleep(0.01)
+            await asyncio.sleep(fake.get("prefill_s", 0))
             self.hub.event("prefilled " + params["transfer_id"]).set()   # the KV is at D
             await asyncio.sleep(fake.get("p_reply_after_s", 0))   # P's own first token comes later
             self.hub.event("p replied " + params["transfer_id"]).set()
@@ -174,6 +182,11 @@ class FakeEngine:
             return StreamingResponse(self._stream(params["transfer_id"], fake), media_type="text/event-stream")
         await self._prefilled(params["transfer_id"])
         return JSONResponse({"choices": [{"text": f"{self.name}: done"}], "engine": self.name})
+
+    async def _stream_local(self, fake: dict):
+        for i in range(fake.get("chunks", 3)):
+            yield f"data: {json.dumps({'choices': [{'text': f'{self.name}-local-{i}'}]})}\n\n"
+        yield "data: [DONE]\n\n"
 
     async def _register(self, params: dict) -> None:
         body = registration(params["transfer_id"], params["token"], f"{self.name}-1", self.control)

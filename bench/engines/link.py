@@ -249,6 +249,12 @@ def auto_cells(summary: list[dict]) -> list[dict]:
     return out
 
 
+def chosen(modes: dict) -> str:
+    """What auto chose in a cell, short: lw5/b1, and /l20 where D prefilled some itself."""
+    local = modes.get("local", 0)
+    return f"lw{modes.get('layerwise', 0)}/b{modes.get('bulk', 0)}" + (f"/l{local}" if local else "")
+
+
 def print_table(summary: list[dict], rates: list[float], lengths: list[int], basis: str, cells: list[dict]) -> None:
     print("\nTTFT p50 / p99 ms at concurrency 1, by link and prompt tokens (verified/requests per row at the end)")
     print(f"{'row':<14} {'link':<12}" + "".join(f"{n:>14}" for n in lengths) + "  verified / failed")
@@ -276,9 +282,8 @@ def print_table(summary: list[dict], rates: list[float], lengths: list[int], bas
         for ri, gbit in enumerate(rates):
             row = auto[ri * len(lengths):(ri + 1) * len(lengths)]
             print(f"{label(gbit):<12}" + "".join(
-                f"{(c['ratio'] or '-')!s:>6} lw{c['modes'].get('layerwise', 0)}/b{c['modes'].get('bulk', 0)}"
-                for c in row))
-        print("(lwN/bN: the modes auto chose in the cell, its warm-up included)")
+                f"{(c['ratio'] or '-')!s:>6} {chosen(c['modes']):<7}" for c in row))
+        print("(lwN/bN/lN: auto's requests sent layer-wise, in bulk, or prefilled by D itself, warm-up included)")
 
 
 def run_link(args: argparse.Namespace, names: list[str]) -> int:

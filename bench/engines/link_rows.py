@@ -72,11 +72,13 @@ def measure_cell(completes: dict[str, object], cell_lanes: list[tuple[str, int]]
 
 
 def auto_choices(delta: dict[str, float], results: dict[tuple[str, int], list[dict]], warmups: int = 1) -> dict:
-    """What the auto row's P chose in a cell of a shared group: P's send counters moved by every row's
-    requests, so the ones the other rows asked for (their warm-up and answered requests) are taken off."""
-    asked = {mode: 0 for mode in ("layerwise", "bulk")}
+    """What the auto row chose in a cell of a shared group: P's send counters moved by every row's
+    requests, so the ones the other rows asked for (their warm-up and answered requests) are taken off;
+    the requests D prefilled itself (``local``) are all the auto row's, since a request naming its mode
+    always goes to P."""
+    asked = {mode: 0 for mode in delta}
     for (name, _), answers in results.items():
         mode = MODE_ROWS.get(name)
         if mode:
-            asked[mode] += warmups + sum(1 for r in answers if "error" not in r)
-    return {mode: max(0, int(delta.get(mode, 0) - asked[mode])) for mode in ("layerwise", "bulk")}
+            asked[mode] = asked.get(mode, 0) + warmups + sum(1 for r in answers if "error" not in r)
+    return {mode: max(0, int(delta[mode] - asked[mode])) for mode in delta}

@@ -97,7 +97,7 @@ def _proxy_debug() -> tuple[str, ...]:
 
 @contextlib.contextmanager
 def aiolayer_pd(model: Path, args: argparse.Namespace, *, mode: str = "layerwise", binding: str = "auto"):
-    from aiolayer_vllm.proxy.flow import MODE_HEADER   # the bridge: installed with vLLM (`make bench-vllm`)
+    from aiolayer_vllm.proxy.admit import MODE_HEADER   # the bridge: installed with vLLM (`make bench-vllm`)
 
     p_core, d_core = args.cores.split(",")[:2]
     where = of_args(args)
@@ -119,6 +119,8 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, mode: str = "layerwise
                     [f"http://{where.d.address}:{d.port},tcp://{where.d.address}:{d_ctl}"])
         proxy_args: tuple[str, ...] = ("--request-timeout", str(REQUEST_TIMEOUT_S), *_proxy_debug(),
                                        "--binding", binding)
+        if mode == "auto":   # auto's third way: D prefills a short prompt itself where that measured faster
+            proxy_args += ("--local-prefill-max-tokens", str(LOCAL_PREFILL_MAX_TOKENS))
         place_proxy: dict = {}
         if where.two_hosts:   # beside P; D and P reach it over the hosts' link, this process over A's management one
             port = free_port()
@@ -129,9 +131,11 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, mode: str = "layerwise
                 "the proxy's default: P and D at once, P's destination bound late where both engines can"
             how = {"flow": f"{flow}, through aiolayer proxy (a process)", "connector": "AiolayerConnector",
                    "transfer_mode": mode, "transport": f"Mooncake TCP, {where.label}",
+                   **({"local_prefill_max_tokens": LOCAL_PREFILL_MAX_TOKENS} if mode == "auto" else {}),
                    "byte_check": f"integrity_sample {sample:g} (1: every layer of every transfer, P's digest against "
                                  "what landed at D)"}
-            how["_p_modes"] = lambda: settled(p, SEND_MODES, 3.0)   # read (and popped) by the link sweep per cell
+            # read (and popped) by the link sweep per cell: how P sent, and what D prefilled itself
+            how["_p_modes"] = lambda: {**settled(p, SEND_MODES, 3.0), "local": local_prefills(proxy.url)}
             # requests that name their mode (the proxy's header): the link sweep's mode rows on one pair of engines
             how["_complete_as"] = lambda asked: via_url(proxy.url, model, {MODE_HEADER: asked} if asked else None)
             yield via_url(proxy.url, model), how
@@ -146,6 +150,14 @@ INTEGRITY = {"verified": "vllm:aiolayer_integrity_verified_total",     # transfe
              "mismatch": "vllm:aiolayer_integrity_mismatch_total",
              "receives_finished": "vllm:aiolayer_receives_finished_total",
              "receives_failed": "vllm:aiolayer_receives_failed_total"}
+
+
+LOCAL_PREFILL_MAX_TOKENS = 512   # the auto row's proxy: --local-prefill-max-tokens
+
+
+def local_prefills(proxy_url: str) -> float:
+    """Requests the proxy had D prefill itself (no P, no transfer)."""
+    return metric_value(scrape_metrics(proxy_url), "aiolayer_proxy_routes_total", route="local") or 0.0
 
 
 SEND_MODES = {"layerwise": "vllm:aiolayer_sends_layerwise_total", "bulk": "vllm:aiolayer_sends_bulk_total"}

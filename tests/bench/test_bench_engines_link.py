@@ -105,21 +105,27 @@ def test_a_small_sweep_over_a_shaped_link_verifies_every_answer_and_leaves_no_na
     # It is also the two-host set-up docs/operations.md describes: each engine in its namespace bound to its
     # address there, the proxy beside P; a 127.0.0.1 leaked into an advertised address dials the wrong
     # namespace and fails the row. ~150 tokens: a prompt over two of vLLM's 128-token blocks.
-    # The layer-wise and bulk rows share one pair of engines, each request naming its mode (the proxy's header).
-    r = _bench("--link-gbit", "1", "--prompt-lengths", "150", "--rows", "aggregated,aiolayer,aiolayer-bulk",
+    # aiolayer's three mode rows share one pair of engines, the fixed rows' requests naming their mode (the
+    # proxy's header); auto's may also be prefilled by D itself (the proxy's --local-prefill-max-tokens).
+    names = "aggregated,aiolayer,aiolayer-bulk,aiolayer-auto"
+    r = _bench("--link-gbit", "1", "--prompt-lengths", "150", "--rows", names,
                "--layers", "2", "--prompts", "2", "--max-tokens", "4", "--eager", "--out", str(tmp_path), timeout=560)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "aiolayer | 1 Gbit/s | 150 tokens: TTFT p50" in r.stderr   # a progress line per cell
     report = json.loads((tmp_path / "engines_link.json").read_text())
-    assert report["config"]["engines"] == [["aggregated"], ["aiolayer", "aiolayer-bulk"]]
+    assert report["config"]["engines"] == [["aggregated"], ["aiolayer", "aiolayer-bulk", "aiolayer-auto"]]
     rows = {s["row"]: s for s in report["summary"]}
-    for name in ("aiolayer", "aiolayer-bulk"):
+    for name in ("aiolayer", "aiolayer-bulk", "aiolayer-auto"):
         assert rows[name]["ran"], rows[name]
         (cell,) = rows[name]["cells"]
         assert (cell["link_gbit"], cell["prompt_tokens"]) == (1.0, 150)
         assert (cell["verified"], cell["failed"], cell["differ"]) == (8, 0, 0), (name, cell)   # 4x 2 below 1,024
-    # P sent each row's warm-up and eight requests the way the request asked
-    assert rows["aiolayer-bulk"]["how"]["sends_by_mode"] == {"layerwise": 9, "bulk": 9}, rows["aiolayer-bulk"]["how"]
+    # P sent each fixed row's warm-up and eight requests the way the request asked; auto's went either way,
+    # or (short prompts, a real D answering them alone) were prefilled by D: each answer equal all the same
+    chose = rows["aiolayer-auto"]["cells"][0]["modes"]
+    assert sum(chose.values()) == 9 and chose["local"] >= 1, chose
+    assert rows["aiolayer-bulk"]["how"]["sends_by_mode"] == {"layerwise": 9 + chose["layerwise"],
+                                                             "bulk": 9 + chose["bulk"]}, rows["aiolayer-bulk"]["how"]
     (cell,) = rows["aiolayer"]["cells"]
     assert cell["ttft_ms_median"] > 0 and cell["ttft_ms_p99"] >= cell["ttft_ms_median"]
     assert "veth 10." in rows["aiolayer"]["how"]["transport"]

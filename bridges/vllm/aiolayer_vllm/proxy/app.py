@@ -25,9 +25,11 @@ from aiolayer import ControlPeers, RuntimeStateError
 
 from ..params import InvalidParams, read_registration
 from .failures import ExchangeError, answered_error, call_failed, error_event
-from .flow import BINDINGS, Exchange, ProxyTimeouts, check_body, forwarded_headers, requested_mode
+from .admit import check_body, forwarded_headers, requested_mode
+from .flow import BINDINGS, Exchange, ProxyTimeouts
 from .metrics import CONTENT_TYPE, ProxyMetrics
 from .pool import NoBackend, Pool
+from .route import RouteChooser
 from .tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -55,13 +57,16 @@ def _stage(kind: str, relaying: bool) -> str:
 
 class ProxyState:
     def __init__(self, pool: Pool, public_url: str, timeouts: ProxyTimeouts, tracing: Tracing | None = None,
-                 binding: str = "auto") -> None:
+                 binding: str = "auto", local_prefill_max_tokens: int = 0) -> None:
         if binding not in BINDINGS:
             raise ValueError(f"binding must be one of {BINDINGS}, got {binding!r}")
+        if local_prefill_max_tokens < 0:
+            raise ValueError(f"local_prefill_max_tokens must be >= 0, got {local_prefill_max_tokens}")
         self.pool = pool
         self.timeouts = timeouts
         self.binding = binding   # "late": P and D at once; "auto": late where the engines can (flow.Exchange)
         self.tracing = tracing or Tracing()
+        self.router = RouteChooser(local_prefill_max_tokens)   # whether D prefills a short prompt itself
         self.notify_url = public_url.rstrip("/") + REGISTER_PATH
         self.pending: dict[str, Exchange] = {}
         self.metrics = ProxyMetrics(self)
@@ -147,10 +152,12 @@ class ProxyState:
             check_body(body)
             mode = requested_mode(scope["headers"])
             prefill, decode = self.pool.pick("prefill"), self.pool.pick("decode")
+            route, size = self.router.choose(path, body, bool(mode), body.get("stream") is True)
         except (ExchangeError, NoBackend) as exc:
             failed = exc if isinstance(exc, ExchangeError) else ExchangeError(503, "no_backend", str(exc))
             return await self._answer(self._error(failed, headers.get("x-request-id")), scope, receive, send)
-        exchange = Exchange(self, path, body, prefill, decode, headers, mode)   # leases both
+        exchange = Exchange(self, path, body, prefill, decode, headers, mode, local=route == "local")   # leases both
+        self.metrics.routes.labels(route).inc()
         span = self.tracing.start(headers, path, exchange.started)
         if span is not None:   # P and D see the proxy's span as their parent
             exchange.headers.update(span.trace_headers())
@@ -158,6 +165,9 @@ class ProxyState:
         try:
             self.pending[exchange.transfer_id] = exchange
             response = await self._exchange(exchange, receive, send)
+            first = exchange.stamps.get("first_chunk")
+            if size is not None and exchange.outcome == "ok" and first is not None:
+                self.router.learn_ttft(route, size, first / 1e3)
         finally:
             await exchange.close()
             if span is not None:
@@ -317,8 +327,8 @@ class _OpenAIRoute:
 
 
 def create_app(pool: Pool, public_url: str, timeouts: ProxyTimeouts | None = None,
-               tracing: Tracing | None = None, binding: str = "auto") -> FastAPI:
-    state = ProxyState(pool, public_url, timeouts or ProxyTimeouts(), tracing, binding)
+               tracing: Tracing | None = None, binding: str = "auto", local_prefill_max_tokens: int = 0) -> FastAPI:
+    state = ProxyState(pool, public_url, timeouts or ProxyTimeouts(), tracing, binding, local_prefill_max_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -1,5 +1,6 @@
-"""One proxied request, D first (D registers and POSTs its blocks, then P prefills and pushes the KV) or
-late-bound (P and D at once: P's transfers ask D for its blocks themselves, docs/proxy.md).
+"""One proxied request, D first (D registers and POSTs its blocks, then P prefills and pushes the KV),
+late-bound (P and D at once: P's transfers ask D for its blocks themselves, docs/proxy.md), or local (a
+short prompt D prefills itself, no P and no transfer: ``route.RouteChooser``).
 
 Each step has its own deadline (``ProxyTimeouts``). A backend's 4xx (the request's own fault) goes to
 the client unchanged; every other failure ends in an OpenAI-shaped JSON error that says which backend
@@ -30,29 +31,13 @@ from aiolayer.errors import AiolayerError, ControlRejected
 from aiolayer.protocol import messages as m
 from aiolayer.protocol.codes import NackCode
 
-from ..params import KEY, REQUESTED_MODES, DecodeRegistration, RecvParams, RequestedMode, SendParams
+from ..params import KEY, DecodeRegistration, RecvParams, RequestedMode, SendParams
 from ..ranks import rank_transfer_id
 from .failures import ExchangeError, answered_error, call_failed
 from .pool import Backend, Lease
 from .topology import Learned
 
 log = logging.getLogger(__name__)
-# Passed on to P and D as the client sent them: vLLM servers started with --api-key check the first,
-# and the second ties the engines' logs to the client's request.
-FORWARDED_HEADERS = ("authorization", "x-request-id", "traceparent", "tracestate")   # the last two: W3C trace context
-# How P sends this request's KV, where the client wants a fixed mode rather than P's ``transfer_mode``
-# (a benchmark comparing the modes on one pair of engines, a request known to be short or long)
-MODE_HEADER = "x-aiolayer-transfer-mode"
-
-
-def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    """The client's headers that go on to the engines, from an ASGI scope's ``headers``."""
-    wanted = {}
-    for name, value in raw:
-        key = name.decode("latin-1").lower()
-        if key in FORWARDED_HEADERS:
-            wanted[key] = value.decode("latin-1")
-    return wanted
 
 
 @dataclass(frozen=True)
@@ -80,55 +65,20 @@ def binds_late(binding: str, prefill: Learned | None, decode: Learned | None) ->
         and prefill.late_binding
 
 
-def requested_mode(raw: list[tuple[bytes, bytes]]) -> RequestedMode:
-    """The client's ``MODE_HEADER`` from an ASGI scope's ``headers``: "" without one; a 400 for another
-    value than "layerwise" or "bulk" (or two different ones)."""
-    values = {value.decode("latin-1").strip().lower() for name, value in raw
-              if name.decode("latin-1").lower() == MODE_HEADER}
-    if not values:
-        return ""
-    mode = REQUESTED_MODES.get(values.pop()) if len(values) == 1 else None
-    if mode is None:
-        raise ExchangeError(400, "invalid_request", f"{MODE_HEADER} must be one of {', '.join(REQUESTED_MODES)}")
-    return mode
-
-
-def check_body(body) -> None:
-    """Refuse, at the boundary, a request the D-first flow cannot serve correctly (400, nothing sent)."""
-    if not isinstance(body, dict):
-        raise ExchangeError(400, "invalid_request", "body must be a JSON object")
-    if body.get("kv_transfer_params") is not None:
-        # refused rather than dropped: a client that means to steer the transfer should learn it cannot
-        raise ExchangeError(400, "invalid_request",
-                            "kv_transfer_params is set by the proxy, which owns the KV transfer: leave it out")
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise ExchangeError(400, "invalid_request", "stream must be true or false")
-    for key in ("n", "best_of"):
-        value = body.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ExchangeError(400, "invalid_request", f"{key} must be an integer")
-        if value > 1:
-            # vLLM's parallel samples share the request's kv_transfer_params, so they would share one transfer
-            raise ExchangeError(400, "invalid_request",
-                                f"{key} > 1 is not supported through the disaggregated proxy: send {value} requests")
-    if body.get("use_beam_search"):
-        raise ExchangeError(400, "invalid_request", "beam search is not supported through the disaggregated proxy")
-
-
 class Exchange:
     """Drives one request through D then P; its owner runs ``close`` in a ``finally``."""
 
     def __init__(self, state, path: str, body: dict, prefill: Backend, decode: Backend,
-                 headers: dict[str, str] | None = None, transfer_mode: RequestedMode = "") -> None:
+                 headers: dict[str, str] | None = None, transfer_mode: RequestedMode = "",
+                 local: bool = False) -> None:
         self.state, self.path, self.body = state, path, body
+        self.local = local          # D prefills it: no P, no transfer
         self.transfer_mode = transfer_mode   # "" = P's own
         self.headers = dict(headers or {})
         self.prefill, self.decode = prefill, decode
         self.p_controls = prefill.controls   # P's TP ranks as learned now: D's and P's plans must agree
         self.d_controls = decode.controls
-        self.late = binds_late(state.binding, prefill.topology, decode.topology)
+        self.late = not local and binds_late(state.binding, prefill.topology, decode.topology)
         self.p_lease, self.d_lease = Lease(prefill), Lease(decode)
         self.transfer_id = uuid.uuid4().hex
         self.request_id = self.headers.get("x-request-id") or self.transfer_id   # what its log lines name
@@ -147,6 +97,8 @@ class Exchange:
         self._closing: asyncio.Task | None = None
 
     def d_body(self) -> dict:
+        if self.local:
+            return self.body
         params = RecvParams(transfer_id=self.transfer_id, token=self.token, prefill_controls=self.p_controls,
                             notify_url="" if self.late else self.state.notify_url)   # "": P asks D itself
         return {**self.body, "kv_transfer_params": {KEY: msgspec.to_builtins(params)}}
@@ -192,8 +144,12 @@ class Exchange:
         """D first, its registration, then P's prefill (late: both at once); returns D's response
         (streaming or whole)."""
         t = self.state.timeouts
-        self.state.metrics.bindings.labels("late" if self.late else "d_first").inc()
         self.d_task = self.state.spawn(self.open_decode(), f"decode {self.transfer_id}")
+        if self.local:
+            self.p_lease.release()
+            self.stamp("dispatched")
+            return await self._until_decode_answered()
+        self.state.metrics.bindings.labels("late" if self.late else "d_first").inc()
         if self.late:   # no registration to wait for: P's transfers ask D for it while P prefills
             self.stamp("dispatched")
             self.p_task = self.state.spawn(self._prefill(None), f"prefill {self.transfer_id}")
@@ -220,11 +176,12 @@ class Exchange:
     async def _until_decode_answered(self) -> httpx.Response:
         """D's response once it answered; P failing first raises P's error (D was told to abort)."""
         t = self.state.timeouts
-        assert self.d_task is not None and self.p_task is not None
+        assert self.d_task is not None
         try:
             async with compat.timeout(t.request_s):
                 while not self.d_task.done():
-                    await asyncio.wait({self.d_task, self.p_task} if not self.p_task.done() else {self.d_task},
+                    p = self.p_task
+                    await asyncio.wait({self.d_task, p} if p is not None and not p.done() else {self.d_task},
                                        return_when=asyncio.FIRST_COMPLETED)
                     self.raise_if_prefill_failed()
                 await self.prefill_failure_first()
@@ -296,6 +253,7 @@ class Exchange:
             await self.abort_decode(f"prefill answered HTTP {reply.status_code}")
             raise answered_error("P", self.prefill.url, reply.status_code, reply.content,
                                  reply.headers.get("content-type", "application/json"))
+        self.state.router.learn_usage(self.path, self.body, reply.content)
         sent = self.stamps["dispatched" if regs is None else "registered"]
         self.state.metrics.prefill.observe((self.stamps["p_answered"] - sent) / 1e3)
 

@@ -45,6 +45,9 @@ class ProxyMetrics:
         self.bindings = Counter("aiolayer_proxy_bindings", "Requests by how P learned D's blocks: late (P and D "
                                 "sent the request at once) or d_first (P sent it once D registered)", ["binding"],
                                 registry=r)
+        self.routes = Counter("aiolayer_proxy_routes", "Requests by where their prompt was prefilled: remote "
+                              "(P, its KV sent to D) or local (D itself: --local-prefill-max-tokens)", ["route"],
+                              registry=r)
         self.rejected_registrations = Counter("aiolayer_proxy_rejected_registrations",
                                               "D registrations refused for a wrong token", registry=r)
         self.ttft = Histogram("aiolayer_proxy_time_to_first_token_seconds",

@@ -1,0 +1,63 @@
+"""A client's request checked at the proxy's boundary, before any engine sees it: the body the flows can
+serve, the headers that go on to the engines, the transfer mode the client may name. A request that
+fails a check is a 400 (``ExchangeError``) and nothing is sent.
+"""
+
+from __future__ import annotations
+
+from ..params import REQUESTED_MODES, RequestedMode
+from .failures import ExchangeError
+
+# Passed on to P and D as the client sent them: vLLM servers started with --api-key check the first,
+# and the second ties the engines' logs to the client's request.
+FORWARDED_HEADERS = ("authorization", "x-request-id", "traceparent", "tracestate")   # the last two: W3C trace context
+# How P sends this request's KV, where the client wants a fixed mode rather than P's ``transfer_mode``
+# (a benchmark comparing the modes on one pair of engines, a request known to be short or long)
+MODE_HEADER = "x-aiolayer-transfer-mode"
+
+
+def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The client's headers that go on to the engines, from an ASGI scope's ``headers``."""
+    wanted = {}
+    for name, value in raw:
+        key = name.decode("latin-1").lower()
+        if key in FORWARDED_HEADERS:
+            wanted[key] = value.decode("latin-1")
+    return wanted
+
+
+def requested_mode(raw: list[tuple[bytes, bytes]]) -> RequestedMode:
+    """The client's ``MODE_HEADER`` from an ASGI scope's ``headers``: "" without one; a 400 for another
+    value than "layerwise" or "bulk" (or two different ones)."""
+    values = {value.decode("latin-1").strip().lower() for name, value in raw
+              if name.decode("latin-1").lower() == MODE_HEADER}
+    if not values:
+        return ""
+    mode = REQUESTED_MODES.get(values.pop()) if len(values) == 1 else None
+    if mode is None:
+        raise ExchangeError(400, "invalid_request", f"{MODE_HEADER} must be one of {', '.join(REQUESTED_MODES)}")
+    return mode
+
+
+def check_body(body) -> None:
+    """Refuse, at the boundary, a request the D-first flow cannot serve correctly (400, nothing sent)."""
+    if not isinstance(body, dict):
+        raise ExchangeError(400, "invalid_request", "body must be a JSON object")
+    if body.get("kv_transfer_params") is not None:
+        # refused rather than dropped: a client that means to steer the transfer should learn it cannot
+        raise ExchangeError(400, "invalid_request",
+                            "kv_transfer_params is set by the proxy, which owns the KV transfer: leave it out")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise ExchangeError(400, "invalid_request", "stream must be true or false")
+    for key in ("n", "best_of"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ExchangeError(400, "invalid_request", f"{key} must be an integer")
+        if value > 1:
+            # vLLM's parallel samples share the request's kv_transfer_params, so they would share one transfer
+            raise ExchangeError(400, "invalid_request",
+                                f"{key} > 1 is not supported through the disaggregated proxy: send {value} requests")
+    if body.get("use_beam_search"):
+        raise ExchangeError(400, "invalid_request", "beam search is not supported through the disaggregated proxy")
