@@ -159,8 +159,10 @@ def _start(name: str, tmp_path_factory) -> tuple:
     # spin and starve its aiolayer loop (docs/vllm.md, "A parked D's CPU"), and P's per-transfer layout
     # fetch passed the 5 s default once. A longer fetch deadline keeps the case about tokens; the receive
     # deadline is unchanged.
+    # P at info: it logs how many layers hand their KV over as vLLM writes it (aiolayer_vllm.kv_written)
+    p_common = {**common, "env": {**common.get("env", {}), "AIOLAYER_LOG_LEVEL": "INFO"}}
     p = VllmServer(model, name=f"{name}-p", kv_transfer_config=connector(
-        "kv_producer", "p", p_port, timeouts={"layout_fetch": 30.0}), **common, **cfg.p_only)
+        "kv_producer", "p", p_port, timeouts={"layout_fetch": 30.0}), **p_common, **cfg.p_only)
     d = VllmServer(model, name=f"{name}-d", kv_transfer_config=connector("kv_consumer", "d", d_port),
                    **common, **cfg.d_only)
     return p, d, p_port, d_port, logs
@@ -215,6 +217,15 @@ def _hits_since(server: VllmServer, before: float, want: float, within_s: float 
 
 
 ROUTES = ["direct", "proxy"]
+
+
+def test_p_hands_each_layer_over_as_vllm_writes_its_kv(pd):
+    """vLLM's KV update op, wrapped on every layer (compiled and eager): each layer's write to D starts
+    before the layer's attention runs; the other tests check that every answer still equals the
+    aggregated engine's."""
+    layers = pd.config.spec.num_layers
+    assert f"{layers} of {layers} layers hand their KV over as it is written" in pd.p.log_text(), \
+        pd.p.log_text()[-3000:]
 
 
 @pytest.mark.parametrize("route", ROUTES)

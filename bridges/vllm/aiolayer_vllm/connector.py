@@ -15,6 +15,7 @@ from . import ranks
 from .config import check_extra_config, from_extra_config
 from .draft import draft_facts, draft_start
 from .identity import model_facts
+from .kv_written import hook_kv_writes
 from .layout import cpu_kernel
 from .metadata import AiolayerMetadata
 from .modes import AiolayerWorkerMeta
@@ -23,6 +24,8 @@ from .spin import cap_spin
 from .stats import AiolayerPromMetrics, AiolayerStats
 from .wake import LOCAL_EXECUTORS, engine_core_pid
 from .worker import WorkerSide
+
+log = logging.getLogger(__name__)
 
 
 def _configure_logging() -> None:
@@ -137,6 +140,14 @@ class AiolayerConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches) -> None:
         self._worker_side.register_kv_caches(kv_caches)
+        worker = self._worker_side
+        # each layer handed over as soon as vLLM wrote its KV (``kv_written``); AIOLAYER_KV_WRITTEN_HOOK=0: after
+        # its attention, as vLLM calls save_kv_layer (to compare the two)
+        if worker.is_producer and os.environ.get("AIOLAYER_KV_WRITTEN_HOOK", "1") != "0":
+            hooked = hook_kv_writes(self._vllm_config.compilation_config.static_forward_context, worker.layer_index,
+                                    worker.save_kv_layer)
+            log.info("aiolayer: %d of %d layers hand their KV over as it is written, the others after their "
+                     "attention", len(hooked), len(worker.layer_index))
 
     def bind_connector_metadata(self, connector_metadata: AiolayerMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

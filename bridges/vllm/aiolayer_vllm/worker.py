@@ -58,6 +58,7 @@ class WorkerSide:
         self.layer_index: dict[str, int] = {}
         self._views: Mapping[str, tuple[Any, ...]] = {}
         self._active_step: Step | None = None
+        self._handed = bytearray()                        # P: the active step's layers handed over (1 each)
         self._req_of: dict[str, str] = {}                 # P: (rank) transfer id -> vLLM request id
         self._open_sends: dict[str, set[str]] = {}        # P: request id -> its sends not yet quiet
         self._recv_of: dict[str, tuple[str, list[int]]] = {}   # D: transfer id -> (request id, its blocks)
@@ -203,6 +204,7 @@ class WorkerSide:
             return
         try:
             self._active_step = self._rt.begin_step(specs)
+            self._handed = bytearray(len(self.layer_index))
             self._step_tids = [spec.transfer_id for spec in specs]
         except Exception as exc:  # noqa: BLE001 - refused before anything was queued: no write started
             log.error("aiolayer: %d transfers not sent: %s", len(specs), exc)
@@ -287,9 +289,11 @@ class WorkerSide:
         await self._publisher.close()
 
     def save_kv_layer(self, layer_name: str) -> None:
+        """P: ``layer_name``'s KV is written (vLLM's cache update, or the layer's end): hand it over, once."""
         layer = self.layer_index.get(layer_name)
-        if self._active_step is None or layer is None or layer in self._draft:
-            return   # no send this step, a layer whose KV we do not transfer, or the drafter's (at the end)
+        if self._active_step is None or layer is None or layer in self._draft or self._handed[layer]:
+            return   # no send this step, a layer not transferred, the drafter's (at the end), or handed already
+        self._handed[layer] = 1
         try:
             self._active_step.layer_ready(layer)
             if layer == len(self.layer_index) - 1:
