@@ -159,3 +159,30 @@ def test_layers_are_sampled_one_by_one_at_the_given_share(pair):
     layers = sum(len(c.layers) for c in sampled if c is not None)
     assert 0.18 < layers / (400 * SHAPE.num_layers) < 0.32   # per layer, not per transfer
     assert any(c is not None and len(c.layers) == 1 for c in sampled)
+
+
+def test_p_digests_the_source_as_soon_as_every_layer_was_submitted(pair):
+    """P's digest starts once the transfer's last layer was submitted (its source final), beside the last
+    writes, not after them; a transfer stopped before that takes none; every check still verifies."""
+    p, d, corrupter = pair
+    began: list[tuple[str, bool]] = []
+    real = p.sender.stream.sources_final
+
+    def record(req) -> None:
+        began.append((req.spec.transfer_id, req.check is None))
+        real(req)
+        assert req.check is not None   # the worker thread's digest, which DONE awaits
+
+    p.sender.stream.sources_final = record
+    for i in range(3):
+        _, received = _transfer(p, d, corrupter, f"early{i}", [i], [i + 4])
+        assert received.ok, received.reason
+    assert began == [(f"early{i}", True) for i in range(3)]
+    reg = d.receive(ReceiveSpec(transfer_id="stopped", block_ids=[12]))
+    step = p.begin_step([TransferSpec.from_registration(reg, src_blocks=[12])])
+    step.layer_ready(0)
+    p.cancel_send("stopped", "preempted")   # its other layers never come: it fails, with no digest
+    step.end()
+    assert not p.wait_outcome("stopped", 10).ok
+    assert [tid for tid, _ in began] == [f"early{i}" for i in range(3)]
+    assert d.metrics_snapshot()["integrity"].get("verified") == 3

@@ -76,8 +76,9 @@ class TransferEnding:
         req.state.apply(Event.ALL_LAYERS_WRITTEN)
         check = None
         if self.integrity_sample:   # every write completed: the held source is what D must hold now
-            check = await asyncio.to_thread(sample_check, self.local, req.runs, req.spans, self.integrity_sample,
-                                            req.digest)
+            early = req.check   # begun beside the last writes (``digest_early``), else now
+            check = await (early if early is not None else asyncio.to_thread(
+                sample_check, self.local, req.runs, req.spans, self.integrity_sample, req.digest))
             self.integrity_checks += check is not None
         msg = m.Done(transfer_id=spec.transfer_id, sender=self.engine_id, incarnation=spec.dst_incarnation,
                      layers=len(req.timings), bytes=req.bytes, token=spec.token, check=check)
@@ -87,6 +88,14 @@ class TransferEnding:
             self._publish(req, f"DONE not delivered: {exc}", settled)
             return
         self._publish(req, m.done_verdict(reply), settled)
+
+    def digest_early(self, req: Request) -> None:
+        """Every layer of ``req`` was submitted, so its source is final: P's integrity digest of it starts
+        now in a worker thread, beside the last writes, instead of after them on DONE's path."""
+        if self.integrity_sample and req.check is None:
+            req.check = asyncio.get_running_loop().run_in_executor(
+                None, sample_check, self.local, req.runs, req.spans, self.integrity_sample, req.digest)
+            req.check.add_done_callback(_retrieved)   # a transfer that fails never awaits it
 
     def _publish(self, req: Request, reason: str, settled: float | None) -> None:
         if req.state.terminal:
@@ -144,3 +153,8 @@ class TransferEnding:
             self._release(req)
         else:   # the backend closed: nobody knows, keep them held
             log.error("transfer %s: backend closed with writes unresolved; source kept held", req.spec.transfer_id)
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()

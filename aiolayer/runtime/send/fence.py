@@ -77,7 +77,7 @@ class Request:
     """One transfer on the loop: its step's layers, its state, and what its fence waits for."""
 
     __slots__ = ("spec", "runs", "spans", "feed", "cursor", "_waiter", "state", "timings", "bytes", "pending",
-                 "quiet", "digest")
+                 "quiet", "digest", "check")
 
     def __init__(self, spec: TransferSpec, runs: BlockRuns | None, feed: StepLayers | None = None) -> None:
         self.spec = spec
@@ -92,6 +92,7 @@ class Request:
         self.pending: list[asyncio.Future[Any]] = []   # timed-out writes that may still land
         self.quiet = asyncio.Event()                   # set once no write of ours can be in flight
         self.digest = "crc32"                          # the integrity digest D's layout offered (integrity.py)
+        self.check: asyncio.Future[Any] | None = None  # P's integrity check, computed once every layer was submitted
 
     @property
     def aborted(self) -> str:

@@ -94,6 +94,7 @@ class Sender(TransferEnding):
         self.handoff = LatencyHistogram()
         self.inbox_looks = 0   # the loop's looks into open steps' inboxes (its polling cost)
         self.stream = LayerStreamer(backend, timeouts, self.deadlines)
+        self.stream.sources_final = self.digest_early
         self.dones = DoneBatcher(peers, timeouts)   # the DONEs of one pass of the loop, one frame per D
 
     # --- forward-thread API (never blocks) -------------------------------------------------

@@ -26,7 +26,7 @@ import asyncio
 import collections
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -96,6 +96,10 @@ class LayerPlan:
         return src[layer], dst[layer], lengths[layer], nbytes
 
 
+def _nothing(req: Request) -> None:
+    return None
+
+
 class LayerStreamer:
     def __init__(self, backend: TransferBackend, timeouts: Timeouts, deadlines: collections.Counter[str]) -> None:
         self.backend = backend
@@ -104,6 +108,8 @@ class LayerStreamer:
         # A backend with ``start_write`` (Mooncake) takes the layers ready together as ONE write,
         # started with no task; any other, each layer as its own write in its own task.
         self._start: StartWrite | None = getattr(backend, "start_write", None)
+        # called once a transfer's every layer was submitted: its source is final from then on
+        self.sources_final: Callable[[Request], None] = _nothing
 
     async def stream(self, req: Request, local: LocalLayout, layout: RemoteLayout) -> float:
         """Submit each layer as it arrives; returns when every write settled (perf_counter).
@@ -193,6 +199,8 @@ class LayerStreamer:
             # with start_write, the layers ready together go as one write once no more is ready
             if held and (not left or (layerwise and not req.layer_ready)):
                 self._submit(group, sink, held)
+        if not left and not reason and not sink.failed:
+            self.sources_final(req)
         return reason
 
     async def _settle(self, sink: "_Sink") -> str:
