@@ -278,11 +278,11 @@ def print_table(summary: list[dict], rates: list[float], lengths: list[int], bas
     auto = auto_cells(summary)
     if auto:
         print("\naiolayer-auto TTFT p50 / min(layer-wise, bulk) p50 (<= 1.05: as good as the better fixed mode)")
-        print(f"{'link':<12}" + "".join(f"{n:>14}" for n in lengths))
+        print(f"{'link':<12}" + "".join(f"{n:>17}" for n in lengths))
         for ri, gbit in enumerate(rates):
             row = auto[ri * len(lengths):(ri + 1) * len(lengths)]
             print(f"{label(gbit):<12}" + "".join(
-                f"{(c['ratio'] or '-')!s:>6} {chosen(c['modes']):<7}" for c in row))
+                f"{(c['ratio'] or '-')!s:>6} {chosen(c['modes']):<10}" for c in row))
         print("(lwN/bN/lN: auto's requests sent layer-wise, in bulk, or prefilled by D itself, warm-up included)")
 
 

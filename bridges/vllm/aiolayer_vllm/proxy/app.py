@@ -174,7 +174,8 @@ class ProxyState:
                 status = response.status_code if response is not None else None
                 span.finish(exchange.stamps, {"aiolayer.request_id": exchange.request_id,
                                               "aiolayer.transfer_id": exchange.transfer_id,
-                                              "aiolayer.prefill": exchange.prefill.url,
+                                              "aiolayer.route": route,
+                                              "aiolayer.prefill": None if exchange.local else exchange.prefill.url,
                                               "aiolayer.decode": exchange.decode.url,
                                               "aiolayer.outcome": exchange.outcome or None,
                                               "http.response.status_code": status},
