@@ -14,54 +14,21 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from aiolayer_vllm.config import from_extra_config
 from aiolayer_vllm.draft import draft_facts, draft_layers, draft_start
 from aiolayer_vllm.identity import fingerprint
-from aiolayer_vllm.metadata import AiolayerMetadata, RecvReq, SendReq
-from aiolayer_vllm.params import DecodeRank, RecvParams, SendParams
-from aiolayer_vllm.ranks import Topology
-from aiolayer_vllm.worker import WorkerSide
+from helpers_worker import BLOCK, HEAD_SIZE, HEADS, assert_landed, bind_transfer, worker_pair
 
 pytestmark = pytest.mark.timeout(60)
-HEADS, BLOCK, HEAD_SIZE, BLOCKS = 2, 16, 8, 8
 TARGET_LAYERS = 2   # the drafter's layer is model.layers.2 (vLLM's start_layer_id = the target's count)
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(TARGET_LAYERS + 1)]
-TOKEN = "k" * 32
-
-
-def _worker(role: str) -> WorkerSide:
-    config = from_extra_config({"backend": "memory", "timeouts": {"receive": 20.0, "fence_grace": 2.0}}, role)
-    w = WorkerSide(config, role == "p", role == "d", BLOCKS, Topology(total_kv_heads=HEADS), block_size=BLOCK,
-                   head_size=HEAD_SIZE, draft_start=TARGET_LAYERS)
-    w.caches = {name: (torch.rand(BLOCKS, HEADS, BLOCK, 2 * HEAD_SIZE) if role == "p" else
-                       torch.zeros(BLOCKS, HEADS, BLOCK, 2 * HEAD_SIZE)) for name in LAYERS}
-    w.register_kv_caches(w.caches)
-    return w
-
-
-def _received(p: WorkerSide, d: WorkerSide) -> None:
-    deadline = time.monotonic() + 30
-    sent = got = False
-    while not (sent and got):
-        assert time.monotonic() < deadline, (sent, got)
-        sent = sent or bool(p.transfer_results({"rq-p"})[0])
-        _, recv, failed = d.transfer_results(set())
-        assert not failed
-        got = got or bool(recv)
-        time.sleep(0.01)
 
 
 def test_the_drafter_layer_is_sent_as_the_step_ends_with_its_last_pass():
     """The drafter writes its layer once per draft token: P must send what the last pass left, not
     what the first handed over (which the later passes overwrite in place)."""
-    p, d = _worker("p"), _worker("d")
-    try:
+    with worker_pair(LAYERS, TARGET_LAYERS) as (p, d):
         src, dst = [1, 2], [3, 4]
-        d.bind(AiolayerMetadata(recvs=[RecvReq("rq-d", RecvParams(transfer_id="tx", token=TOKEN), dst, 0)]))
-        d.bind(AiolayerMetadata())
-        rank = DecodeRank(decode_control=d.runtime.control_endpoint, dst_incarnation=d.runtime.incarnation)
-        params = SendParams(transfer_id="tx", token=TOKEN, dst_blocks=dst, decode_ranks=[rank])
-        p.bind(AiolayerMetadata(sends=[SendReq("rq-p", params, src, dst)]))
+        bind_transfer(p, d, src, dst)
         for name in LAYERS:            # the target's forward, then the drafter's first pass
             p.save_kv_layer(name)
         time.sleep(0.3)                # time for a send of what was handed over to land
@@ -69,12 +36,7 @@ def test_the_drafter_layer_is_sent_as_the_step_ends_with_its_last_pass():
         draft[src] = torch.rand(len(src), HEADS, BLOCK, 2 * HEAD_SIZE)   # the drafter's second pass
         p.save_kv_layer(LAYERS[-1])
         p.wait_for_save()
-        _received(p, d)
-        for name in LAYERS:
-            assert torch.equal(d.caches[name][dst], p.caches[name][src]), name
-    finally:
-        p.shutdown()
-        d.shutdown()
+        assert_landed(p, d, src, dst)
 
 
 def test_draft_layers_are_those_numbered_from_the_target_count_on():

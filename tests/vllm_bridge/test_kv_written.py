@@ -8,25 +8,17 @@ tests/vllm_bridge/test_vllm_matrix.py, compiled and eager), whose answers equal 
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
-from aiolayer_vllm.config import from_extra_config
 from aiolayer_vllm.kv_written import hook_kv_writes
-from aiolayer_vllm.metadata import AiolayerMetadata, RecvReq, SendReq
-from aiolayer_vllm.params import DecodeRank, RecvParams, SendParams
-from aiolayer_vllm.ranks import Topology
-from aiolayer_vllm.worker import WorkerSide
+from helpers_worker import assert_landed, bind_transfer, worker_pair
 
 pytestmark = pytest.mark.timeout(60)
-HEADS, BLOCK, HEAD_SIZE, BLOCKS = 2, 16, 8, 8
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
-TOKEN = "k" * 32
 
 
 class Impl:
@@ -59,27 +51,12 @@ def test_the_update_is_wrapped_where_vllm_runs_it_apart_and_reports_after_it():
     assert log == [("update", "a"), ("written", "a")]
 
 
-def _worker(role: str) -> WorkerSide:
-    config = from_extra_config({"backend": "memory", "timeouts": {"receive": 20.0, "fence_grace": 2.0}}, role)
-    w = WorkerSide(config, role == "p", role == "d", BLOCKS, Topology(total_kv_heads=HEADS), block_size=BLOCK,
-                   head_size=HEAD_SIZE)
-    w.caches = {name: (torch.rand(BLOCKS, HEADS, BLOCK, 2 * HEAD_SIZE) if role == "p" else
-                       torch.zeros(BLOCKS, HEADS, BLOCK, 2 * HEAD_SIZE)) for name in LAYERS}
-    w.register_kv_caches(w.caches)
-    return w
-
-
 def test_a_layer_handed_at_its_kv_write_is_not_handed_again_after_its_attention():
     """Each layer once per step, whichever signal comes first; the bytes D gets are P's."""
-    p, d = _worker("p"), _worker("d")
-    try:
+    with worker_pair(LAYERS) as (p, d):
         handed: list[int] = []
         src, dst = [1, 2], [3, 4]
-        d.bind(AiolayerMetadata(recvs=[RecvReq("rq-d", RecvParams(transfer_id="tx", token=TOKEN), dst, 0)]))
-        d.bind(AiolayerMetadata())
-        rank = DecodeRank(decode_control=d.runtime.control_endpoint, dst_incarnation=d.runtime.incarnation)
-        params = SendParams(transfer_id="tx", token=TOKEN, dst_blocks=dst, decode_ranks=[rank])
-        p.bind(AiolayerMetadata(sends=[SendReq("rq-p", params, src, dst)]))
+        bind_transfer(p, d, src, dst)
         step = p._active_step
         assert step is not None
         ready = step.layer_ready
@@ -89,16 +66,4 @@ def test_a_layer_handed_at_its_kv_write_is_not_handed_again_after_its_attention(
             p.save_kv_layer(name)   # as vLLM's save_kv_layer calls it after the attention
         p.wait_for_save()
         assert handed == [0, 1, 2]
-        deadline = time.monotonic() + 30
-        got = False
-        while not got:
-            assert time.monotonic() < deadline
-            _, recv, failed = d.transfer_results(set())
-            assert not failed
-            got = bool(recv)
-            time.sleep(0.01)
-        for name in LAYERS:
-            assert torch.equal(d.caches[name][dst], p.caches[name][src]), name
-    finally:
-        p.shutdown()
-        d.shutdown()
+        assert_landed(p, d, src, dst)
