@@ -73,7 +73,7 @@ def _groups(second: str = "window"):
         KVCacheGroupSpec(LAYERS[:1], full), KVCacheGroupSpec(LAYERS[1:], other)])
 
 
-def _start(role: str, kv_cache_config, cache_dtype: str = "auto"):
+def _start(role: str, kv_cache_config, cache_dtype: str = "auto", dbo: bool = False):
     from aiolayer_vllm.connector import AiolayerConnector
     from aiolayer_vllm.plugin import register
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -82,6 +82,7 @@ def _start(role: str, kv_cache_config, cache_dtype: str = "auto"):
     config = vllm_config("kv_both", {"backend": "memory"})
     config.cache_config.num_gpu_blocks = 64
     config.cache_config.cache_dtype = cache_dtype   # as vLLM validated it (the connector sees the string)
+    config.parallel_config.enable_dbo = dbo
     return AiolayerConnector(config, KVConnectorRole[role], kv_cache_config)
 
 
@@ -154,6 +155,13 @@ def test_an_fp8_kv_cache_with_per_tensor_scales_starts(role, cache_dtype):
 def test_a_kv_cache_with_scales_beside_its_values_is_refused_at_start(role, cache_dtype):
     with pytest.raises(ConfigError, match=f"this engine runs '{cache_dtype}'"):
         _start(role, _groups(), cache_dtype=cache_dtype).shutdown()
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_micro_batched_steps_are_refused_at_start(role):
+    """Dual batch overlap writes each layer's KV in two parts per step; P would send the first part only."""
+    with pytest.raises(ConfigError, match="micro-batches"):
+        _start(role, _groups(), dbo=True).shutdown()
 
 
 @pytest.mark.vllm

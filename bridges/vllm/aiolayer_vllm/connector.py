@@ -82,6 +82,15 @@ def check_cache_dtype(cache_dtype: str) -> None:
                           "not supported yet")
 
 
+def check_micro_batching(parallel_config) -> None:
+    """Refuses (both roles, at start) a step split into micro-batches (vLLM's dual batch overlap,
+    ``ubatch_size``): each writes part of every layer's KV, and P hands a layer over once per step."""
+    if getattr(parallel_config, "use_ubatching", False):
+        raise ConfigError("aiolayer hands each layer's KV over once per step, but with micro-batches (enable_dbo, "
+                          f"ubatch_size {getattr(parallel_config, 'ubatch_size', '?')}) a step writes every layer in "
+                          "parts: not supported yet")
+
+
 def group_facts(groups: list[str], block_size: int) -> dict[str, object]:
     """The groups' part of the fingerprint: P and D must agree on several groups, and where blocks pair
     block for block (several groups, or a sliding window's, whose blocks outside it are null: the
@@ -101,6 +110,7 @@ class AiolayerConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         _configure_logging()
         check_cache_dtype(vllm_config.cache_config.cache_dtype)
+        check_micro_batching(vllm_config.parallel_config)
         groups = kv_cache_groups(kv_cache_config)
         ktc = self._kv_transfer_config
         engine_id = getattr(ktc, "engine_id", None) or "vllm"
