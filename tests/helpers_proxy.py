@@ -101,6 +101,7 @@ class FakeEngine:
         self.local: list[dict] = []           # D: bodies it prefilled itself (no kv_transfer_params)
         self.gate = threading.Event()         # P: answers prefills only while set
         self.gate.set()
+        self.healthy = True                   # what its /health says
         self.control = control
         self._tasks: set[asyncio.Task] = set()
         routes = [Route("/health", self._health), Route("/v1/completions", self._serve, methods=["POST"]),
@@ -147,7 +148,7 @@ class FakeEngine:
             await server.close()
 
     async def _health(self, request):
-        return JSONResponse({})
+        return JSONResponse({}, status_code=200 if self.healthy else 503)
 
     async def _serve(self, request):
         body = await request.json()

@@ -78,35 +78,62 @@ def test_without_the_option_every_request_goes_to_p():
         assert _routes(d, p, asks) == ["remote"] * 3
 
 
+def _choose(chooser: RouteChooser, body: dict, named_mode: bool = False, stream: bool = True):
+    return chooser.choose(chooser.prompt_size("/v1/completions", body)[0], named_mode, stream)
+
+
+def test_with_no_healthy_p_a_short_prompt_is_prefilled_by_d_and_a_long_one_refused():
+    with proxied_pair("--local-prefill-max-tokens", "64", "--health-interval", "0.2") as s:
+        p, d, url = s["p"], s["d"], s["proxy"].url
+        wait_for(lambda: httpx.get(url + "/health", timeout=5, trust_env=False).status_code == 200, 20,
+                 "the proxy sees both engines")
+        p.healthy = False
+        wait_for(lambda: httpx.get(url + "/health", timeout=5, trust_env=False).status_code == 503, 20,
+                 "the proxy sees P down")
+        answers = [_ask(url, f"{i:02d}" + "x" * 38, {}, stream=i == 0) for i in range(2)]   # not measured yet
+        assert "d-local-0" in answers[0] and len(d.local) == 2 and p.requests == []
+        with httpx.Client(timeout=30, trust_env=False) as client:
+            for body, headers in (({"prompt": "l" * 400}, {}),                                  # over the cap
+                                  ({"prompt": "n" * 40}, {"X-Aiolayer-Transfer-Mode": "bulk"})):   # names P's mode
+                reply = client.post(url + "/v1/completions", json={**body, "max_tokens": 2}, headers=headers)
+                assert reply.status_code == 503 and reply.json()["error"]["type"] == "no_backend", reply.text
+        assert len(d.local) == 2 and p.requests == []
+
+
 def test_the_chooser_tries_each_route_then_re_measures_the_loser_now_and_then():
     chooser = RouteChooser(local_max_tokens=256)
     body = {"prompt": "x" * 400}   # 100 tokens at the starting 4 bytes per token
-    assert chooser.choose("/v1/completions", body, named_mode=False, stream=True) == ("remote", 7)
+    assert _choose(chooser, body) == ("remote", 7)
     chooser.learn_ttft("remote", 7, 0.100)
-    assert chooser.choose("/v1/completions", body, False, True) == ("local", 7)
+    assert _choose(chooser, body) == ("local", 7)
     chooser.learn_ttft("local", 7, 0.095)   # within 20%: the loser is re-measured every 16th request
-    routes = [chooser.choose("/v1/completions", body, False, True)[0] for _ in range(3, 3 + 2 * REMEASURE_EVERY)]
+    routes = [_choose(chooser, body)[0] for _ in range(3, 3 + 2 * REMEASURE_EVERY)]
     assert routes.count("remote") == 2 and routes.count("local") == 2 * REMEASURE_EVERY - 2
     chooser.learn_ttft("local", 7, 0.035)   # moving estimate: 0.065, more than 20% ahead: every 128th
     assert chooser.ttft_s["local", 7] == pytest.approx(0.065)
-    routes = [chooser.choose("/v1/completions", body, False, True)[0] for _ in range(REMEASURE_FAR_EVERY)]
+    routes = [_choose(chooser, body)[0] for _ in range(REMEASURE_FAR_EVERY)]
     assert routes.count("remote") == 1
-    assert chooser.choose("/v1/completions", body, named_mode=True, stream=True) == ("remote", None)
-    assert chooser.choose("/v1/completions", body, False, stream=False) == ("local", None)
-    assert chooser.choose("/v1/completions", {"prompt": "x" * 1100}, False, True) == ("remote", None)  # > 256
-    assert chooser.choose("/v1/completions", {"prompt": [1, 2, 3]}, False, True) == ("remote", 2)  # token ids
-    assert RouteChooser().choose("/v1/completions", body, False, True) == ("remote", None)   # off by default
+    assert _choose(chooser, body, named_mode=True) == ("remote", None)
+    assert _choose(chooser, body, stream=False) == ("local", None)
+    assert _choose(chooser, {"prompt": "x" * 1100}) == ("remote", None)  # > 256
+    assert _choose(chooser, {"prompt": [1, 2, 3]}) == ("remote", 2)  # token ids
+    off = RouteChooser()   # off by default: nothing is even measured
+    assert off.prompt_size("/v1/completions", body) == (None, None) and _choose(off, body) == ("remote", None)
+    assert chooser.may_go_local(64, False) and not chooser.may_go_local(64, True)
+    assert not chooser.may_go_local(None, False) and not chooser.may_go_local(257, False)
 
 
 def test_the_bytes_per_token_come_from_ps_answers_and_only_text_is_sized():
     chooser = RouteChooser(local_max_tokens=64)
     body = {"prompt": "x" * 400}
-    assert chooser.prompt_tokens("/v1/completions", body) == 100
-    chooser.learn_usage("/v1/completions", body, b'{"usage": {"prompt_tokens": 50}}')
-    assert chooser.prompt_tokens("/v1/completions", body) == 50          # 8 bytes per token now
-    assert chooser.prompt_tokens("/v1/chat/completions", {"messages": [{"content": "x" * 40}]}) == 10   # per path
+    assert chooser.prompt_size("/v1/completions", body) == (100, 400)
+    chooser.learn_usage("/v1/completions", 400, b'{"usage": {"prompt_tokens": 50}}')
+    assert chooser.prompt_size("/v1/completions", body) == (50, 400)          # 8 bytes per token now
+    assert chooser.prompt_size("/v1/chat/completions", {"messages": [{"content": "x" * 40}]}) == (10, 40)   # per path
+    assert chooser.prompt_size("/v1/completions", {"prompt": [1, 2]}) == (2, None)
     for bad in (b"not json", b"[]", b'{"usage": {"prompt_tokens": 0}}', b'{"usage": {"prompt_tokens": true}}'):
-        chooser.learn_usage("/v1/completions", body, bad)
+        chooser.learn_usage("/v1/completions", 400, bad)
+    chooser.learn_usage("/v1/completions", None, b'{"usage": {"prompt_tokens": 1}}')   # not a text prompt
     assert chooser.bytes_per_token == {"/v1/completions": 8.0}
     chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "héllo"}]}, {"content": "ab"}]}
     assert prompt_text_bytes(chat) == 8

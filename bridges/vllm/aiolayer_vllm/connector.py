@@ -149,8 +149,8 @@ class AiolayerConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     def register_kv_caches(self, kv_caches) -> None:
-        self._worker_side.register_kv_caches(kv_caches)
         worker = self._worker_side
+        worker.register_kv_caches(kv_caches)
         # each layer handed over as soon as vLLM wrote its KV (``kv_written``); AIOLAYER_KV_WRITTEN_HOOK=0: after
         # its attention, as vLLM calls save_kv_layer (to compare the two)
         if worker.is_producer and os.environ.get("AIOLAYER_KV_WRITTEN_HOOK", "1") != "0":

@@ -28,7 +28,7 @@ from .failures import ExchangeError, answered_error, call_failed, error_event
 from .admit import check_body, forwarded_headers, requested_mode
 from .flow import BINDINGS, Exchange, ProxyTimeouts
 from .metrics import CONTENT_TYPE, ProxyMetrics
-from .pool import NoBackend, Pool
+from .pool import Backend, NoBackend, Pool
 from .route import RouteChooser
 from .tracing import Tracing
 
@@ -151,12 +151,15 @@ class ProxyState:
         try:
             check_body(body)
             mode = requested_mode(scope["headers"])
-            prefill, decode = self.pool.pick("prefill"), self.pool.pick("decode")
-            route, size = self.router.choose(path, body, bool(mode), body.get("stream") is True)
+            decode = self.pool.pick("decode")
+            tokens, text_bytes = self.router.prompt_size(path, body)
+            route, size = self.router.choose(tokens, bool(mode), body.get("stream") is True)
+            prefill = self._pick_prefill(tokens, bool(mode)) if route == "remote" else None
+            route = "remote" if prefill is not None else "local"
         except (ExchangeError, NoBackend) as exc:
             failed = exc if isinstance(exc, ExchangeError) else ExchangeError(503, "no_backend", str(exc))
             return await self._answer(self._error(failed, headers.get("x-request-id")), scope, receive, send)
-        exchange = Exchange(self, path, body, prefill, decode, headers, mode, local=route == "local")   # leases both
+        exchange = Exchange(self, path, body, prefill, decode, headers, mode, text_bytes)   # leases both
         self.metrics.routes.labels(route).inc()
         span = self.tracing.start(headers, path, exchange.started)
         if span is not None:   # P and D see the proxy's span as their parent
@@ -175,13 +178,22 @@ class ProxyState:
                 span.finish(exchange.stamps, {"aiolayer.request_id": exchange.request_id,
                                               "aiolayer.transfer_id": exchange.transfer_id,
                                               "aiolayer.route": route,
-                                              "aiolayer.prefill": None if exchange.local else exchange.prefill.url,
+                                              "aiolayer.prefill": exchange.prefill.url if exchange.prefill else None,
                                               "aiolayer.decode": exchange.decode.url,
                                               "aiolayer.outcome": exchange.outcome or None,
                                               "http.response.status_code": status},
                             error="" if exchange.outcome == "ok" else f"HTTP {status}" if status else "failed")
         if response is not None:
             await self._answer(response, scope, receive, send)
+
+    def _pick_prefill(self, tokens: int | None, named_mode: bool) -> Backend | None:
+        """A P for the request, or None where no P is healthy and D may prefill it alone (under the cap)."""
+        try:
+            return self.pool.pick("prefill")
+        except NoBackend:
+            if self.router.may_go_local(tokens, named_mode):
+                return None
+            raise
 
     async def _exchange(self, exchange: Exchange, receive, send) -> Response | None:
         """Run the exchange; the answer still to send, or None once streamed (or nobody is listening)."""

@@ -68,18 +68,21 @@ def binds_late(binding: str, prefill: Learned | None, decode: Learned | None) ->
 class Exchange:
     """Drives one request through D then P; its owner runs ``close`` in a ``finally``."""
 
-    def __init__(self, state, path: str, body: dict, prefill: Backend, decode: Backend,
+    def __init__(self, state, path: str, body: dict, prefill: Backend | None, decode: Backend,
                  headers: dict[str, str] | None = None, transfer_mode: RequestedMode = "",
-                 local: bool = False) -> None:
+                 text_bytes: int | None = None) -> None:
         self.state, self.path, self.body = state, path, body
-        self.local = local          # D prefills it: no P, no transfer
+        self.local = prefill is None    # D prefills it: no P, no transfer
+        self.text_bytes = text_bytes    # the prompt text's size, for the bytes per token of P's answer
         self.transfer_mode = transfer_mode   # "" = P's own
         self.headers = dict(headers or {})
         self.prefill, self.decode = prefill, decode
-        self.p_controls = prefill.controls   # P's TP ranks as learned now: D's and P's plans must agree
+        # P's TP ranks as learned now: D's and P's plans must agree
+        self.p_controls = prefill.controls if prefill is not None else []
         self.d_controls = decode.controls
-        self.late = not local and binds_late(state.binding, prefill.topology, decode.topology)
-        self.p_lease, self.d_lease = Lease(prefill), Lease(decode)
+        self.late = prefill is not None and binds_late(state.binding, prefill.topology, decode.topology)
+        self.p_lease = Lease(prefill) if prefill is not None else None
+        self.d_lease = Lease(decode)
         self.transfer_id = uuid.uuid4().hex
         self.request_id = self.headers.get("x-request-id") or self.transfer_id   # what its log lines name
         self.token = secrets.token_hex(16)   # only this transfer's D and P learn it
@@ -146,7 +149,6 @@ class Exchange:
         t = self.state.timeouts
         self.d_task = self.state.spawn(self.open_decode(), f"decode {self.transfer_id}")
         if self.local:
-            self.p_lease.release()
             self.stamp("dispatched")
             return await self._until_decode_answered()
         self.state.metrics.bindings.labels("late" if self.late else "d_first").inc()
@@ -237,6 +239,7 @@ class Exchange:
 
     async def _prefill(self, regs: list[DecodeRegistration] | None) -> None:
         client, t = self.state.client, self.state.timeouts
+        assert self.prefill is not None and self.p_lease is not None   # a local exchange never prefills on P
         try:
             reply = await client.post(self.prefill.url + self.path, json=self.p_body(regs), headers=self.headers,
                                       timeout=t.prefill_s)
@@ -253,7 +256,7 @@ class Exchange:
             await self.abort_decode(f"prefill answered HTTP {reply.status_code}")
             raise answered_error("P", self.prefill.url, reply.status_code, reply.content,
                                  reply.headers.get("content-type", "application/json"))
-        self.state.router.learn_usage(self.path, self.body, reply.content)
+        self.state.router.learn_usage(self.path, self.text_bytes, reply.content)
         sent = self.stamps["dispatched" if regs is None else "registered"]
         self.state.metrics.prefill.observe((self.stamps["p_answered"] - sent) / 1e3)
 
@@ -316,7 +319,8 @@ class Exchange:
         Idempotent; closing D's call runs as an owned task, so it completes even if the caller is cancelled.
         """
         self.state.pending.pop(self.transfer_id, None)
-        self.p_lease.release()
+        if self.p_lease is not None:
+            self.p_lease.release()
         if self.stamps and log.isEnabledFor(logging.DEBUG):
             # perf_counter of the start too: the engines' timeline lines (aiolayer_vllm.worker.stage) use that clock
             log.debug("transfer %s timeline (ms since %.6f): %s", self.transfer_id, self.started,

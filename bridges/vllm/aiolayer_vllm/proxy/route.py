@@ -9,7 +9,8 @@ the proxy keeps moving estimates of the first token's time per route and size cl
 size is tried first (remote, then local); every 16th request of a size takes the route predicted to
 lose (every 128th when it is predicted to lose by more than 20%), so the estimates follow D's load and
 the link. A request that names its transfer mode always goes to P. The prompt's size is its token ids'
-count, or for text its UTF-8 bytes over the bytes per token P's answers reported (``usage``).
+count, or for text its UTF-8 bytes over the bytes per token P's answers reported (``usage``). A request
+under the cap goes to D alone also while no P is healthy.
 """
 
 from __future__ import annotations
@@ -71,22 +72,28 @@ class RouteChooser:
     ttft_s: dict[tuple[Route, int], float] = field(default_factory=dict)
     seen: dict[int, int] = field(default_factory=dict)
 
-    def prompt_tokens(self, path: str, body: dict) -> int | None:
+    def prompt_size(self, path: str, body: dict) -> tuple[int | None, int | None]:
+        """A prompt's (tokens, UTF-8 text bytes), each None where unknown: tokens are the ids' count or the
+        text over this path's bytes per token. Nothing is measured while the option is off."""
+        if self.local_max_tokens <= 0:
+            return None, None
         ids = prompt_token_ids(body)
         if ids is not None:
-            return ids
+            return ids, None
         size = prompt_text_bytes(body)
         if size is None:
-            return None
-        return math.ceil(size / self.bytes_per_token.get(path, START_BYTES_PER_TOKEN))
+            return None, None
+        return math.ceil(size / self.bytes_per_token.get(path, START_BYTES_PER_TOKEN)), size
 
-    def choose(self, path: str, body: dict, named_mode: bool, stream: bool) -> tuple[Route, int | None]:
-        """The route for one request and its size class (None: nothing to learn from it). Only a stream
-        shows its first token's time; any other request takes the route predicted faster, or P's."""
-        if self.local_max_tokens <= 0 or named_mode:
-            return "remote", None
-        tokens = self.prompt_tokens(path, body)
-        if tokens is None or tokens > self.local_max_tokens:
+    def may_go_local(self, tokens: int | None, named_mode: bool) -> bool:
+        """D may prefill this request itself: the option is on, it names no mode and is under the cap."""
+        return self.local_max_tokens > 0 and not named_mode and tokens is not None and tokens <= self.local_max_tokens
+
+    def choose(self, tokens: int | None, named_mode: bool, stream: bool) -> tuple[Route, int | None]:
+        """The route for one request of ``tokens`` (``prompt_size``) and its size class (None: nothing to
+        learn from it). Only a stream shows its first token's time; any other request takes the route
+        predicted faster, or P's."""
+        if tokens is None or not self.may_go_local(tokens, named_mode):
             return "remote", None
         k = size_class(tokens)
         remote, local = self.ttft_s.get(("remote", k)), self.ttft_s.get(("local", k))
@@ -107,9 +114,10 @@ class RouteChooser:
         old = self.ttft_s.get((route, k))
         self.ttft_s[(route, k)] = seconds if old is None else old + NEW_WEIGHT * (seconds - old)
 
-    def learn_usage(self, path: str, body: dict, answer: bytes) -> None:
-        """P's answer says how many tokens the prompt was: the bytes per token of this path's text."""
-        size = prompt_text_bytes(body) if self.local_max_tokens > 0 else None
+    def learn_usage(self, path: str, text_bytes: int | None, answer: bytes) -> None:
+        """P's answer says how many tokens the prompt of ``text_bytes`` (``prompt_size``) was: the bytes
+        per token of this path's text."""
+        size = text_bytes
         if not size:
             return
         try:
