@@ -5,7 +5,8 @@ here; ``Runtime`` does the work (runtime.py).
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable, Protocol
+import collections
+from typing import Any, Awaitable, Callable, Protocol
 
 import msgspec
 
@@ -95,19 +96,31 @@ class StepSink(Protocol):
     def end_step(self, step: int) -> None: ...
 
 
-class Step:
-    """P: one forward step's transfers. ``layer_ready`` after each layer's KV is written, ``end`` after
-    the last; as a context manager it ends on exit. Called from the forward thread; never blocks."""
+class Step(collections.deque[Any]):
+    """P: one forward step's transfers. ``layer_ready(layer)`` after each layer's KV is written, ``end()``
+    after the last; as a context manager it ends on exit. Called from the forward thread; never blocks.
 
-    __slots__ = ("_sender", "_id", "_ended", "layer_ready")
+    A step is itself the inbox the runtime's loop takes its layers from: in host memory ``layer_ready``
+    is deque's own C ``append``, found on the type, which the interpreter calls directly. Kept as a
+    bound method in an attribute it cost ~1.5 us more per layer right after the forward's KV write had
+    evicted the caches (docs/results.md). The deque's other methods are not part of the API."""
 
-    def __init__(self, sender: StepSink, step_id: int, layer_ready: Callable[[int], None]) -> None:
+    __slots__ = ("_sender", "_id", "_ended")
+    layer_ready = collections.deque.append
+    __eq__ = object.__eq__   # a step is itself, not the layers waiting in it
+    __hash__ = object.__hash__   # type: ignore[assignment]
+
+    def __init__(self, sender: StepSink, step_id: int) -> None:
+        super().__init__()
         self._sender = sender
         self._id = step_id
         self._ended = False
-        # ``layer_ready(layer)`` is the sender's own hand-off for this step (``Sender.begin_step``), not a
-        # method forwarding to it: the forward calls it once per layer, and every frame on that path counts
-        self.layer_ready = layer_ready
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"Step({self._id})"
 
     @property
     def id(self) -> int:

@@ -262,7 +262,7 @@ class Runtime(ReceiveApi):
         transfer alone, with its outcome in ``pop_outcomes``."""
         sender = self._running_sender()
         step_id = next(self._steps)
-        return Step(sender, step_id, sender.begin_step(step_id, specs))
+        return sender.begin_step(step_id, specs)
 
     def cancel_send(self, transfer_id: str, reason: str) -> None:
         """Stop a send (its source blocks are needed back): it fails, never says DONE; never raises."""

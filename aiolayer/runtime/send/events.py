@@ -11,6 +11,7 @@ import time
 from typing import Callable, Protocol
 
 from ...errors import DeadlineExceeded
+from ..api import Step, StepSink
 
 
 class DeviceEvent(Protocol):
@@ -69,3 +70,17 @@ async def wait_event(event: DeviceEvent, timeout: float) -> None:
             raise DeadlineExceeded("layer_event", timeout, "device event not completed")
         await asyncio.sleep(delay)
         delay = min(0.001, delay * 2 + 0.00005)
+
+
+class DeviceStep(Step):
+    """A step whose KV a device writes: each hand-off records an event on the current stream, which the
+    loop polls before that layer's writes, with the time it was handed over."""
+
+    __slots__ = ("_record",)
+
+    def __init__(self, sender: StepSink, step_id: int, record: Callable[[], DeviceEvent]) -> None:
+        super().__init__(sender, step_id)
+        self._record = record
+
+    def layer_ready(self, layer: int) -> None:
+        self.append((layer, self._record(), time.perf_counter()))

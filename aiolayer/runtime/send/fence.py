@@ -52,10 +52,10 @@ class StepLayers:
         observing each layer's wait in the inbox: a layer number came after the loop's previous look,
         so its wait is at most ``now - looked``. How many layers there were."""
         inbox, since, self.looked = self.inbox, self.looked, now
-        if not inbox:
+        if inbox is None or not len(inbox):   # len: a ``Step`` is always true
             return 0
         taken = 0
-        while inbox:
+        while len(inbox):
             entry = inbox.popleft()
             taken += 1
             if isinstance(entry, int):

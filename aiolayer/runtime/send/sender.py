@@ -47,8 +47,9 @@ from .bridge import LayerBridge, LayerPace
 from ..control.plane import ControlPeers
 from .done_batch import DoneBatcher
 from .ending import TransferEnding
-from .events import device_recorder, record_event
-from .fence import MAX_EARLY_ABORTS, EarlyAborts, InboxEntry, Request, StepLayers, guarded
+from ..api import Step
+from .events import DeviceStep, device_recorder, record_event
+from .fence import MAX_EARLY_ABORTS, EarlyAborts, Request, StepLayers, guarded
 from ..integrity import pick_digest
 from ..loop import Spawn, not_running
 from .metadata import LayoutCache
@@ -105,31 +106,25 @@ class Sender(TransferEnding):
         self.local = LocalLayout(np.asarray(k_base, dtype=np.int64), np.asarray(v_base, dtype=np.int64),
                                  block_bytes, num_blocks, heads, geometry, host)
 
-    def begin_step(self, step: int, specs: list[TransferSpec]) -> Callable[[int], None]:
-        """Hand a step's transfers to the loop; returns the step's ``layer_ready(layer)``. A bad spec
-        fails that transfer there, never here.
+    def begin_step(self, step: int, specs: list[TransferSpec]) -> Step:
+        """Hand a step's transfers to the loop; returns the ``Step`` the forward hands its layers to. A bad
+        spec fails that transfer there, never here.
 
-        The step gets an inbox of its own that the loop polls while the step is open (the step's item
+        The step is an inbox of its own that the loop polls while the step is open (the step's item
         wakes it, once): in host memory ``layer_ready`` is the inbox's ``append``, a C call, because right
         after the forward's KV write has evicted the caches each Python frame costs microseconds."""
         if self.local is None:
             raise RuntimeStateError("register the KV caches before the first step")
         specs = list(specs)
-        inbox: collections.deque[InboxEntry] = collections.deque()
+        record = device_recorder
+        inbox = Step(self, step) if record is None else DeviceStep(self, step, record)
         added = self.results.expect(specs)   # before the put: the loop may publish an outcome at once
         try:
             self.bridge.put(("step", step, specs, time.perf_counter(), inbox))
         except RuntimeStateError:
             self.results.forget(added)
             raise
-        record = device_recorder
-        if record is None:
-            return inbox.append
-        append, clock = inbox.append, time.perf_counter
-
-        def device_layer_ready(layer: int) -> None:
-            append((layer, record(), clock()))
-        return device_layer_ready
+        return inbox
 
     def refuse(self, spec: TransferSpec, reason: str) -> None:
         """Fail a send on the loop without writing: outcome, FAILED to D, release (``_refuse``)."""
