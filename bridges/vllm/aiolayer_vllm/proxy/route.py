@@ -117,8 +117,7 @@ class RouteChooser:
     def learn_usage(self, path: str, text_bytes: int | None, answer: bytes) -> None:
         """P's answer says how many tokens the prompt of ``text_bytes`` (``prompt_size``) was: the bytes
         per token of this path's text."""
-        size = text_bytes
-        if not size:
+        if not text_bytes:
             return
         try:
             usage = msgspec.json.decode(answer).get("usage")
@@ -127,5 +126,5 @@ class RouteChooser:
         tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
             return
-        sample, old = size / tokens, self.bytes_per_token.get(path)
+        sample, old = text_bytes / tokens, self.bytes_per_token.get(path)
         self.bytes_per_token[path] = sample if old is None else old + NEW_WEIGHT * (sample - old)
