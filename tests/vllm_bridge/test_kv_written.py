@@ -59,8 +59,16 @@ def test_a_layer_handed_at_its_kv_write_is_not_handed_again_after_its_attention(
         bind_transfer(p, d, src, dst)
         step = p._active_step
         assert step is not None
-        ready = step.layer_ready
-        step.layer_ready = lambda layer: (handed.append(layer), ready(layer))   # what the worker hands over
+
+        class Recorded:   # what the worker hands over, then the step's own hand-off
+            def layer_ready(self, layer: int) -> None:
+                handed.append(layer)
+                step.layer_ready(layer)
+
+            def __getattr__(self, name: str):
+                return getattr(step, name)
+
+        p._active_step = Recorded()
         for name in LAYERS:
             p.save_kv_layer(name)   # as the wrapped KV update calls it
             p.save_kv_layer(name)   # as vLLM's save_kv_layer calls it after the attention
