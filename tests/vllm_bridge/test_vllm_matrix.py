@@ -5,7 +5,8 @@ in front, and every case run directly (the D-first flow played by the test) and 
 
 - ``llama-gqa``: vLLM's defaults (bfloat16, block size 128, prefix caching, chunked prefill,
   torch.compile) but a 512-token step budget, a 4-layer Llama with 4 heads on 2 KV heads, and a D
-  with blocks of 32 tokens (P's blocks bigger than D's: P writes each of its blocks into four of D's);
+  with blocks of 32 tokens (P's blocks bigger than D's: P writes each of its blocks into four of D's;
+  on a host with AMX, of 128: ``AMX_BF16``);
 - ``qwen2-bias``: float32, block size 32 at P and 64 at D (D's blocks bigger), a 128-token budget,
   eager, a 4-layer Qwen2 (q/k/v bias, 8 heads on 2 KV heads), a D with a 20-block KV cache, so that D
   must preempt, and ngram speculative decoding on both (D speculates over the KV P wrote).
@@ -31,6 +32,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test`")
 
@@ -42,6 +44,12 @@ from aiolayer.harness.tiny_model import (LLAMA_GQA, QWEN2_BIAS, SAMPLE_PROMPTS, 
 from helpers_node import MC_ENV
 
 from aiolayer.config import Timeouts
+
+# vLLM CPU's bf16 attention on a host with AMX runs its "amx" kernel, whose blocks hold their tokens in
+# a layout the runtime does not copy token by token (docs/vllm.md): blocks of other sizes are refused
+# there, so llama-gqa's D keeps P's (vLLM's default) block size; qwen2-bias (float32) covers the mapping.
+AMX_BF16 = torch.cpu._is_amx_tile_supported()
+LLAMA_D_BLOCK = 128 if AMX_BF16 else 32
 
 # Fixture set-up (two engines, one with torch.compile) counts against the first test of each group.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -57,13 +65,17 @@ TIMES: dict[str, float] = {}             # case -> wall time, written next to th
 class EngineConfig:
     spec: TinySpec
     block_size: int                 # what P runs with (128 is vLLM CPU's default)
-    d_block_size: int               # what D runs with: another size than P's, so every case covers the mapping
+    d_block_size: int               # what D runs with: another size than P's, so the cases cover the mapping
     budget: int                     # max_num_batched_tokens in effect (2048 is vLLM CPU's default)
     both: dict                      # VllmServer settings for P and D (opt-outs only, each with a reason)
     d_only: dict = dataclasses.field(default_factory=dict)
     p_only: dict = dataclasses.field(default_factory=dict)
     preempts: bool = False          # D's cache is small enough for the preemption case
     speculates: bool = False        # ngram speculative decoding at P and D (SPECULATIVE)
+    # float32: a batch's tokens equal the aggregated engine's one by one. bf16 on vLLM CPU is not
+    # batch-invariant (its amx kernel drifted a few tokens in): P then checks every layer's bytes at D,
+    # and a batch's answer may drift only where every transfer's bytes verified (numerics, not a transfer)
+    batch_exact: bool = True
 
 
 # Both: the kernel places the threads. vLLM's default OMP binding pins every server's worker to
@@ -76,8 +88,8 @@ CONFIGS = {
     # vLLM's defaults, torch.compile included (~40 s more per engine start), but for the step's token
     # budget (2048 by default): CPU attention over prompts several times 2048 tokens takes over 30 s
     # per request on 2 busy cores; several times 512 takes a few seconds.
-    "llama-gqa": EngineConfig(LLAMA_GQA, block_size=128, d_block_size=32, budget=512,
-                              both={**NOBIND, "max_num_batched_tokens": 512}, d_only={"block_size": 32}),
+    "llama-gqa": EngineConfig(LLAMA_GQA, block_size=128, d_block_size=LLAMA_D_BLOCK, budget=512, batch_exact=False,
+                              both={**NOBIND, "max_num_batched_tokens": 512}, d_only={"block_size": LLAMA_D_BLOCK}),
     "qwen2-bias": EngineConfig(
         QWEN2_BIAS, block_size=32, d_block_size=64, budget=128, preempts=True, speculates=True,
         both={**NOBIND, "dtype": "float32",
@@ -161,8 +173,9 @@ def _start(name: str, tmp_path_factory) -> tuple:
     # deadline is unchanged.
     # P at info: it logs how many layers hand their KV over as vLLM writes it (aiolayer_vllm.kv_written)
     p_common = {**common, "env": {**common.get("env", {}), "AIOLAYER_LOG_LEVEL": "INFO"}}
+    checks = {} if cfg.batch_exact else {"integrity_sample": 1.0}
     p = VllmServer(model, name=f"{name}-p", kv_transfer_config=connector(
-        "kv_producer", "p", p_port, timeouts={"layout_fetch": 30.0}), **p_common, **cfg.p_only)
+        "kv_producer", "p", p_port, timeouts={"layout_fetch": 30.0}, **checks), **p_common, **cfg.p_only)
     d = VllmServer(model, name=f"{name}-d", kv_transfer_config=connector("kv_consumer", "d", d_port),
                    **common, **cfg.d_only)
     return p, d, p_port, d_port, logs
@@ -355,7 +368,7 @@ def test_twenty_concurrent_mixed_chat_and_completions_through_the_proxy(pd):
         jobs.append((text if not chat else [{"role": "user", "content": text}],
                      "/v1/chat/completions" if chat else "/v1/completions", bool(i % 2)))
     baseline = {i: aggregated(pd.p, prompt, path=path) for i, (prompt, path, _) in enumerate(jobs)}
-    ok_before = _proxy_ok(pd.proxy)
+    ok_before, verified_before = _proxy_ok(pd.proxy), _verified(pd.d)
 
     async def burst():
         async with httpx.AsyncClient(timeout=REQUEST_LIMIT_S, trust_env=False) as client:
@@ -366,10 +379,28 @@ def test_twenty_concurrent_mixed_chat_and_completions_through_the_proxy(pd):
 
     with pd.case("concurrent-mixed-proxy"):
         outs = asyncio.run(burst())
-    for i, out in enumerate(outs):
-        assert out.token_ids == baseline[i], (i, jobs[i][1:], out.token_ids, baseline[i])
+    drifted = [(i, jobs[i][1:], out.token_ids, baseline[i]) for i, out in enumerate(outs)
+               if out.token_ids != baseline[i]]
+    TIMES[f"{pd.name}:concurrent-mixed-proxy:drifted"] = len(drifted)
+    if pd.config.batch_exact or drifted and _verified_since(pd.d, verified_before, len(jobs)) < len(jobs):
+        assert not drifted, drifted
     assert _proxy_ok(pd.proxy) - ok_before == len(jobs)
     assert "aiolayer_proxy_pending_transfers 0" in pd.proxy.metrics()
+
+
+def _verified(d: VllmServer) -> float:
+    """D's transfers whose every checked byte equalled P's (a mismatch fails the transfer: the case's
+    failure counters catch it)."""
+    return metric_value(scrape_metrics(d), "vllm:aiolayer_integrity_verified_total") or 0.0
+
+
+def _verified_since(d: VllmServer, before: float, want: float, within_s: float = 10.0) -> float:
+    """Transfers D verified since ``before``, once ``want`` or ``within_s`` passed (D's worker reports
+    its counters with a later step, as ``_hits_since`` says of vLLM's)."""
+    end = time.monotonic() + within_s
+    while (got := _verified(d) - before) < want and time.monotonic() < end:
+        time.sleep(0.1)
+    return got
 
 
 def _proxy_ok(proxy: ProxyProcess) -> int:

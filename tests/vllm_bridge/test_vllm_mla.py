@@ -55,7 +55,9 @@ def _engine(name: str, control_port: int, *, role: str = "kv_both", tp: int = 1,
                       # out in CI); core 1 stays for D, the proxy and the loops
                       block_size=BLOCK, omp_bind="0|0" if tp == 2 else "nobind",
                       kv_transfer_config=connector(role, name, control_port, timeouts=TIMEOUTS),
-                      extra_args=["--tensor-parallel-size", str(tp)] if tp > 1 else [],
+                      # named: on a host with AMX vLLM picks AMX_MLA, which takes bf16 only and refuses float32
+                      extra_args=["--attention-backend", "CPU_MLA",
+                                  *(["--tensor-parallel-size", str(tp)] if tp > 1 else [])],
                       env=MC_ENV | {"VLLM_LOGGING_CONFIG_PATH": bridge_logging_config()} | (env or {}),
                       startup_timeout_s=500)
 

@@ -16,7 +16,7 @@ from .config import check_extra_config, from_extra_config
 from .draft import draft_facts, draft_start
 from .identity import model_facts
 from .kv_written import hook_kv_writes
-from .layout import cpu_kernel
+from .layout import cpu_kernel, request_amx_tiles
 from .metadata import AiolayerMetadata
 from .modes import AiolayerWorkerMeta
 from .scheduler import SchedulerSide
@@ -125,6 +125,7 @@ class AiolayerConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerSide(self.config, vllm_config.cache_config.block_size, producer, consumer,
                                             parked_wait=consumer and executor in LOCAL_EXECUTORS)
         else:
+            request_amx_tiles()   # before this worker's first attention step
             self._worker = WorkerSide(self.config, producer, consumer, kv_cache_config.num_blocks,
                                       ranks.from_vllm(vllm_config), block_size=vllm_config.cache_config.block_size,
                                       head_size=vllm_config.model_config.get_head_size(),

