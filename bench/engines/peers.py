@@ -5,7 +5,8 @@ than aiolayer's row, which goes through ``aiolayer proxy``).
 - ``mooncake``: ``MooncakeConnector`` over Mooncake TCP. As shipped it cannot start on a CPU host
   (``torch.accelerator.current_device_index()``: "Cannot access accelerator device when none is
   available"); ``shim_mooncake`` answers 0 there and re-exports the class. P and D get the
-  request at the same time; D pulls through P's bootstrap server.
+  request at the same time; D pulls through P's bootstrap server. On a host with AMX the shim also asks
+  for the process's AMX tile state, which vLLM's AMX kernel leaves unasked (docs/vllm.md).
 - ``nixl``: ``NixlConnector`` with a DRAM buffer (``kv_buffer_device: cpu``). Its UCX progress thread
   spins a core per idle engine (TTFT in seconds on 2 cores), so ``shim_nixl`` creates the agent
   with ``enable_prog_thread=False``. P first (``max_tokens`` 1); its ``kv_transfer_params`` go to D.
