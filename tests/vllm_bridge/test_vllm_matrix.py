@@ -6,7 +6,7 @@ in front, and every case run directly (the D-first flow played by the test) and 
 - ``llama-gqa``: vLLM's defaults (bfloat16, block size 128, prefix caching, chunked prefill,
   torch.compile) but a 512-token step budget, a 4-layer Llama with 4 heads on 2 KV heads, and a D
   with blocks of 32 tokens (P's blocks bigger than D's: P writes each of its blocks into four of D's;
-  on a host with AMX, of 128: ``AMX_BF16``);
+  of 128 where vLLM's bf16 kernel keeps blocks in a layout not copied token by token: ``BF16_BLOCKS_MAP``);
 - ``qwen2-bias``: float32, block size 32 at P and 64 at D (D's blocks bigger), a 128-token budget,
   eager, a 4-layer Qwen2 (q/k/v bias, 8 heads on 2 KV heads), a D with a 20-block KV cache, so that D
   must preempt, and ngram speculative decoding on both (D speculates over the KV P wrote).
@@ -44,12 +44,14 @@ from aiolayer.harness.tiny_model import (LLAMA_GQA, QWEN2_BIAS, SAMPLE_PROMPTS, 
 from helpers_node import MC_ENV
 
 from aiolayer.config import Timeouts
+from aiolayer_vllm.layout import TOKEN_MINOR_K_KERNELS
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-# vLLM CPU's bf16 attention on a host with AMX runs its "amx" kernel, whose blocks hold their tokens in
-# a layout the runtime does not copy token by token (docs/vllm.md): blocks of other sizes are refused
-# there, so llama-gqa's D keeps P's (vLLM's default) block size; qwen2-bias (float32) covers the mapping.
-AMX_BF16 = torch.cpu._is_amx_tile_supported()
-LLAMA_D_BLOCK = 128 if AMX_BF16 else 32
+# Blocks of other sizes copy token by token only under a CPU kernel whose layout the connector publishes
+# (layout.TOKEN_MINOR_K_KERNELS); under another (bf16 on a host with AMX runs "amx", docs/vllm.md) they
+# are refused, so llama-gqa's D keeps P's (vLLM's default) block size; qwen2-bias (float32) covers the mapping.
+BF16_BLOCKS_MAP = _get_attn_isa(torch.bfloat16, 32, LLAMA_GQA.head_dim) in TOKEN_MINOR_K_KERNELS
+LLAMA_D_BLOCK = 32 if BF16_BLOCKS_MAP else 128
 
 # Fixture set-up (two engines, one with torch.compile) counts against the first test of each group.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
