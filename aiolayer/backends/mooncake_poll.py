@@ -29,7 +29,7 @@ from ..errors import BackendError, TransferTimeout, WriteRefused
 # The poller's tick. uvloop timers tick in whole milliseconds: a shorter sleep returns at once and
 # would spin a core. Yielding at once after progress (as before) spun a core while writes streamed,
 # taking it from Mooncake's own threads; a tick sees every run that ended since the last one.
-_POLL_TICK_S = 0.001
+POLL_TICK_S = 0.001
 # Timed-out writes only need to be seen ending, not fast: checking a backlog of them every tick
 # would keep a core busy (a refusing peer's backlog drains at ~5 writes per second).
 _QUARANTINE_POLL_S = 0.05
@@ -234,15 +234,15 @@ class GroupPoller:
         """How long to sleep before the next look: one tick, or a nap through most of what is left of
         the first write due (never past a deadline, nor while runs wait for room)."""
         if self._waiting or self._quarantine:
-            return _POLL_TICK_S
+            return POLL_TICK_S
         until = (self._deadlines[0][0] - now) if self._deadlines else _MAX_NAP_S
         for queue in self._inflight.values():
             due = self.pace.due(queue[0]) if queue else None
             if due is None:   # a target not measured yet: tick
-                return _POLL_TICK_S
+                return POLL_TICK_S
             until = min(until, due - now)
         if until < _NAP_FROM_S:
-            return _POLL_TICK_S
+            return POLL_TICK_S
         nap = min(_NAP_SHARE * until, _MAX_NAP_S)
         self.naps += 1
         return nap

@@ -108,11 +108,21 @@ class SimulatedForward:
             x = torch.tanh(x @ self.w)
         self.x = x
 
+    def start(self, connector, specs, kv: RequestKV, src_blocks: list[int],
+              handoff: str = "per_layer") -> concurrent.futures.Future:
+        """Start one prefill on the forward thread; the future holds its timings (``run``)."""
+        return self._submit(self._forward, connector, specs, kv, src_blocks, handoff)
+
+    @property
+    def time_limit_s(self) -> float:
+        """How long a prefill may take before it counts as stuck."""
+        return 60 + 10 * self.layer_s * self.cache.shape.num_layers
+
     def run(self, connector, specs, kv: RequestKV, src_blocks: list[int], handoff: str = "per_layer"):
         """Run one prefill on the forward thread; returns its timings (perf_counter seconds, ns costs)."""
-        fut = self._submit(self._forward, connector, specs, kv, src_blocks, handoff)
+        fut = self.start(connector, specs, kv, src_blocks, handoff)
         try:
-            return fut.result(60 + 10 * self.layer_s * self.cache.shape.num_layers)
+            return fut.result(self.time_limit_s)
         except concurrent.futures.TimeoutError:
             raise TimeoutError("simulated forward did not finish") from None
 

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from aiolayer.backends.mooncake_poll import POLL_TICK_S
 from aiolayer.config import KVShape, NodeConfig, Timeouts
 from aiolayer.kvcache import PagedKVCache
 from aiolayer.protocol import messages as m
@@ -25,7 +26,7 @@ from aiolayer.harness.node import NodeProcess
 
 from .forward import RequestKV, SimulatedForward, expected_crcs, seeded_kv
 from .raw import (MOONCAKE_VARIANTS, ComputeLoad, TcpSinkProcess, busy_seconds, chunk_crcs, memcpy,
-                  mooncake_paced, timed)
+                  mooncake_forward_paced, mooncake_paced, timed)
 
 AIO_MODES = ("layerwise", "bulk", "auto", "checked")
 LIMIT_MODES = ("raw_mooncake", "raw_tcp", "memcpy")
@@ -190,18 +191,25 @@ class Harness:
                 dst += d.tolist()
                 lens += n.tolist()
         engine, session, layers = self.direct.engine, layout.session, self.p_shape.num_layers
-        plan = [(name, True, False, lambda fn=fn: fn(engine, session, src, dst, lens))
+        plan = [(name, True, False, lambda _kv, fn=fn: fn(engine, session, src, dst, lens))
                 for name, fn in MOONCAKE_VARIANTS.items()]
         if self.args.raw_under_compute:   # diagnostics, not ceilings
-            plan.append(("submit_poll+compute", False, True,
-                         lambda: MOONCAKE_VARIANTS["submit_poll"](engine, session, src, dst, lens)))
-            plan.append(("per_layer_paced", False, True,
-                         lambda: mooncake_paced(engine, session, src, dst, lens, layers, self._layer_period)))
+            runs, blocks = (src, dst, lens), list(range(self.p_shape.num_blocks))
+            plan += [
+                ("submit_poll+compute", False, True,
+                 lambda _kv: MOONCAKE_VARIANTS["submit_poll"](engine, session, src, dst, lens)),
+                ("per_layer_paced", False, True,
+                 lambda _kv: mooncake_paced(engine, session, runs, layers, self._layer_period)),
+                # the forward rewrites, as it goes, the same bytes _fill put in the cache
+                ("per_layer_1ms", False, False,
+                 lambda kv: mooncake_forward_paced(engine, session, runs, layers, self.forward, kv, blocks,
+                                                   POLL_TICK_S)),
+            ]
         variants, verified = {}, True
         for k, (name, ceiling, loaded, push) in enumerate(plan):
             kv = self._fill(k)
             with ComputeLoad(self.device_cpus) if loaded else contextlib.nullcontext():
-                secs, cpu, busy = timed(push)
+                secs, cpu, busy = timed(push, kv)
             secs = busy if busy is not None else secs     # paced: only the time writes were in flight
             verified = self._verify(tid, kv) and verified
             variants[name] = {"s": secs, "cpu_s": cpu, "ceiling": ceiling}

@@ -14,6 +14,7 @@ Each returns (seconds, verified-by-CRC32, per-variant seconds).
 from __future__ import annotations
 
 import json
+import queue
 import socket
 import struct
 import subprocess
@@ -31,6 +32,7 @@ from .cpus import pin_this_thread
 from .tcp_sink import HEADER, recv_exact
 
 _POLL_S = 0.001
+_FINE_POLL_S = 0.0001
 
 
 def busy_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -82,21 +84,70 @@ def mooncake_submit_poll(engine, session: str, src: list[int], dst: list[int], l
 MOONCAKE_VARIANTS = {"batch_sync": mooncake_batch_sync, "submit_poll": mooncake_submit_poll}
 
 
-def mooncake_paced(engine, session: str, src: list[int], dst: list[int], lens: list[int], layers: int,
-                   period_s: float) -> float:
-    """Each layer's runs submitted at its turn, ``period_s`` apart, as a forward would hand them over.
+def mooncake_paced(engine, session: str, runs: tuple[list, list, list], layers: int, period_s: float) -> float:
+    """Each layer's runs submitted at its turn, ``period_s`` apart, as a forward would hand them over
+    (the compute load runs beside it), polled every 0.1 ms. Returns the time at least one write was
+    in flight: the ceiling for moving these bytes one layer at a time at this pace."""
+    t0 = time.perf_counter()
 
-    Polled every 0.1 ms (a thread may sleep that briefly; uvloop cannot). Returns the time at least one
-    write was in flight: the ceiling for moving these bytes one layer at a time at this pace.
-    """
+    def due(now: float, submitted: int) -> int:
+        return min(layers, int((now - t0) / period_s) + 1) - submitted
+
+    return _push_layers(engine, session, runs, layers, due, _FINE_POLL_S, 60 + layers * period_s)
+
+
+class LayerFeed:
+    """A connector for the simulated forward with no runtime: its step queues each layer handed over."""
+
+    def __init__(self) -> None:
+        self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def begin_step(self, _specs) -> "LayerFeed":
+        return self
+
+    def layer_ready(self, layer: int) -> None:
+        self.ready.put(layer)
+
+    def end(self) -> None:
+        pass
+
+    def due(self, _now: float, _submitted: int) -> int:
+        """The layers handed over since the last look."""
+        count = 0
+        while True:
+            try:
+                self.ready.get_nowait()
+            except queue.Empty:
+                return count
+            count += 1
+
+
+def mooncake_forward_paced(engine, session: str, runs: tuple[list, list, list], layers: int, forward,
+                           kv, src_blocks: list[int], poll_s: float) -> float:
+    """The simulated forward itself (its compute and its KV writes, on its own CPU) hands each layer
+    over and this thread submits that layer's runs at once, polling every ``poll_s``: what a runtime
+    with that polling cadence could at best do beside that forward. Returns the time at least one
+    write was in flight."""
+    feed = LayerFeed()
+    run = forward.start(feed, [], kv, src_blocks)
+    busy = _push_layers(engine, session, runs, layers, feed.due, poll_s, forward.time_limit_s)
+    run.result(forward.time_limit_s)
+    return busy
+
+
+def _push_layers(engine, session: str, runs: tuple[list, list, list], layers: int, due, poll_s: float,
+                 limit_s: float) -> float:
+    """Submit whole layers as ``due(now, submitted)`` says, polling every ``poll_s`` (a thread may
+    sleep 0.1 ms; uvloop's timers tick in whole ms); returns the union of the layers' in-flight spans."""
+    src, dst, lens = runs
     per = len(src) // layers
     check = engine.transfer_check_status
     inflight: dict[int, list] = {}            # layer -> [pending ids, submitted_s]
-    spans, t0, nxt = [], time.perf_counter(), 0
-    deadline = t0 + 60 + layers * period_s
+    spans, nxt = [], 0
+    deadline = time.perf_counter() + limit_s
     while nxt < layers or inflight:
         now = time.perf_counter()
-        if nxt < layers and now >= t0 + nxt * period_s:
+        for _ in range(due(now, nxt) if nxt < layers else 0):
             lo = nxt * per
             inflight[nxt] = [[engine.transfer_submit_write(session, s, d, n) for s, d, n in
                               zip(src[lo:lo + per], dst[lo:lo + per], lens[lo:lo + per])], now]
@@ -108,7 +159,7 @@ def mooncake_paced(engine, session: str, src: list[int], dst: list[int], lens: l
                 del inflight[layer]
         if now > deadline:
             raise TimeoutError("paced raw Mooncake writes did not settle")
-        time.sleep(0.0001)
+        time.sleep(poll_s)
     return busy_seconds(spans)
 
 

@@ -51,6 +51,9 @@ def test_every_mode_verified_with_figures_and_timeline(tmp_path):
                 assert r["save_kv_layer_ns"]["count"] == 2 * 2 and r["save_kv_floor_ns"]["count"] == 2 * 1
             assert len(r["timeline"]["layers"]) == 3 and len(r["timeline"]["phases"]) == 3
     assert report["modes"]["raw_mooncake"]["efficiency"] == 1.0
+    # the layer-at-a-time ceilings: timer-paced, and driven by the forward at the runtime's poll tick
+    assert {"per_layer_paced", "per_layer_1ms"} <= set(report["modes"]["raw_mooncake"]["variants"])
+    assert report["modes"]["layerwise"]["efficiency_vs_raw_per_layer_1ms"] > 0
     assert report["modes"]["auto"]["choice"] == "bulk"       # 64 tokens < --auto-min-tokens
     for header in ("TTFT ms", "x thr", "hidden", "eff", "verified", "against this host's floor"):
         assert header in proc.stdout

@@ -31,7 +31,8 @@ def test_derived_figures_against_threaded_and_raw():
         "threaded": summarize([_prefill(200, 50, 800)], []),
         "raw_mooncake": summarize([limit_sample({"batch_sync": {"s": 0.5, "cpu_s": 0.5, "ceiling": True},
                                                  "submit_poll": {"s": 0.25, "cpu_s": 0.01, "ceiling": True},
-                                                 "submit_poll+compute": {"s": 0.4, "cpu_s": 0.01, "ceiling": False}},
+                                                 "submit_poll+compute": {"s": 0.4, "cpu_s": 0.01, "ceiling": False},
+                                                 "per_layer_1ms": {"s": 0.8, "cpu_s": 0.01, "ceiling": False}},
                                                 True, 10**9)], []),
     }
     basis = derive(modes)
@@ -42,6 +43,8 @@ def test_derived_figures_against_threaded_and_raw():
     assert lw["hidden_fraction"] == pytest.approx(1 - 11 / 250, abs=1e-3)
     assert lw["efficiency"] == pytest.approx(lw["gbps"] / 4.0, abs=1e-3)
     assert lw["efficiency_vs_batch_sync"] == pytest.approx(lw["gbps"] / 2.0, abs=1e-3)
+    assert lw["efficiency_vs_raw_per_layer_1ms"] == pytest.approx(lw["gbps"] / 1.25, abs=1e-3)
+    assert lw["efficiency_vs_raw_per_layer"] is None   # no such variant measured
     assert lw["ttft_vs_threaded"] == pytest.approx(115 / 200, abs=1e-3)
     assert lw["save_kv_layer_ns"]["max"] == 5000 and lw["cpu_s_per_gb"] == pytest.approx(0.1)
     assert "raw_mooncake" in basis["transfer_alone"]
