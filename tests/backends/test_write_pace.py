@@ -46,12 +46,12 @@ def test_the_poller_naps_through_most_of_a_long_write_and_ticks_near_its_end():
     measured = _group("d", 4 * MB, watched=0.0)
     head = _group("d", 4 * MB, watched=0.040)      # due at 0.080 once the rate is 100 MB/s
     poller = _poller_with(head)
-    assert poller._tick(0.040) == POLL_TICK_S     # no rate for its target yet
+    assert poller._tick(0.040) == POLL_TICK_S      # no rate for its target yet
     poller.pace.settled(measured, 0.040)
     assert poller._tick(0.041) == _MAX_NAP_S       # 39 ms left: the longest nap
     assert poller._tick(0.068) == pytest.approx(0.8 * 0.012)
-    assert poller._tick(0.076) == POLL_TICK_S     # nearly due: tick, so it is seen as soon as it lands
-    assert poller._tick(0.200) == POLL_TICK_S     # overdue: tick
+    assert poller._tick(0.076) == POLL_TICK_S      # nearly due: tick, so it is seen as soon as it lands
+    assert poller._tick(0.200) == POLL_TICK_S      # overdue: tick
     assert poller.naps == 2
     short = _poller_with(_group("d", 800_000, watched=0.040))   # 8 ms of write: only ticked (loopback)
     short.pace.settled(measured, 0.040)
@@ -68,4 +68,4 @@ def test_the_poller_ticks_where_a_nap_could_miss_something():
     assert waiting._tick(0.041) == POLL_TICK_S
     two = _poller_with(_group("d", 4 * MB, watched=0.040), _group("new", MB, watched=0.040))
     two.pace.settled(_group("d", 4 * MB, watched=0.0), 0.040)
-    assert two._tick(0.041) == POLL_TICK_S        # one target without a rate: tick for it
+    assert two._tick(0.041) == POLL_TICK_S         # one target without a rate: tick for it
