@@ -83,6 +83,8 @@ def snapshot(rt: Source) -> dict[str, Any]:
                    "peers": len(rt.peers) if rt.peers else 0,
                    "receiving": receiver.pending, "writes_in_flight": getattr(backend, "inflight", 0),
                    "writes_quarantined": backend.quarantined},
+        # the most runs in flight to one peer at once: Mooncake's queue per peer breaks past 65,535
+        "writes_peak_per_peer": getattr(backend, "peak_runs_per_target", 0),
         "peers": peers,
         "deadlines": deadlines,
         "rejected": rejected,
@@ -116,6 +118,9 @@ class _SnapshotCollector:
         for name, depth in s["queues"].items():
             queues.add_metric([name], depth)
         yield queues
+        yield GaugeMetricFamily("aiolayer_writes_peak_per_peer", "the most write runs in flight to one peer at "
+                                "once since start (Mooncake: 16,384 at most by default; its own queue "
+                                "per peer breaks past 65,535)", value=s.get("writes_peak_per_peer", 0))
         up = GaugeMetricFamily("aiolayer_peer_up", "1 if the peer answered our last control call",
                                labels=["peer"])
         calls = CounterMetricFamily("aiolayer_peer_calls", "control calls to a peer, by result",

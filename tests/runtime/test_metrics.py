@@ -95,6 +95,8 @@ def test_node_and_p_metrics_scraped_over_http():
     assert value(p_snap, "aiolayer_bridge_handoff_seconds_bucket", le="+Inf") == SMALL_SHAPE.num_layers
     assert value(p_snap, "aiolayer_queue_depth", queue="bridge") == 0
     assert value(p_snap, "aiolayer_queue_depth", queue="writes_in_flight") == 0
+    assert value(p_snap, "aiolayer_writes_peak_per_peer") >= 1      # the transfer's runs were in flight
+    assert value(d_snap, "aiolayer_writes_peak_per_peer") == 0      # D wrote nothing
     assert value(p_snap, "aiolayer_peer_up", peer=d) == 1
 
 
