@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .. import compat
+from ..backends.mooncake_poll import MAX_RUNS_PER_TARGET
 from ..errors import ControlError
 from ..transport import url_host
 
@@ -119,8 +120,8 @@ class _SnapshotCollector:
             queues.add_metric([name], depth)
         yield queues
         yield GaugeMetricFamily("aiolayer_writes_peak_per_peer", "the most write runs in flight to one peer at "
-                                "once since start (Mooncake: 16,384 at most by default; its own queue "
-                                "per peer breaks past 65,535)", value=s.get("writes_peak_per_peer", 0))
+                                f"once since start (Mooncake: {MAX_RUNS_PER_TARGET:,} at most by default; its "
+                                "own queue per peer breaks past 65,535)", value=s.get("writes_peak_per_peer", 0))
         up = GaugeMetricFamily("aiolayer_peer_up", "1 if the peer answered our last control call",
                                labels=["peer"])
         calls = CounterMetricFamily("aiolayer_peer_calls", "control calls to a peer, by result",
