@@ -58,7 +58,7 @@ class WorkerSide:
         self.layer_index: dict[str, int] = {}
         self._views: Mapping[str, tuple[Any, ...]] = {}
         self._active_step: Step | None = None
-        self._handed, self._unhanded = bytearray(), 0     # P: the active step's layers handed over (1 each), left
+        self._handed = bytearray()                        # P: the active step's layers handed over (1 each)
         self._req_of: dict[str, str] = {}                 # P: (rank) transfer id -> vLLM request id
         self._open_sends: dict[str, set[str]] = {}        # P: request id -> its sends not yet quiet
         self._recv_of: dict[str, tuple[str, list[int]]] = {}   # D: transfer id -> (request id, its blocks)
@@ -205,7 +205,6 @@ class WorkerSide:
         try:
             self._active_step = self._rt.begin_step(specs)
             self._handed = bytearray(len(self.layer_index))
-            self._unhanded = len(self.layer_index) - len(self._draft)   # save_kv_layer's to hand over
             self._step_tids = [spec.transfer_id for spec in specs]
         except Exception as exc:  # noqa: BLE001 - refused before anything was queued: no write started
             log.error("aiolayer: %d transfers not sent: %s", len(specs), exc)
@@ -295,18 +294,16 @@ class WorkerSide:
         if self._active_step is None or layer is None or layer in self._draft or self._handed[layer]:
             return   # no send this step, a layer not transferred, the drafter's (at the end), or handed already
         self._handed[layer] = 1
-        self._unhanded -= 1
         try:
             self._active_step.layer_ready(layer)
-            if self._unhanded == 0 and not self._draft:   # the step's last layer: its write starts now
+            if not self._draft and 0 not in self._handed:   # the step's last layer: its write starts now
                 self._end_step()
         except Exception:  # the runtime is gone: its sends fail by their own deadlines
             log.exception("aiolayer: layer %s not handed over", layer_name)
             self._active_step = None
 
     def _end_step(self) -> None:
-        """Close the active step: at its last layer's hand-off, not after the forward, so the loop is
-        woken for that layer's write (``Step.end``) instead of finding it at its next look."""
+        """Close the active step (``Step.end`` wakes the loop: its last layer's write starts now)."""
         step, self._active_step = self._active_step, None
         for tid in self._step_tids:
             stage(tid, "p_last_layer")
