@@ -35,6 +35,13 @@ SHIMS = "aiolayer.bench.engines.shim"
 TIMEOUT_S = 300.0
 
 
+def _alone(p):
+    """P answering by itself (no kv_transfer_params: no D, no transfer), as ``run._measure_paired`` calls it."""
+    async def complete(text: str, max_tokens: int):
+        return await acompletion(p, text, max_tokens=max_tokens, stream=True, timeout_s=TIMEOUT_S)
+    return complete
+
+
 def _engines(model: Path, args: argparse.Namespace, cfg: dict, envs: tuple[dict, dict]):
     p_core, d_core = args.cores.split(",")[:2]
     where = of_args(args)
@@ -72,7 +79,7 @@ def mooncake(model: Path, args: argparse.Namespace):
 
         yield complete, {"flow": "P and D at once (vLLM's example proxy), by the bench",
                          "connector": "MooncakeConnector, unmodified class, CPU shim",
-                         "transport": f"Mooncake TCP, {where.label}"}
+                         "transport": f"Mooncake TCP, {where.label}", "_p_alone": _alone(p)}
 
 
 def _nixl_env(side) -> dict:
@@ -103,7 +110,8 @@ def nixl(model: Path, args: argparse.Namespace):
         yield complete, {"flow": "P first, then D with P's kv_transfer_params (vLLM's example proxy), by the bench",
                          "connector": "NixlConnector, unmodified class, UCX progress thread off",
                          "transport": "UCX (NIXL 1.5), DRAM buffers"
-                                      + (f", UCX_TLS=tcp,self on {where.label}" if where.two_hosts else "")}
+                                      + (f", UCX_TLS=tcp,self on {where.label}" if where.two_hosts else ""),
+                         "_p_alone": _alone(p)}
 
 
 SYSTEMS = {"mooncake": mooncake, "nixl": nixl}

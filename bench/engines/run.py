@@ -70,7 +70,9 @@ def prompts(args: argparse.Namespace) -> dict[str, list[str]]:
     words = args.prompt_tokens
     return {"warmup": [long_prompt(words, seed=900)],
             "serial": [long_prompt(words, seed=s) for s in range(args.prompts)],
-            "burst": [long_prompt(words, seed=100 + s) for s in range(args.concurrency)]}
+            "burst": [long_prompt(words, seed=100 + s) for s in range(args.concurrency)],
+            # P/D rows: a request straight to P after each concurrency-1 one (``_measure_paired``)
+            "alone": [long_prompt(words, seed=10_000 + s) for s in range(args.prompts)]}
 
 
 
@@ -138,6 +140,7 @@ def aiolayer_pd(model: Path, args: argparse.Namespace, *, mode: str = "layerwise
             how["_p_modes"] = lambda: {**settled(p, SEND_MODES, 3.0), "local": local_prefills(proxy.url)}
             # requests that name their mode (the proxy's header): the link sweep's mode rows on one pair of engines
             how["_complete_as"] = lambda asked: via_url(proxy.url, model, {MODE_HEADER: asked} if asked else None)
+            how["_p_alone"] = via_url(p.base_url, model)   # P answering by itself: no D, no transfer
             yield via_url(proxy.url, model), how
             how["bytes"] = byte_checks(d)
             proxy_metrics = scrape_metrics(proxy.url)   # how P learned D's blocks, per request
@@ -182,8 +185,8 @@ def settled(server, names: dict[str, str], settle_s: float) -> dict[str, float]:
 
 
 def take_hooks(how: dict) -> dict:
-    """A system's callables for the link sweep (keys from "_": ``_p_modes``, ``_complete_as``), taken out
-    of ``how``, which goes into the JSON."""
+    """A system's callables (keys from "_": ``_p_alone`` for every P/D row, ``_p_modes`` and
+    ``_complete_as`` for the link sweep), taken out of ``how``, which goes into the JSON."""
     return {key: how.pop(key) for key in [k for k in how if k.startswith("_")]}
 
 
@@ -219,6 +222,19 @@ async def _measure(complete, texts: list[str], concurrent: bool, max_tokens: int
     return [await one(t) for t in texts]
 
 
+async def _measure_paired(complete, alone, texts: list[str], alone_texts: list[str],
+                          max_tokens: int) -> tuple[list[dict], list[dict]]:
+    """Each concurrency-1 request of the row followed by one of another prompt straight to its P (one
+    token: P's prefill alone). This host's compute speed drifts by up to ~2x over seconds (one fixed
+    bf16 loop: docs/results.md), far more than a transfer costs, so a row is also compared with its own
+    P at the same moment (``over_p_alone_ms_median``), not only with rows measured minutes apart."""
+    serial, solo = [], []
+    for text, other in zip(texts, alone_texts):
+        serial += await _measure(complete, [text], False, max_tokens)
+        solo += await _measure(alone, [other], False, 1)
+    return serial, solo
+
+
 def _progress(name: str, phase: str, results: list[dict]) -> None:
     ttft = sorted(r["ttft_ms"] for r in results if r.get("ttft_ms") is not None)
     failed = sum(1 for r in results if "error" in r)
@@ -230,16 +246,23 @@ def run_row(name: str, model: Path, args: argparse.Namespace, texts: dict[str, l
     t0 = time.monotonic()
     try:
         with SYSTEMS[name](model, args) as (complete, how):
-            take_hooks(how)   # the link sweep's; a loopback row needs none
+            alone = take_hooks(how).get("_p_alone")   # the link sweep's others: a loopback row needs none
             print(f"  {name}: engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
             asyncio.run(_measure(complete, texts["warmup"], False, args.max_tokens))
-            serial = asyncio.run(_measure(complete, texts["serial"], False, args.max_tokens))
+            solo: list[dict] = []
+            if alone is None:
+                serial = asyncio.run(_measure(complete, texts["serial"], False, args.max_tokens))
+            else:
+                asyncio.run(_measure(alone, texts["warmup"][:1], False, 1))
+                serial, solo = asyncio.run(_measure_paired(complete, alone, texts["serial"], texts["alone"],
+                                                           args.max_tokens))
+                _progress(f"{name} (its P alone)", "concurrency 1", solo)
             _progress(name, "concurrency 1", serial)
             burst = asyncio.run(_measure(complete, texts["burst"], True, args.max_tokens))
             _progress(name, f"burst of {len(burst)}", burst)
     except Exception as exc:   # noqa: BLE001 - a row that cannot run is reported as such, the others still run
         return {"row": name, "ran": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
-    return {"row": name, "ran": True, "how": how, "serial": serial, "burst": burst,
+    return {"row": name, "ran": True, "how": how, "serial": serial, "burst": burst, "p_alone": solo,
             "wall_s": round(time.monotonic() - t0, 1)}
 
 
@@ -260,6 +283,17 @@ def _summary(results: list[dict], reference: list[dict] | None, verified_bytes: 
             "errors": sorted({r["error"] for r in results if "error" in r})[:3]}
 
 
+def _against_p_alone(serial: list[dict], solo: list[dict]) -> dict:
+    """The row's P answering by itself right after each concurrency-1 request: its TTFT, and the row's
+    over it, paired request by request (None where the row has no P alone)."""
+    alone = [r.get("ttft_ms") for r in solo]
+    over = [r["ttft_ms"] - a for r, a in zip(serial, alone) if r.get("ttft_ms") is not None and a is not None]
+    known = [a for a in alone if a is not None]
+    return {"p_alone_ms_median": round(statistics.median(known), 1) if known else None,
+            "over_p_alone_ms_median": round(statistics.median(over), 1) if over else None,
+            "p_alone_failed": sum(1 for r in solo if "error" in r)}
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     ref = next((r for r in rows if r["row"] == "aggregated" and r["ran"]), None)
     out = []
@@ -269,7 +303,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             continue
         same, checked = ref is not None and row is not ref, bytes_verified(row["how"])
         out.append({"row": row["row"], "ran": True, "how": row["how"], "wall_s": row["wall_s"],
-                    "c1": _summary(row["serial"], ref["serial"] if same else None, checked),
+                    "c1": {**_summary(row["serial"], ref["serial"] if same else None, checked),
+                           **_against_p_alone(row["serial"], row.get("p_alone") or [])},
                     "c8": _summary(row["burst"], ref["burst"] if same else None, checked)})
     return out
 
@@ -289,7 +324,8 @@ def bad_rows(summary: list[dict]) -> list[str]:
 
 
 def print_table(summary: list[dict]) -> None:
-    print(f"{'row':<16} {'c1 TTFT p50':>12} {'c1 max':>9} {'burst p50':>10} {'burst max':>10}  verified / failed")
+    print(f"{'row':<16} {'c1 TTFT p50':>12} {'c1 max':>9} {'P alone':>8} {'over P':>7} {'burst p50':>10} "
+          f"{'burst max':>10}  verified / failed")
     for s in summary:
         if not s["ran"]:
             print(f"{s['row']:<16} not run: {s['error'][:200]}")
@@ -299,8 +335,12 @@ def print_table(summary: list[dict]) -> None:
         ok = "reference" if c1["verified"] is None else (
             f"{c1['verified'] + c8['verified']}/{c1['requests'] + c8['requests']} / {c1['failed'] + c8['failed']}"
             + (f" ({numerics} numerics: bytes verified)" if numerics else ""))
+        alone, over = c1.get("p_alone_ms_median"), c1.get("over_p_alone_ms_median")
         print(f"{s['row']:<16} {c1['ttft_ms_median'] or '-':>12} {c1['ttft_ms_max'] or '-':>9} "
+              f"{'-' if alone is None else alone:>8} {'-' if over is None else f'{over:+.1f}':>7} "
               f"{c8['ttft_ms_median'] or '-':>10} {c8['ttft_ms_max'] or '-':>10}  {ok}")
+    print("P alone: c1 TTFT p50 of the row's P answering by itself (no D, no transfer), one request right after each "
+          "of the row's; over P: the row's TTFT minus that, paired, median")
 
 
 def row_names(args: argparse.Namespace) -> list[str] | None:

@@ -54,6 +54,19 @@ def test_a_drift_with_every_byte_verified_is_numerics_and_a_byte_mismatch_fails(
     assert bad_rows(summarize([ref, unchecked])) == ["aiolayer"]   # one transfer not checked: drift unexplained
 
 
+def test_a_row_is_compared_with_its_own_p_alone_request_by_request():
+    """The host's speed drifts over seconds: the row's TTFT over its P's, paired, is the median of the
+    per-request differences, not the difference of medians; a failed request on either side drops its pair."""
+    ref = _row("aggregated", [[1], [2], [3], [4]])
+    row = _row("aiolayer", [[1], [2], [3], [4]])
+    row["serial"] = [{**r, "ttft_ms": t} for r, t in zip(row["serial"], (100.0, 300.0, 110.0, 290.0))]
+    row["p_alone"] = [{"ttft_ms": t} for t in (80.0, 270.0, 95.0)] + [{"error": "TimeoutError: x"}]
+    by_row = {s["row"]: s for s in summarize([ref, row])}
+    c1 = by_row["aiolayer"]["c1"]
+    assert (c1["p_alone_ms_median"], c1["over_p_alone_ms_median"], c1["p_alone_failed"]) == (95.0, 20.0, 1)
+    assert by_row["aggregated"]["c1"]["p_alone_ms_median"] is None   # no P of its own
+
+
 def test_an_unknown_row_is_refused_before_any_engine_starts():
     r = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "vllm", "--rows", "aggregated,nope"],
                        capture_output=True, text=True, timeout=60)
@@ -76,6 +89,8 @@ def test_a_small_real_run_verifies_aiolayer_against_the_aggregated_engine(tmp_pa
         stats = rows["aiolayer"][key]
         assert (stats["verified"], stats["failed"], stats["differ"]) == (2, 0, 0), stats
         assert stats["ttft_ms_median"] > 0
+    c1 = rows["aiolayer"]["c1"]   # its P answered by itself beside each concurrency-1 request
+    assert c1["p_alone_ms_median"] > 0 and c1["p_alone_failed"] == 0 and c1["over_p_alone_ms_median"] is not None
     checks = rows["aiolayer"]["how"]["bytes"]         # every layer of every transfer byte-checked at D
     assert checks["verified"] == checks["receives_finished"] > 0, checks
     assert checks["mismatch"] == 0 == checks["receives_failed"], checks
