@@ -342,5 +342,9 @@ def run_vllm(args: argparse.Namespace) -> int:
     """``aiolayer bench vllm``: the sweep across a shaped link with ``--link-gbit``, else one loopback run."""
     if not args.link_gbit:
         return run_engines(args)
+    if args.together:
+        print("aiolayer bench vllm: --together is for a loopback run (the link sweep alternates its mode rows "
+              "on one pair already)", file=sys.stderr)
+        return 2
     names = row_names(args)
     return 2 if names is None else run_link(args, names)

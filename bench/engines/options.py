@@ -26,6 +26,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "engine (a CPU mask, as on a host of its own), omp = its OpenMP threads only "
                         "(VLLM_CPU_OMP_THREADS_BIND; its other processes and threads run on any core); "
                         "--cores auto,auto: vLLM's default binding, neither")
+    p.add_argument("--together", action="store_true",
+                   help="every row's engines up at once (P's and the aggregated engine on the first of --cores, "
+                        "D's on the second; memory for all of them) and their concurrency-1 requests taken in "
+                        "rounds, so that rows see the same moments of a host whose speed drifts (together.py)")
+    p.add_argument("--together-pause", type=float, default=1.1,
+                   help="--together: seconds between requests (vLLM's readers spin for 1 s after a message, on "
+                        "the core the next engine computes on)")
     g = p.add_argument_group("across a rate-limited link (root: network namespaces; link.py)")
     g.add_argument("--link-gbit", default="",
                    help="P and D on two network namespaces joined by a veth pair shaped with tbf; one sweep over "

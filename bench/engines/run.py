@@ -15,6 +15,8 @@ differ or fail are counted, never dropped. aiolayer's rows also check the bytes 
 transfer (P's digest against what landed at D, ``integrity_sample`` 1.0): an answer that drifts from the
 aggregated one while every byte verified is numerics (bf16 is not batch-invariant on vLLM CPU), counted
 as such and not a failure; a byte mismatch, or a drift in a row whose bytes were not all verified, is.
+Each P/D row's concurrency-1 requests alternate with requests straight to its own P (no D, no transfer):
+the host's compute speed drifts over seconds, so a row is also measured against its P at that moment.
 Writes ``engines.json`` and ``engines.png`` under ``--out``. ``--link-gbit``: the same rows with P and D
 on two network namespaces over a rate-limited link, swept over rates and prompt lengths (``link.py``).
 """
@@ -366,10 +368,14 @@ def run_engines(args: argparse.Namespace) -> int:
         return 2
     model = tiny_model_dir(model_spec(args))
     texts = prompts(args)
-    rows = []
-    for i, name in enumerate(names):
-        print(f"[{i + 1}/{len(names)}] {name}", file=sys.stderr, flush=True)
-        rows.append(run_row(name, model, args, texts))
+    if args.together:
+        from .together import run_rows
+        rows = run_rows(names, model, args, texts)
+    else:
+        rows = []
+        for i, name in enumerate(names):
+            print(f"[{i + 1}/{len(names)}] {name}", file=sys.stderr, flush=True)
+            rows.append(run_row(name, model, args, texts))
     summary = summarize(rows)
     print_table(summary)
     out = Path(args.out)

@@ -95,3 +95,28 @@ def test_a_small_real_run_verifies_aiolayer_against_the_aggregated_engine(tmp_pa
     assert checks["verified"] == checks["receives_finished"] > 0, checks
     assert checks["mismatch"] == 0 == checks["receives_failed"], checks
     assert (tmp_path / "engines.png").stat().st_size > 1000
+
+
+def test_together_is_refused_with_the_link_sweep_before_any_engine_starts():
+    r = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "vllm", "--rows", "aggregated,aiolayer",
+                        "--together", "--link-gbit", "1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--together is for a loopback run" in r.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_rows_run_together_in_rounds_and_are_verified_as_in_a_plain_run(tmp_path):
+    """--together: the aggregated engine and aiolayer's pair up at once, requests in rounds; the answers
+    are still checked against the aggregated engine's and every transfer's bytes at D."""
+    r = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "vllm", "--rows", "aggregated,aiolayer",
+                        "--together", "--layers", "2", "--prompt-tokens", "100", "--prompts", "2",
+                        "--concurrency", "2", "--max-tokens", "8", "--eager", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=840)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "round 2/2: TTFT ms aggregated" in r.stderr, r.stderr[-3000:]   # the progress line of each round
+    rows = {s["row"]: s for s in json.loads((tmp_path / "engines.json").read_text())["summary"]}
+    stats = rows["aiolayer"]["c1"]
+    assert (stats["verified"], stats["failed"], stats["differ"], stats["p_alone_failed"]) == (2, 0, 0, 0), stats
+    assert stats["p_alone_ms_median"] > 0 and rows["aiolayer"]["c8"]["verified"] == 2
+    checks = rows["aiolayer"]["how"]["bytes"]
+    assert checks["verified"] == checks["receives_finished"] > 0 and checks["mismatch"] == 0, checks

@@ -1,0 +1,80 @@
+"""``aiolayer bench vllm --together``: every row's engines up at once, their concurrency-1 requests taken
+in rounds, so that each row sees the same moments of the host.
+
+A host's compute speed can drift by up to 2x over seconds (docs/results.md), and the rows of a plain run
+are measured minutes apart: two P/D systems can then differ by more than either's transfer costs. Here
+the aggregated engine and every P shares the first of ``--cores``, every D the second; round ``i`` sends
+prompt ``i`` to each row in turn (the order rotated by one each round), and each P/D row's P answers
+another prompt by itself right after. Every request comes ``--together-pause`` seconds after the one
+before: vLLM's message-queue readers spin for 1 s after each message, and a spinning idle engine would
+slow the one working beside it on the same core. The bursts then run one row at a time, the others idle.
+Rows come back in ``run.run_row``'s form, so the summary, table and plot are the plain run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+from .run import SYSTEMS, _measure, _progress, take_hooks
+
+
+def run_rows(names: list[str], model: Path, args: argparse.Namespace, texts: dict[str, list[str]]) -> list[dict]:
+    """Each row's dict as ``run_row`` gives it; a row whose engines do not start is reported as such."""
+    rows: dict[str, dict] = {}
+    with contextlib.ExitStack() as stack:
+        up: dict[str, tuple] = {}
+        for i, name in enumerate(names):
+            print(f"[{i + 1}/{len(names)}] {name}: starting beside the rows before it", file=sys.stderr, flush=True)
+            t0 = time.monotonic()
+            try:
+                complete, how = stack.enter_context(SYSTEMS[name](model, args))
+            except Exception as exc:   # noqa: BLE001 - a row that cannot run is reported as such, the others still run
+                rows[name] = {"row": name, "ran": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+                continue
+            up[name] = (complete, take_hooks(how).get("_p_alone"), how)
+            print(f"  {name}: engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        measured = asyncio.run(_rounds(up, args, texts))
+        for name, (_, _, how) in up.items():
+            serial, solo = measured[name]
+            _progress(name, "concurrency 1", serial)
+            burst = asyncio.run(_burst(up[name][0], texts["burst"], args))
+            _progress(name, f"burst of {len(burst)}", burst)
+            rows[name] = {"row": name, "ran": True, "how": how, "serial": serial, "burst": burst, "p_alone": solo,
+                          "wall_s": round(time.monotonic() - t0, 1)}
+    # ``how`` gets its byte counts as each row's engines stop (the ExitStack above), before the summary reads it
+    return [rows[name] for name in names]
+
+
+async def _rounds(up: dict[str, tuple], args: argparse.Namespace, texts: dict[str, list[str]]) -> dict:
+    """The warm-ups, then ``--prompts`` rounds; per row (its results, its P alone's)."""
+    pause = args.together_pause
+    for complete, alone, _ in up.values():
+        await _measure(complete, texts["warmup"], False, args.max_tokens)
+        if alone is not None:
+            await asyncio.sleep(pause)
+            await _measure(alone, texts["warmup"][:1], False, 1)
+        await asyncio.sleep(pause)
+    out: dict[str, tuple[list, list]] = {name: ([], []) for name in up}
+    names = list(up)
+    for i, text in enumerate(texts["serial"]):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            complete, alone, _ = up[name]
+            out[name][0].extend(await _measure(complete, [text], False, args.max_tokens))
+            await asyncio.sleep(pause)
+            if alone is not None:
+                out[name][1].extend(await _measure(alone, [texts["alone"][i]], False, 1))
+                await asyncio.sleep(pause)
+        firsts = ", ".join(f"{n} {out[n][0][-1].get('ttft_ms') or 0:.0f}" for n in names)
+        print(f"  round {i + 1}/{len(texts['serial'])}: TTFT ms {firsts}", file=sys.stderr, flush=True)
+    return out
+
+
+async def _burst(complete, texts: list[str], args: argparse.Namespace) -> list[dict]:
+    await asyncio.sleep(args.together_pause)
+    return await _measure(complete, texts, True, args.max_tokens)
