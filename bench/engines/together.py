@@ -26,6 +26,7 @@ from .run import SYSTEMS, _measure, _progress, take_hooks
 def run_rows(names: list[str], model: Path, args: argparse.Namespace, texts: dict[str, list[str]]) -> list[dict]:
     """Each row's dict as ``run_row`` gives it; a row whose engines do not start is reported as such."""
     rows: dict[str, dict] = {}
+    t_all = time.monotonic()
     with contextlib.ExitStack() as stack:
         up: dict[str, tuple] = {}
         for i, name in enumerate(names):
@@ -38,17 +39,17 @@ def run_rows(names: list[str], model: Path, args: argparse.Namespace, texts: dic
                 continue
             up[name] = (complete, take_hooks(how).get("_p_alone"), how)
             print(f"  {name}: engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-        t0 = time.monotonic()
         measured = asyncio.run(_rounds(up, args, texts))
         for name, (_, _, how) in up.items():
             serial, solo = measured[name]
             _progress(name, "concurrency 1", serial)
             burst = asyncio.run(_burst(up[name][0], texts["burst"], args))
             _progress(name, f"burst of {len(burst)}", burst)
-            rows[name] = {"row": name, "ran": True, "how": how, "serial": serial, "burst": burst, "p_alone": solo,
-                          "wall_s": round(time.monotonic() - t0, 1)}
-    # ``how`` gets its byte counts as each row's engines stop (the ExitStack above), before the summary reads it
-    return [rows[name] for name in names]
+            rows[name] = {"row": name, "ran": True, "how": how, "serial": serial, "burst": burst, "p_alone": solo}
+    # ``how`` gets its byte counts as each row's engines stop (the ExitStack above), before the summary reads it;
+    # the rows shared their time, so each one's wall is the whole run's (as the link sweep's grouped rows)
+    wall = round(time.monotonic() - t_all, 1)
+    return [rows[name] if not rows[name]["ran"] else {**rows[name], "wall_s": wall} for name in names]
 
 
 async def _rounds(up: dict[str, tuple], args: argparse.Namespace, texts: dict[str, list[str]]) -> dict:
