@@ -358,8 +358,9 @@ def row_names(args: argparse.Namespace) -> list[str] | None:
     return names
 
 
-def run_engines(args: argparse.Namespace) -> int:
-    """One run on loopback (``link.run_vllm`` sends ``--link-gbit`` runs to ``link.run_link``)."""
+def run_engines(args: argparse.Namespace, together=None) -> int:
+    """One run on loopback (``link.run_vllm`` sends ``--link-gbit`` runs to ``link.run_link``), its rows one
+    after another, or all at once through ``together`` (``together.run_rows``, which ``link.run_vllm`` hands in)."""
     names = row_names(args)
     if names is None:
         return 2
@@ -368,9 +369,8 @@ def run_engines(args: argparse.Namespace) -> int:
         return 2
     model = tiny_model_dir(model_spec(args))
     texts = prompts(args)
-    if args.together:
-        from .together import run_rows
-        rows = run_rows(names, model, args, texts)
+    if together is not None:
+        rows = together(names, model, args, texts)
     else:
         rows = []
         for i, name in enumerate(names):
