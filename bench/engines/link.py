@@ -340,12 +340,14 @@ def run_link(args: argparse.Namespace, names: list[str]) -> int:
 
 def run_vllm(args: argparse.Namespace) -> int:
     """``aiolayer bench vllm``: the sweep across a shaped link with ``--link-gbit``, else one loopback run."""
-    if not args.link_gbit:
-        from .together import run_rows   # imports run.py; handed in, so that run.py need not import it back
-        return run_engines(args, run_rows if args.together else None)
     if args.together:
-        print("aiolayer bench vllm: --together is for a loopback run (the link sweep alternates its mode rows "
-              "on one pair already)", file=sys.stderr)
-        return 2
+        if args.link_gbit:
+            print("aiolayer bench vllm: --together is for a loopback run (the link sweep alternates its mode rows "
+                  "on one pair already)", file=sys.stderr)
+            return 2
+        from .together import run_rows   # imports run.py; handed in, so that run.py need not import it back
+        return run_engines(args, run_rows)
+    if not args.link_gbit:
+        return run_engines(args)
     names = row_names(args)
     return 2 if names is None else run_link(args, names)

@@ -40,10 +40,10 @@ def run_rows(names: list[str], model: Path, args: argparse.Namespace, texts: dic
             up[name] = (complete, take_hooks(how).get("_p_alone"), how)
             print(f"  {name}: engines up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
         measured = asyncio.run(_rounds(up, args, texts))
-        for name, (_, _, how) in up.items():
+        for name, (complete, _, how) in up.items():
             serial, solo = measured[name]
             _progress(name, "concurrency 1", serial)
-            burst = asyncio.run(_burst(up[name][0], texts["burst"], args))
+            burst = asyncio.run(_burst(complete, texts["burst"], args))
             _progress(name, f"burst of {len(burst)}", burst)
             rows[name] = {"row": name, "ran": True, "how": how, "serial": serial, "burst": burst, "p_alone": solo}
     # ``how`` gets its byte counts as each row's engines stop (the ExitStack above), before the summary reads it;
