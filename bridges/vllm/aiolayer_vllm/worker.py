@@ -13,12 +13,12 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
-from aiolayer import ReceiveSpec, Registration, Runtime, RuntimeStateError, Step, TransferSpec
+from aiolayer import ReceiveSpec, Registration, Runtime, RuntimeStateError, Step
 from aiolayer.faults import install_hooks
 
 from .config import BridgeConfig
@@ -26,11 +26,11 @@ from .debug import corrupter, zero_blocks
 from .draft import draft_layers
 from .identity import identity
 from .layout import describe
-from .metadata import AiolayerMetadata, RecvReq, SendReq
+from .metadata import AiolayerMetadata, RecvReq
 from .modes import AiolayerWorkerMeta, SendFiguresOut
 from .publish import RegistrationPublisher
-from .ranks import (Topology, rank_transfer_id, refused_d_ranks, routes_for_p, whole_blocks, writers_into,
-                    writers_of_d)
+from .ranks import Topology, rank_transfer_id, writers_of_d
+from .sends import SendBook
 from .stats import AiolayerStats, Observations, delta, totals
 from .threads import unpinned
 from .timeline import p_stages, stage
@@ -59,14 +59,11 @@ class WorkerSide:
         self._views: Mapping[str, tuple[Any, ...]] = {}
         self._active_step: Step | None = None
         self._handed = bytearray()                        # P: the active step's layers handed over (1 each)
-        self._req_of: dict[str, str] = {}                 # P: (rank) transfer id -> vLLM request id
-        self._open_sends: dict[str, set[str]] = {}        # P: request id -> its sends not yet quiet
+        self._to_hand = 0                                 # P: ... of its layers still to come (the drafter's aside)
         self._recv_of: dict[str, tuple[str, list[int]]] = {}   # D: transfer id -> (request id, its blocks)
         # D: (transfer id, reason, (request id, blocks) or None = look up the transfer id), any thread
         self._recv_failures: collections.deque = collections.deque()
-        self._sending: set[str] = set()                   # P: request ids with a send not yet reported
-        self._released: set[str] = set()                  # P: ... whose sends are quiet
-        self._finished: set[str] = set()                  # P: ... that vLLM reported finished
+        self._sends = SendBook(self.topology, lambda: self._rt)   # P: its sends' requests, their blocks' release
         self._load_errors: set[int] = set()
         self._reported: dict[str, float] = {}             # the totals of the last stats report
         self._publisher = RegistrationPublisher(self.topology)   # D: one HTTP client for every registration
@@ -122,8 +119,8 @@ class WorkerSide:
     # --- per step (model-runner thread) ----------------------------------------------------------
 
     def bind(self, meta: AiolayerMetadata) -> None:
-        for req_id, tid in meta.cancels:
-            self._cancel(req_id, tid)
+        for req_id, _tid in meta.cancels:
+            self._sends.cancel(req_id)
         for recv in meta.recvs:
             if self._track_recv(recv):
                 self._receive(recv)
@@ -175,108 +172,19 @@ class WorkerSide:
         return True
 
     def _begin_sends(self, sends) -> None:
-        """P: one step's sends; one that cannot start is logged and its blocks handed back."""
-        specs = []
-        for send in sends:
-            self._sending.add(send.req_id)
-            planned, d_tp = send.params.prefill_tp, len(send.params.decode_ranks)
-            if planned and planned != self.topology.tp_size:
-                reason = (f"P has tensor-parallel size {self.topology.tp_size} but the request was planned for "
-                          f"tensor-parallel size {planned} (prefill_tp): not sent")
-                self._refuse_send(send, reason, functools.partial(refused_d_ranks, self.topology, planned, d_tp))
-                continue
-            if send.refused:   # e.g. P's and D's KV cache groups disagree
-                self._refuse_send(send, send.refused, functools.partial(self._d_ranks_written, d_tp))
-                continue
-            try:
-                mine = self._rank_specs(send)
-            except Exception as exc:  # noqa: BLE001 - one request's bad spec must not stop the step
-                log.error("request %s: transfer %s not sent: %s", send.req_id, send.transfer_id, exc)
-                self._released.add(send.req_id)   # nothing reads its blocks
-                continue
-            if not mine:   # this rank holds no head that D needs from it (replicas, MLA)
-                self._released.add(send.req_id)
-                continue
-            self._open_sends[send.req_id] = {spec.transfer_id for spec in mine}
-            self._req_of.update((spec.transfer_id, send.req_id) for spec in mine)
-            specs += mine
+        """P: one step's sends (``SendBook.plan``) begin as one step of the runtime."""
+        specs = self._sends.plan(sends)
         if not specs:
             return
         try:
             self._active_step = self._rt.begin_step(specs)
             self._handed = bytearray(len(self.layer_index))
+            self._to_hand = len(self.layer_index) - len(self._draft)
             self._step_tids = [spec.transfer_id for spec in specs]
         except Exception as exc:  # noqa: BLE001 - refused before anything was queued: no write started
             log.error("aiolayer: %d transfers not sent: %s", len(specs), exc)
             for spec in specs:
-                self._send_quiet(spec.transfer_id)
-
-    def _d_ranks_written(self, d_tp: int) -> list[int]:
-        return [route.d_rank for route in routes_for_p(self.topology, d_tp)]
-
-    def _refuse_send(self, send: SendReq, reason: str, refused: Callable[[], list[int]]) -> None:
-        """P: nothing of the request can be written, e.g. it was planned for a P of another
-        tensor-parallel size (the proxy's view of us is stale: writing would leave D with heads nobody
-        wrote, or waiting for ranks that do not exist), or P's and D's KV cache groups disagree. Each D
-        rank ``refused()`` lists (those waiting for this rank's word) gets FAILED with the reason."""
-        log.error("request %s: transfer %s: %s", send.req_id, send.transfer_id, reason)
-        specs = []
-        try:
-            for d_rank in refused():
-                spec = send.transfer_spec(d_rank)
-                if spec.transfer_id not in self._req_of:   # else another request's live send: its outcome is its own
-                    specs.append(spec)
-        except Exception as exc:  # noqa: BLE001 - D cannot be addressed: its own deadline ends the transfer
-            log.error("request %s: D not told: %s", send.req_id, exc)
-            specs = []
-        if not specs:
-            self._released.add(send.req_id)
-            return
-        self._open_sends[send.req_id] = {spec.transfer_id for spec in specs}
-        self._req_of.update((spec.transfer_id, send.req_id) for spec in specs)
-        for spec in specs:
-            try:
-                self._rt.refuse_send(spec, reason)
-            except Exception as exc:  # noqa: BLE001 - the runtime is gone: D's own deadline ends it
-                log.error("transfer %s: refusal not handed over: %s", spec.transfer_id, exc)
-                self._send_quiet(spec.transfer_id)
-
-    def _rank_specs(self, send: SendReq) -> list[TransferSpec]:
-        """This P rank's transfers of one request: one per D rank it writes (whole blocks or head slices)."""
-        d_tp = len(send.params.decode_ranks)
-        specs = []
-        for route in routes_for_p(self.topology, d_tp):
-            spec = send.transfer_spec(route.d_rank, layerwise=send.layerwise, src_from=send.src_from,
-                                  route=None if whole_blocks(route, self.topology, d_tp) else route,
-                                  writers=writers_into(self.topology, d_tp, route.d_rank))
-            if spec.transfer_id in self._req_of:
-                raise ValueError(f"transfer {spec.transfer_id} is already sent by request "
-                                 f"{self._req_of[spec.transfer_id]}")
-            specs.append(spec)
-        return specs
-
-    def _send_quiet(self, tid: str) -> None:
-        """P: a send of ours can no longer read its blocks; its request's are free once all of them are."""
-        req_id = self._req_of.pop(tid, None)
-        if req_id is None:
-            return
-        open_sends = self._open_sends.get(req_id)
-        if open_sends is not None:
-            open_sends.discard(tid)
-            if open_sends:
-                return
-            del self._open_sends[req_id]
-        self._released.add(req_id)
-
-    def _cancel(self, req_id: str, tid: str) -> None:
-        """P: vLLM freed the blocks of ``req_id`` (preempted): its sends must fail, never say DONE."""
-        for rank_tid in sorted(self._open_sends.get(req_id, ())):   # none: never started, or already quiet
-            if self._req_of.get(rank_tid) != req_id:
-                continue
-            try:
-                self._rt.cancel_send(rank_tid, "preempted at P: vLLM freed its blocks")
-            except Exception:  # logged; the send then ends by its own deadlines
-                log.exception("transfer %s: cancel failed", rank_tid)
+                self._sends.quiet(spec.transfer_id)
 
     async def _publish(self, reg: Registration, url: str, transfer_id: str) -> None:
         """D's announce: the registration to the proxy (``publish``); raising gives the transfer up."""
@@ -294,9 +202,10 @@ class WorkerSide:
         if self._active_step is None or layer is None or layer in self._draft or self._handed[layer]:
             return   # no send this step, a layer not transferred, the drafter's (at the end), or handed already
         self._handed[layer] = 1
+        self._to_hand -= 1
         try:
             self._active_step.layer_ready(layer)
-            if not self._draft and 0 not in self._handed:   # the step's last layer: its write starts now
+            if not self._draft and not self._to_hand:   # the step's last layer: its write starts now
                 self._end_step()
         except Exception:  # the runtime is gone: its sends fail by their own deadlines
             log.exception("aiolayer: layer %s not handed over", layer_name)
@@ -326,25 +235,20 @@ class WorkerSide:
 
     def transfer_results(self, finished_req_ids) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) for this pass."""
-        sending: set[str] = set()
         recving: set[str] = set()
         failed: set[str] = set()
         if self.runtime is None:
-            return sending, recving, failed
+            return set(), recving, failed
         for outcome in self.runtime.pop_outcomes():
             self._timings.sent(outcome)
             p_stages(outcome)
             if self._figures is not None:
-                self._figures.add(self._req_of.get(outcome.transfer_id), outcome)
+                self._figures.add(self._sends.request_of(outcome.transfer_id), outcome)
             if not outcome.ok:
                 log.warning("aiolayer transfer %s failed: %s", outcome.transfer_id, outcome.reason)
         for tid in self.runtime.pop_released():
-            self._send_quiet(tid)
-        self._finished.update(r for r in finished_req_ids if r in self._sending)   # only ours: no leak
-        sending = self._released & self._finished     # vLLM wants ids it told us are finished
-        self._released -= sending
-        self._finished -= sending
-        self._sending -= sending
+            self._sends.quiet(tid)
+        sending = self._sends.finished_sending(finished_req_ids)
         for result in self.runtime.pop_received():
             self._timings.received(result)
             stage(result.transfer_id, "d_done", result.finished_s)
