@@ -28,8 +28,8 @@ from pathlib import Path
 from aiolayer.harness import netns
 from .link_rows import MODE_ROWS, auto_choices, cell_key, lanes, measure_cell, prompt_sets, row_groups
 from .place import of_hosts
-from .run import (SYSTEMS, _summary, bytes_verified, kv_bytes_per_token, model_spec, row_names, run_engines,
-                  take_hooks)
+from .run import SYSTEMS, kv_bytes_per_token, model_spec, row_names, run_engines, take_hooks
+from .summary import bytes_verified, phase_summary
 from aiolayer.harness.tiny_model import long_prompt, tiny_model_dir
 
 PEERS = ("mooncake", "nixl")     # vLLM's own connectors: the heatmap's baseline
@@ -196,7 +196,7 @@ def summarize(rows: list[dict], rates: list[float], lengths: list[int]) -> list[
                 results = row["cells"].get(key, [])
                 reference = ref["cells"].get(cell_key(key, row.get("prompt_set", 0))) \
                     if ref is not None and row is not ref else None
-                s = _summary(results, reference, checked)
+                s = phase_summary(results, reference, checked)
                 s["ttft_ms_p99"] = p99([r["ttft_ms"] for r in results if r.get("ttft_ms") is not None])
                 cells.append({"link_gbit": gbit, "prompt_tokens": length, **row["meta"].get(key, {}), **s})
         out.append({"row": row["row"], "ran": True, "how": row["how"], "wall_s": row["wall_s"], "cells": cells})
@@ -204,7 +204,7 @@ def summarize(rows: list[dict], rates: list[float], lengths: list[int]) -> list[
 
 
 def bad_rows(summary: list[dict]) -> list[str]:
-    """As ``run.bad_rows``: a failed request, a byte mismatch or a drift not explained by verified bytes."""
+    """As ``summary.bad_rows``: a failed request, a byte mismatch or a drift not explained by verified bytes."""
     bad = []
     for s in summary:
         if s["ran"] and (any(c["failed"] or c["differ"] - c["numerics"] for c in s["cells"])
@@ -344,6 +344,10 @@ def run_vllm(args: argparse.Namespace) -> int:
         if args.link_gbit:
             print("aiolayer bench vllm: --together is for a loopback run (the link sweep alternates its mode rows "
                   "on one pair already)", file=sys.stderr)
+            return 2
+        if not args.together_pause >= 0:
+            print(f"aiolayer bench vllm: --together-pause must be 0 or more seconds, not {args.together_pause}",
+                  file=sys.stderr)
             return 2
         from .together import run_rows   # imports run.py; handed in, so that run.py need not import it back
         return run_engines(args, run_rows)

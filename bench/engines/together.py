@@ -45,7 +45,8 @@ def run_rows(names: list[str], model: Path, args: argparse.Namespace, texts: dic
             _progress(name, "concurrency 1", serial)
             burst = asyncio.run(_burst(complete, texts["burst"], args))
             _progress(name, f"burst of {len(burst)}", burst)
-            rows[name] = {"row": name, "ran": True, "how": how, "serial": serial, "burst": burst, "p_alone": solo}
+            rows[name] = {"row": name, "ran": True, "how": how, "serial": serial, "burst": burst, "p_alone": solo,
+                          "together": True}   # its serial results in round order (summary._against_rows)
     # ``how`` gets its byte counts as each row's engines stop (the ExitStack above), before the summary reads it;
     # the rows shared their time, so each one's wall is the whole run's (as the link sweep's grouped rows)
     wall = round(time.monotonic() - t_all, 1)

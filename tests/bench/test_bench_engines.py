@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from aiolayer.bench.engines.run import bad_rows, summarize
+from aiolayer.bench.engines.summary import bad_rows, summarize
 
 
 def _row(name: str, tokens: list[list[int]], errors: tuple[int, ...] = ()) -> dict:
@@ -67,6 +67,36 @@ def test_a_row_is_compared_with_its_own_p_alone_request_by_request():
     assert by_row["aggregated"]["c1"]["p_alone_ms_median"] is None   # no P of its own
 
 
+def test_rows_run_together_are_compared_round_by_round(capsys):
+    """--together: each row against each other one in the same round, the median of the rounds'
+    differences (not the difference of medians) and the rounds it was lower in; a failed request drops
+    its round; a plain run's rows, measured minutes apart, get no such comparison."""
+    rows = [_row(name, [[1], [2], [3], [4]]) for name in ("aggregated", "aiolayer", "mooncake")]
+    for row, ttfts in zip(rows, ((150.0, 250.0, 160.0, 240.0), (180.0, 290.0, 170.0, 999.0),
+                                  (200.0, 280.0, 175.0, 260.0))):
+        row["serial"] = [{**r, "ttft_ms": t} for r, t in zip(row["serial"], ttfts)]
+        row["together"] = True
+    rows[1]["serial"][3] = {"error": "TimeoutError: x"}
+    summary = summarize(rows)
+    by_row = {s["row"]: s["c1"]["same_round_vs"] for s in summary}
+    assert by_row["aiolayer"] == {"aggregated": {"median_ms": 30.0, "lower_in": 0, "rounds": 3},
+                                  "mooncake": {"median_ms": -5.0, "lower_in": 2, "rounds": 3}}
+    assert by_row["mooncake"]["aiolayer"] == {"median_ms": 5.0, "lower_in": 1, "rounds": 3}
+    from aiolayer.bench.engines.summary import print_table
+    print_table(summary)
+    out = capsys.readouterr().out
+    assert "aiolayer against mooncake, round by round: -5.0 ms (median of the rounds' differences), lower in 2 of 3" in out
+    assert "mooncake against aiolayer" not in out and "against aggregated" not in out   # each pair once
+    plain = summarize([{k: v for k, v in row.items() if k != "together"} for row in rows])
+    assert all("same_round_vs" not in s["c1"] for s in plain)
+
+
+def test_a_negative_pause_between_rounds_is_refused_before_any_engine_starts():
+    r = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "vllm", "--rows", "aggregated,aiolayer",
+                        "--together", "--together-pause", "-1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--together-pause must be 0 or more seconds, not -1.0" in r.stderr
+
+
 def test_an_unknown_row_is_refused_before_any_engine_starts():
     r = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "vllm", "--rows", "aggregated,nope"],
                        capture_output=True, text=True, timeout=60)
@@ -118,5 +148,6 @@ def test_rows_run_together_in_rounds_and_are_verified_as_in_a_plain_run(tmp_path
     stats = rows["aiolayer"]["c1"]
     assert (stats["verified"], stats["failed"], stats["differ"], stats["p_alone_failed"]) == (2, 0, 0, 0), stats
     assert stats["p_alone_ms_median"] > 0 and rows["aiolayer"]["c8"]["verified"] == 2
+    assert stats["same_round_vs"]["aggregated"]["rounds"] == 2, stats   # compared round by round
     checks = rows["aiolayer"]["how"]["bytes"]
     assert checks["verified"] == checks["receives_finished"] > 0 and checks["mismatch"] == 0, checks

@@ -1,0 +1,127 @@
+"""``aiolayer bench vllm``'s figures from its rows: per row and phase the TTFT, the answers checked
+against the aggregated engine's (a drift with every byte verified is numerics, not a failure), the row
+against its own P alone, and under ``--together`` against every other row round by round; the table,
+and which rows fail the run."""
+
+from __future__ import annotations
+
+import statistics
+
+def bytes_verified(how: dict) -> bool:
+    """Every transfer of the row byte-checked (one check per transfer D finished: a transfer too
+    scattered to check, integrity.MAX_CHECK_RUNS, leaves it unverified) and none mismatched or failed."""
+    checks = how.get("bytes")
+    return bool(checks) and checks["verified"] == checks.get("receives_finished") > 0 \
+        and checks["mismatch"] == 0 and checks["receives_failed"] == 0
+
+
+
+def phase_summary(results: list[dict], reference: list[dict] | None, verified_bytes: bool = False) -> dict:
+    ttft = [r["ttft_ms"] for r in results if r.get("ttft_ms") is not None]
+    failed = sum(1 for r in results if "error" in r)
+    checked = [] if reference is None else [
+        (r, ref) for r, ref in zip(results, reference) if "error" not in r and "tokens" in ref]
+    differ = sum(1 for r, ref in checked if r["tokens"] != ref["tokens"])
+    return {"requests": len(results), "failed": failed, "differ": differ,
+            # answers that differ while every byte moved verified: numerics, not a transfer error
+            "numerics": differ if verified_bytes else 0,
+            # the reference failed too: that answer is neither verified nor wrong
+            "unchecked": len(results) - failed - len(checked) if reference is not None else None,
+            "verified": len(checked) - differ if reference is not None else None,
+            "ttft_ms_median": round(statistics.median(ttft), 1) if ttft else None,
+            "ttft_ms_max": round(max(ttft), 1) if ttft else None,
+            "errors": sorted({r["error"] for r in results if "error" in r})[:3]}
+
+
+def _against_p_alone(serial: list[dict], solo: list[dict]) -> dict:
+    """The row's P answering by itself right after each concurrency-1 request: its TTFT, and the row's
+    over it, paired request by request (None where the row has no P alone)."""
+    alone = [r.get("ttft_ms") for r in solo]
+    over = [r["ttft_ms"] - a for r, a in zip(serial, alone) if r.get("ttft_ms") is not None and a is not None]
+    known = [a for a in alone if a is not None]
+    return {"p_alone_ms_median": round(statistics.median(known), 1) if known else None,
+            "over_p_alone_ms_median": round(statistics.median(over), 1) if over else None,
+            "p_alone_failed": sum(1 for r in solo if "error" in r)}
+
+
+def _against_rows(row: dict, rows: list[dict]) -> dict:
+    """``--together``: the row's TTFT minus each other row's in the same round (round ``i`` sent prompt ``i``
+    to every row within seconds), median, and in how many rounds it was the lower; {} in a plain run."""
+    if not row.get("together"):
+        return {}
+    mine = [r.get("ttft_ms") for r in row["serial"]]
+    against = {}
+    for other in rows:
+        if other is row or not other["ran"] or not other.get("together"):
+            continue
+        theirs = [r.get("ttft_ms") for r in other["serial"]]
+        diffs = [a - b for a, b in zip(mine, theirs) if a is not None and b is not None]
+        if diffs:
+            against[other["row"]] = {"median_ms": round(statistics.median(diffs), 1),
+                                     "lower_in": sum(d < 0 for d in diffs), "rounds": len(diffs)}
+    return {"same_round_vs": against} if against else {}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    ref = next((r for r in rows if r["row"] == "aggregated" and r["ran"]), None)
+    out = []
+    for row in rows:
+        if not row["ran"]:
+            out.append({"row": row["row"], "ran": False, "error": row["error"]})
+            continue
+        same, checked = ref is not None and row is not ref, bytes_verified(row["how"])
+        out.append({"row": row["row"], "ran": True, "how": row["how"], "wall_s": row["wall_s"],
+                    "c1": {**phase_summary(row["serial"], ref["serial"] if same else None, checked),
+                           **_against_p_alone(row["serial"], row.get("p_alone") or []),
+                           **_against_rows(row, rows)},
+                    "c8": phase_summary(row["burst"], ref["burst"] if same else None, checked)})
+    return out
+
+
+def bad_rows(summary: list[dict]) -> list[str]:
+    """The rows that fail the run: a failed request, a byte mismatch, or a drift not explained by
+    verified bytes (a row without byte checks cannot tell numerics from corruption)."""
+    bad = []
+    for s in summary:
+        if not s["ran"]:
+            continue
+        checks = s["how"].get("bytes") or {}
+        unexplained = sum(s[k]["differ"] - s[k]["numerics"] for k in ("c1", "c8"))
+        if s["c1"]["failed"] or s["c8"]["failed"] or unexplained or checks.get("mismatch"):
+            bad.append(s["row"])
+    return bad
+
+
+def print_table(summary: list[dict]) -> None:
+    print(f"{'row':<16} {'c1 TTFT p50':>12} {'c1 max':>9} {'P alone':>8} {'over P':>7} {'burst p50':>10} "
+          f"{'burst max':>10}  verified / failed")
+    for s in summary:
+        if not s["ran"]:
+            print(f"{s['row']:<16} not run: {s['error'][:200]}")
+            continue
+        c1, c8 = s["c1"], s["c8"]
+        numerics = c1["numerics"] + c8["numerics"]
+        ok = "reference" if c1["verified"] is None else (
+            f"{c1['verified'] + c8['verified']}/{c1['requests'] + c8['requests']} / {c1['failed'] + c8['failed']}"
+            + (f" ({numerics} numerics: bytes verified)" if numerics else ""))
+        alone, over = c1.get("p_alone_ms_median"), c1.get("over_p_alone_ms_median")
+        print(f"{s['row']:<16} {c1['ttft_ms_median'] or '-':>12} {c1['ttft_ms_max'] or '-':>9} "
+              f"{'-' if alone is None else alone:>8} {'-' if over is None else f'{over:+.1f}':>7} "
+              f"{c8['ttft_ms_median'] or '-':>10} {c8['ttft_ms_max'] or '-':>10}  {ok}")
+    print("P alone: c1 TTFT p50 of the row's P answering by itself (no D, no transfer), one request right after each "
+          "of the row's; over P: the row's TTFT minus that, paired, median")
+    _print_rounds(summary)
+
+
+def _print_rounds(summary: list[dict]) -> None:
+    """``--together``: each pair of disaggregated rows once, compared round by round."""
+    seen = set()
+    for s in summary:
+        for other, d in (s.get("c1", {}).get("same_round_vs") or {}).items():
+            if "aggregated" in (s["row"], other) or (other, s["row"]) in seen:
+                continue
+            seen.add((s["row"], other))
+            print(f"{s['row']} against {other}, round by round: {d['median_ms']:+.1f} ms (median of the rounds' "
+                  f"differences), lower in {d['lower_in']} of {d['rounds']} rounds")
+
+
