@@ -26,6 +26,7 @@ from .run import SYSTEMS, _measure, _progress, take_hooks
 def run_rows(names: list[str], model: Path, args: argparse.Namespace, texts: dict[str, list[str]]) -> list[dict]:
     """Each row's dict as ``run_row`` gives it; a row whose engines do not start is reported as such."""
     rows: dict[str, dict] = {}
+    stop_failed: dict[str, str] = {}
     t_all = time.monotonic()
     with contextlib.ExitStack() as stack:
         up: dict[str, tuple] = {}
@@ -33,7 +34,7 @@ def run_rows(names: list[str], model: Path, args: argparse.Namespace, texts: dic
             print(f"[{i + 1}/{len(names)}] {name}: starting beside the rows before it", file=sys.stderr, flush=True)
             t0 = time.monotonic()
             try:
-                complete, how = stack.enter_context(SYSTEMS[name](model, args))
+                complete, how = stack.enter_context(_StopRecorded(SYSTEMS[name](model, args), name, stop_failed))
             except Exception as exc:   # noqa: BLE001 - a row that cannot run is reported as such, the others still run
                 rows[name] = {"row": name, "ran": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
                 continue
@@ -50,7 +51,27 @@ def run_rows(names: list[str], model: Path, args: argparse.Namespace, texts: dic
     # ``how`` gets its byte counts as each row's engines stop (the ExitStack above), before the summary reads it;
     # the rows shared their time, so each one's wall is the whole run's (as the link sweep's grouped rows)
     wall = round(time.monotonic() - t_all, 1)
+    for name, error in stop_failed.items():   # as ``run_row`` reports a row whose engines raise as they stop
+        rows[name] = {"row": name, "ran": False, "error": error}
     return [rows[name] if not rows[name]["ran"] else {**rows[name], "wall_s": wall} for name in names]
+
+
+class _StopRecorded(contextlib.AbstractContextManager):
+    """A row's engines whose stop raises (its byte counts are read as they stop) fail that row alone, as in
+    a plain run, and the other rows' engines still stop and their figures still come out."""
+
+    def __init__(self, system, name: str, failed: dict[str, str]) -> None:
+        self.system, self.name, self.failed = system, name, failed
+
+    def __enter__(self):
+        return self.system.__enter__()
+
+    def __exit__(self, *exc_info) -> bool:
+        try:
+            return bool(self.system.__exit__(*exc_info))
+        except Exception as exc:   # noqa: BLE001 - recorded as the row's failure
+            self.failed[self.name] = f"stopping its engines: {type(exc).__name__}: {exc}"[:2000]
+            return False
 
 
 async def _rounds(up: dict[str, tuple], args: argparse.Namespace, texts: dict[str, list[str]]) -> dict:

@@ -85,10 +85,45 @@ def test_rows_run_together_are_compared_round_by_round(capsys):
     from aiolayer.bench.engines.summary import print_table
     print_table(summary)
     out = capsys.readouterr().out
-    assert "aiolayer against mooncake, round by round: -5.0 ms (median of the rounds' differences), lower in 2 of 3" in out
+    assert ("aiolayer against mooncake, round by round: -5.0 ms (median of the rounds' differences), "
+            "lower in 2 of 3 rounds") in out
     assert "mooncake against aiolayer" not in out and "against aggregated" not in out   # each pair once
     plain = summarize([{k: v for k, v in row.items() if k != "together"} for row in rows])
     assert all("same_round_vs" not in s["c1"] for s in plain)
+
+
+def test_a_row_whose_engines_fail_to_stop_fails_alone_when_rows_run_together(monkeypatch):
+    """--together holds every row's engines at once: one row's stop raising (its byte counts are read
+    then) is that row's failure, as in a plain run; the other rows keep their figures."""
+    import argparse
+    import contextlib
+    from types import SimpleNamespace
+
+    from aiolayer.bench.engines import together
+    from aiolayer.bench.engines.run import SYSTEMS
+
+    stopped = []
+
+    def system(name: str, stop_error: Exception | None):
+        @contextlib.contextmanager
+        def start(_model, _args):
+            async def complete(text: str, max_tokens: int):
+                return SimpleNamespace(ttft_s=0.01, elapsed_s=0.02, token_ids=[len(text), max_tokens])
+            yield complete, {"engine": name}
+            stopped.append(name)
+            if stop_error is not None:
+                raise stop_error
+        return start
+
+    monkeypatch.setitem(SYSTEMS, "fake-good", system("fake-good", None))
+    monkeypatch.setitem(SYSTEMS, "fake-bad", system("fake-bad", RuntimeError("metrics gone")))
+    args = argparse.Namespace(together_pause=0.0, max_tokens=2)
+    texts = {"warmup": ["w"], "serial": ["a", "bb"], "burst": ["c", "d"], "alone": ["e", "f"]}
+    rows = {r["row"]: r for r in together.run_rows(["fake-good", "fake-bad"], None, args, texts)}
+    assert sorted(stopped) == ["fake-bad", "fake-good"]
+    assert rows["fake-bad"] == {"row": "fake-bad", "ran": False,
+                                "error": "stopping its engines: RuntimeError: metrics gone"}
+    assert rows["fake-good"]["ran"] and len(rows["fake-good"]["serial"]) == 2 == len(rows["fake-good"]["burst"])
 
 
 def test_a_negative_pause_between_rounds_is_refused_before_any_engine_starts():
