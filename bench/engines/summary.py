@@ -45,21 +45,37 @@ def _against_p_alone(serial: list[dict], solo: list[dict]) -> dict:
 
 
 def _against_rows(row: dict, rows: list[dict]) -> dict:
-    """``--together``: the row's TTFT minus each other row's in the same round (round ``i`` sent prompt ``i``
-    to every row within seconds), median, and in how many rounds it was the lower; {} in a plain run."""
+    """``--together``: the row against each other row in the same round (round ``i`` sent prompt ``i`` to
+    every row within seconds): the median of the rounds' TTFT differences and in how many rounds it was the
+    lower; where both rows have a P of their own, the same for their TTFT over that P (each P's speed taken
+    out: engines of one host answer the same prompt tens of ms apart); {} in a plain run."""
     if not row.get("together"):
         return {}
-    mine = [r.get("ttft_ms") for r in row["serial"]]
     against = {}
     for other in rows:
         if other is row or not other["ran"] or not other.get("together"):
             continue
-        theirs = [r.get("ttft_ms") for r in other["serial"]]
-        diffs = [a - b for a, b in zip(mine, theirs) if a is not None and b is not None]
-        if diffs:
-            against[other["row"]] = {"median_ms": round(statistics.median(diffs), 1),
-                                     "lower_in": sum(d < 0 for d in diffs), "rounds": len(diffs)}
+        figures = _paired(_ttfts(row["serial"]), _ttfts(other["serial"]))
+        if figures:
+            over = _paired(_over_own_p(row), _over_own_p(other))
+            against[other["row"]] = {**figures, **({f"over_p_{k}": v for k, v in over.items()} if over else {})}
     return {"same_round_vs": against} if against else {}
+
+
+def _ttfts(results: list[dict]) -> list[float | None]:
+    return [r.get("ttft_ms") for r in results]
+
+
+def _over_own_p(row: dict) -> list[float | None]:
+    """Per round, the row's TTFT minus its P alone's right after (None: either failed, or no P alone)."""
+    alone = _ttfts(row.get("p_alone") or [])
+    return [None if t is None or a is None else t - a for t, a in zip(_ttfts(row["serial"]), alone)]
+
+
+def _paired(mine: list[float | None], theirs: list[float | None]) -> dict:
+    diffs = [a - b for a, b in zip(mine, theirs) if a is not None and b is not None]
+    return {"median_ms": round(statistics.median(diffs), 1), "lower_in": sum(d < 0 for d in diffs),
+            "rounds": len(diffs)} if diffs else {}
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -121,7 +137,9 @@ def _print_rounds(summary: list[dict]) -> None:
             if "aggregated" in (s["row"], other) or (other, s["row"]) in seen:
                 continue
             seen.add((s["row"], other))
+            over = (f"; over each one's own P: {d['over_p_median_ms']:+.1f} ms, lower in {d['over_p_lower_in']} of "
+                    f"{d['over_p_rounds']}") if "over_p_median_ms" in d else ""
             print(f"{s['row']} against {other}, round by round: {d['median_ms']:+.1f} ms (median of the rounds' "
-                  f"differences), lower in {d['lower_in']} of {d['rounds']} rounds")
+                  f"differences), lower in {d['lower_in']} of {d['rounds']} rounds{over}")
 
 

@@ -77,16 +77,21 @@ def test_rows_run_together_are_compared_round_by_round(capsys):
         row["serial"] = [{**r, "ttft_ms": t} for r, t in zip(row["serial"], ttfts)]
         row["together"] = True
     rows[1]["serial"][3] = {"error": "TimeoutError: x"}
+    for row, alone in zip(rows[1:], ((150.0, 250.0, 150.0, 200.0), (190.0, 250.0, 170.0, 230.0))):
+        row["p_alone"] = [{"ttft_ms": t} for t in alone]   # each P's own speed, the same rounds
     summary = summarize(rows)
     by_row = {s["row"]: s["c1"]["same_round_vs"] for s in summary}
-    assert by_row["aiolayer"] == {"aggregated": {"median_ms": 30.0, "lower_in": 0, "rounds": 3},
-                                  "mooncake": {"median_ms": -5.0, "lower_in": 2, "rounds": 3}}
-    assert by_row["mooncake"]["aiolayer"] == {"median_ms": 5.0, "lower_in": 1, "rounds": 3}
+    assert by_row["aiolayer"] == {
+        "aggregated": {"median_ms": 30.0, "lower_in": 0, "rounds": 3},   # no P of its own: TTFT only
+        "mooncake": {"median_ms": -5.0, "lower_in": 2, "rounds": 3,
+                     # over each one's P: (30, 40, 20) against (10, 30, 5), the errored round left out
+                     "over_p_median_ms": 15.0, "over_p_lower_in": 0, "over_p_rounds": 3}}
+    assert by_row["mooncake"]["aiolayer"]["median_ms"] == 5.0 and by_row["mooncake"]["aiolayer"]["lower_in"] == 1
     from aiolayer.bench.engines.summary import print_table
     print_table(summary)
     out = capsys.readouterr().out
     assert ("aiolayer against mooncake, round by round: -5.0 ms (median of the rounds' differences), "
-            "lower in 2 of 3 rounds") in out
+            "lower in 2 of 3 rounds; over each one's own P: +15.0 ms, lower in 0 of 3") in out
     assert "mooncake against aiolayer" not in out and "against aggregated" not in out   # each pair once
     plain = summarize([{k: v for k, v in row.items() if k != "together"} for row in rows])
     assert all("same_round_vs" not in s["c1"] for s in plain)
