@@ -75,7 +75,9 @@ def prompts(args: argparse.Namespace) -> dict[str, list[str]]:
             "serial": [long_prompt(words, seed=s) for s in range(args.prompts)],
             "burst": [long_prompt(words, seed=100 + s) for s in range(args.concurrency)],
             # P/D rows: a request straight to P after each concurrency-1 one (``_measure_paired``)
-            "alone": [long_prompt(words, seed=10_000 + s) for s in range(args.prompts)]}
+            "alone": [long_prompt(words, seed=10_000 + s) for s in range(args.prompts)],
+            # its warm-up: a prompt of its own (the row's warm-up one would be a prefix-cache hit at P)
+            "alone_warmup": [long_prompt(words, seed=9_999)]}
 
 
 
@@ -248,7 +250,7 @@ def run_row(name: str, model: Path, args: argparse.Namespace, texts: dict[str, l
             if alone is None:
                 serial = asyncio.run(_measure(complete, texts["serial"], False, args.max_tokens))
             else:
-                asyncio.run(_measure(alone, texts["warmup"][:1], False, 1))
+                asyncio.run(_measure(alone, texts["alone_warmup"], False, 1))
                 serial, solo = asyncio.run(_measure_paired(complete, alone, texts["serial"], texts["alone"],
                                                            args.max_tokens))
                 _progress(f"{name} (its P alone)", "concurrency 1", solo)

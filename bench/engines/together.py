@@ -81,7 +81,7 @@ async def _rounds(up: dict[str, tuple], args: argparse.Namespace, texts: dict[st
         await _measure(complete, texts["warmup"], False, args.max_tokens)
         if alone is not None:
             await asyncio.sleep(pause)
-            await _measure(alone, texts["warmup"][:1], False, 1)
+            await _measure(alone, texts["alone_warmup"], False, 1)
         await asyncio.sleep(pause)
     out: dict[str, tuple[list, list]] = {name: ([], []) for name in up}
     names = list(up)

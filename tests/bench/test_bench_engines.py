@@ -123,7 +123,7 @@ def test_a_row_whose_engines_fail_to_stop_fails_alone_when_rows_run_together(mon
     monkeypatch.setitem(SYSTEMS, "fake-good", system("fake-good", None))
     monkeypatch.setitem(SYSTEMS, "fake-bad", system("fake-bad", RuntimeError("metrics gone")))
     args = argparse.Namespace(together_pause=0.0, max_tokens=2)
-    texts = {"warmup": ["w"], "serial": ["a", "bb"], "burst": ["c", "d"], "alone": ["e", "f"]}
+    texts = {"warmup": ["w"], "serial": ["a", "bb"], "burst": ["c", "d"], "alone": ["e", "f"], "alone_warmup": ["g"]}
     rows = {r["row"]: r for r in together.run_rows(["fake-good", "fake-bad"], None, args, texts)}
     assert sorted(stopped) == ["fake-bad", "fake-good"]
     assert rows["fake-bad"] == {"row": "fake-bad", "ran": False,
