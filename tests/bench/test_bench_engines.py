@@ -131,6 +131,18 @@ def test_a_row_whose_engines_fail_to_stop_fails_alone_when_rows_run_together(mon
     assert rows["fake-good"]["ran"] and len(rows["fake-good"]["serial"]) == 2 == len(rows["fake-good"]["burst"])
 
 
+def test_the_plot_marks_each_rows_p_alone_where_it_has_one(tmp_path):
+    from aiolayer.bench.engines.plot import plot_engines
+
+    ref, row = _row("aggregated", [[1], [2]]), _row("aiolayer", [[1], [2]])
+    row["p_alone"] = [{"ttft_ms": 9.0}, {"ttft_ms": 11.0}]
+    summary = summarize([ref, row])
+    assert [s["c1"]["p_alone_ms_median"] for s in summary] == [None, 10.0]
+    path = plot_engines(summary, tmp_path / "engines.png")
+    assert path.stat().st_size > 1000
+    plot_engines(summarize([ref]), tmp_path / "none.png")   # no row with a P of its own: no mark, no error
+
+
 def test_a_negative_pause_between_rounds_is_refused_before_any_engine_starts():
     r = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "vllm", "--rows", "aggregated,aiolayer",
                         "--together", "--together-pause", "-1"], capture_output=True, text=True, timeout=60)
