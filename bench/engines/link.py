@@ -29,7 +29,7 @@ from aiolayer.harness import netns
 from .link_rows import MODE_ROWS, auto_choices, cell_key, lanes, measure_cell, prompt_sets, row_groups
 from .place import of_hosts
 from .run import SYSTEMS, kv_bytes_per_token, model_spec, row_names, run_engines, take_hooks
-from .summary import bytes_verified, phase_summary
+from .summary import bytes_verified, not_run, phase_summary, reference_row
 from aiolayer.harness.tiny_model import long_prompt, tiny_model_dir
 
 PEERS = ("mooncake", "nixl")     # vLLM's own connectors: the heatmap's baseline
@@ -182,11 +182,11 @@ def _print_cell(title: str, gbit: float, length: int, answers: list[dict], meta:
 
 def summarize(rows: list[dict], rates: list[float], lengths: list[int]) -> list[dict]:
     """Per row and cell: TTFT p50/p99, and every answer checked against the aggregated engine's."""
-    ref = next((r for r in rows if r["row"] == "aggregated" and r["ran"]), None)
+    ref = reference_row(rows)
     out = []
     for row in rows:
         if not row["ran"]:
-            out.append({"row": row["row"], "ran": False, "error": row["error"]})
+            out.append(not_run(row))
             continue
         checked = bytes_verified(row["how"])
         cells = []

@@ -78,12 +78,21 @@ def _paired(mine: list[float | None], theirs: list[float | None]) -> dict:
             "rounds": len(diffs)} if diffs else {}
 
 
+def reference_row(rows: list[dict]) -> dict | None:
+    """The aggregated engine's row, which every other row's answers are checked against, if it ran."""
+    return next((r for r in rows if r["row"] == "aggregated" and r["ran"]), None)
+
+
+def not_run(row: dict) -> dict:
+    return {"row": row["row"], "ran": False, "error": row["error"]}
+
+
 def summarize(rows: list[dict]) -> list[dict]:
-    ref = next((r for r in rows if r["row"] == "aggregated" and r["ran"]), None)
+    ref = reference_row(rows)
     out = []
     for row in rows:
         if not row["ran"]:
-            out.append({"row": row["row"], "ran": False, "error": row["error"]})
+            out.append(not_run(row))
             continue
         same, checked = ref is not None and row is not ref, bytes_verified(row["how"])
         out.append({"row": row["row"], "ran": True, "how": row["how"], "wall_s": row["wall_s"],
