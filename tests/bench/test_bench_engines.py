@@ -158,10 +158,11 @@ def test_an_unknown_row_is_refused_before_any_engine_starts():
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
 def test_a_small_real_run_verifies_aiolayer_against_the_aggregated_engine(tmp_path):
-    # small on purpose (2 layers, ~100-token prompts, eager): the full run is make bench-vllm
+    # small on purpose (2 layers, ~100-token prompts, eager): the full run is make bench-vllm; float32, as
+    # token equality with the aggregated engine asks (vLLM CPU's bf16 is not batch-invariant)
     r = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "vllm", "--rows", "aggregated,aiolayer",
                         "--layers", "2", "--prompt-tokens", "100", "--prompts", "2", "--concurrency", "2",
-                        "--max-tokens", "8", "--eager", "--out", str(tmp_path)],
+                        "--max-tokens", "8", "--eager", "--dtype", "float32", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=840)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "engines.json").read_text())
@@ -192,7 +193,8 @@ def test_rows_run_together_in_rounds_and_are_verified_as_in_a_plain_run(tmp_path
     are still checked against the aggregated engine's and every transfer's bytes at D."""
     r = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "vllm", "--rows", "aggregated,aiolayer",
                         "--together", "--layers", "2", "--prompt-tokens", "100", "--prompts", "2",
-                        "--concurrency", "2", "--max-tokens", "8", "--eager", "--out", str(tmp_path)],
+                        "--concurrency", "2", "--max-tokens", "8", "--eager", "--dtype", "float32",
+                        "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=840)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "round 2/2: TTFT ms aggregated" in r.stderr, r.stderr[-3000:]   # the progress line of each round
