@@ -29,7 +29,7 @@ from aiolayer.harness import netns
 from .link_rows import MODE_ROWS, auto_choices, cell_key, lanes, measure_cell, prompt_sets, row_groups
 from .place import of_hosts
 from .run import SYSTEMS, kv_bytes_per_token, model_spec, row_names, run_engines, take_hooks
-from .summary import bytes_verified, not_run, phase_summary, reference_row
+from .summary import bytes_verified, each_row, phase_summary
 from aiolayer.harness.tiny_model import long_prompt, tiny_model_dir
 
 PEERS = ("mooncake", "nixl")     # vLLM's own connectors: the heatmap's baseline
@@ -182,12 +182,7 @@ def _print_cell(title: str, gbit: float, length: int, answers: list[dict], meta:
 
 def summarize(rows: list[dict], rates: list[float], lengths: list[int]) -> list[dict]:
     """Per row and cell: TTFT p50/p99, and every answer checked against the aggregated engine's."""
-    ref = reference_row(rows)
-    out = []
-    for row in rows:
-        if not row["ran"]:
-            out.append(not_run(row))
-            continue
+    def summary_of(row: dict, ref: dict | None) -> dict:
         checked = bytes_verified(row["how"])
         cells = []
         for ri, gbit in enumerate(rates):
@@ -199,8 +194,8 @@ def summarize(rows: list[dict], rates: list[float], lengths: list[int]) -> list[
                 s = phase_summary(results, reference, checked)
                 s["ttft_ms_p99"] = p99([r["ttft_ms"] for r in results if r.get("ttft_ms") is not None])
                 cells.append({"link_gbit": gbit, "prompt_tokens": length, **row["meta"].get(key, {}), **s})
-        out.append({"row": row["row"], "ran": True, "how": row["how"], "wall_s": row["wall_s"], "cells": cells})
-    return out
+        return {"row": row["row"], "ran": True, "how": row["how"], "wall_s": row["wall_s"], "cells": cells}
+    return each_row(rows, summary_of)
 
 
 def bad_rows(summary: list[dict]) -> list[str]:

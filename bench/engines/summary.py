@@ -6,6 +6,8 @@ and which rows fail the run."""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
+
 
 def bytes_verified(how: dict) -> bool:
     """Every transfer of the row byte-checked (one check per transfer D finished: a transfer too
@@ -13,7 +15,6 @@ def bytes_verified(how: dict) -> bool:
     checks = how.get("bytes")
     return bool(checks) and checks["verified"] == checks.get("receives_finished") > 0 \
         and checks["mismatch"] == 0 and checks["receives_failed"] == 0
-
 
 
 def phase_summary(results: list[dict], reference: list[dict] | None, verified_bytes: bool = False) -> dict:
@@ -36,9 +37,8 @@ def phase_summary(results: list[dict], reference: list[dict] | None, verified_by
 def _against_p_alone(serial: list[dict], solo: list[dict]) -> dict:
     """The row's P answering by itself right after each concurrency-1 request: its TTFT, and the row's
     over it, paired request by request (None where the row has no P alone)."""
-    alone = [r.get("ttft_ms") for r in solo]
-    over = [r["ttft_ms"] - a for r, a in zip(serial, alone) if r.get("ttft_ms") is not None and a is not None]
-    known = [a for a in alone if a is not None]
+    over = [d for d in _over_own_p(serial, solo) if d is not None]
+    known = [a for a in _ttfts(solo) if a is not None]
     return {"p_alone_ms_median": round(statistics.median(known), 1) if known else None,
             "over_p_alone_ms_median": round(statistics.median(over), 1) if over else None,
             "p_alone_failed": sum(1 for r in solo if "error" in r)}
@@ -57,7 +57,8 @@ def _against_rows(row: dict, rows: list[dict]) -> dict:
             continue
         figures = _paired(_ttfts(row["serial"]), _ttfts(other["serial"]))
         if figures:
-            over = _paired(_over_own_p(row), _over_own_p(other))
+            over = _paired(_over_own_p(row["serial"], row.get("p_alone") or []),
+                           _over_own_p(other["serial"], other.get("p_alone") or []))
             against[other["row"]] = {**figures, **({f"over_p_{k}": v for k, v in over.items()} if over else {})}
     return {"same_round_vs": against} if against else {}
 
@@ -66,10 +67,9 @@ def _ttfts(results: list[dict]) -> list[float | None]:
     return [r.get("ttft_ms") for r in results]
 
 
-def _over_own_p(row: dict) -> list[float | None]:
-    """Per round, the row's TTFT minus its P alone's right after (None: either failed, or no P alone)."""
-    alone = _ttfts(row.get("p_alone") or [])
-    return [None if t is None or a is None else t - a for t, a in zip(_ttfts(row["serial"]), alone)]
+def _over_own_p(serial: list[dict], solo: list[dict]) -> list[float | None]:
+    """Per request, the row's TTFT minus its P alone's right after (None: either failed, or no P alone)."""
+    return [None if t is None or a is None else t - a for t, a in zip(_ttfts(serial), _ttfts(solo))]
 
 
 def _paired(mine: list[float | None], theirs: list[float | None]) -> dict:
@@ -78,29 +78,23 @@ def _paired(mine: list[float | None], theirs: list[float | None]) -> dict:
             "rounds": len(diffs)} if diffs else {}
 
 
-def reference_row(rows: list[dict]) -> dict | None:
-    """The aggregated engine's row, which every other row's answers are checked against, if it ran."""
-    return next((r for r in rows if r["row"] == "aggregated" and r["ran"]), None)
-
-
-def not_run(row: dict) -> dict:
-    return {"row": row["row"], "ran": False, "error": row["error"]}
+def each_row(rows: list[dict], summary_of: Callable[[dict, dict | None], dict]) -> list[dict]:
+    """``summary_of(row, reference)`` for each row that ran, the reference being the aggregated engine's
+    row (every other row's answers are checked against it) if it ran; a row that did not run as such."""
+    ref = next((r for r in rows if r["row"] == "aggregated" and r["ran"]), None)
+    return [summary_of(row, ref) if row["ran"] else {"row": row["row"], "ran": False, "error": row["error"]}
+            for row in rows]
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    ref = reference_row(rows)
-    out = []
-    for row in rows:
-        if not row["ran"]:
-            out.append(not_run(row))
-            continue
+    def summary_of(row: dict, ref: dict | None) -> dict:
         same, checked = ref is not None and row is not ref, bytes_verified(row["how"])
-        out.append({"row": row["row"], "ran": True, "how": row["how"], "wall_s": row["wall_s"],
-                    "c1": {**phase_summary(row["serial"], ref["serial"] if same else None, checked),
-                           **_against_p_alone(row["serial"], row.get("p_alone") or []),
-                           **_against_rows(row, rows)},
-                    "c8": phase_summary(row["burst"], ref["burst"] if same else None, checked)})
-    return out
+        return {"row": row["row"], "ran": True, "how": row["how"], "wall_s": row["wall_s"],
+                "c1": {**phase_summary(row["serial"], ref["serial"] if same else None, checked),
+                       **_against_p_alone(row["serial"], row.get("p_alone") or []),
+                       **_against_rows(row, rows)},
+                "c8": phase_summary(row["burst"], ref["burst"] if same else None, checked)}
+    return each_row(rows, summary_of)
 
 
 def bad_rows(summary: list[dict]) -> list[str]:
@@ -150,5 +144,3 @@ def _print_rounds(summary: list[dict]) -> None:
                     f"{d['over_p_rounds']}") if "over_p_median_ms" in d else ""
             print(f"{s['row']} against {other}, round by round: {d['median_ms']:+.1f} ms (median of the rounds' "
                   f"differences), lower in {d['lower_in']} of {d['rounds']} rounds{over}")
-
-
