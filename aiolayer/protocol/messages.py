@@ -113,6 +113,18 @@ class Done(_Msg, tag="done", frozen=True):
     check: Union[LayerCheck, None] = None   # sampled transfers: D verifies what landed before it accepts
 
 
+class EarlyCheck(_Msg, tag="early_check", frozen=True):
+    """Part of a sampled transfer's check sent before its DONE: the sampled layers whose writes P saw
+    complete while its last ones were still in flight. D verifies them at once and remembers the layers
+    that matched; the DONE still carries every sampled layer, and D verifies at DONE only those it did
+    not match early. Changes no transfer state; only a known writer with the token is answered."""
+
+    transfer_id: str
+    sender: str
+    token: str
+    check: LayerCheck
+
+
 # Items per DoneBatch: ~40 KB of DONEs, far below a node's max_frame_bytes (1 MiB by default).
 MAX_DONE_BATCH = 256
 
@@ -286,9 +298,9 @@ class TopologyReply(_Msg, tag="topology", frozen=True):
 
 
 Message = Union[
-    LayoutRequest, LayoutBatch, LayoutReply, LayoutReplies, Done, DoneBatch, Failed, Abort, AllocRequest,
-    AbortRequest, AllocReply, LookupRequest, VerifyRequest, VerifyReply, ReleaseRequest, StatusRequest,
-    StatusReply, Ack, Nack, Replies,
+    LayoutRequest, LayoutBatch, LayoutReply, LayoutReplies, Done, EarlyCheck, DoneBatch, Failed, Abort,
+    AllocRequest, AbortRequest, AllocReply, LookupRequest, VerifyRequest, VerifyReply, ReleaseRequest,
+    StatusRequest, StatusReply, Ack, Nack, Replies,
     TopologyRequest, TopologyReply,
 ]
 

@@ -1,33 +1,44 @@
 """Sampled end-to-end KV integrity: digests of what P wrote, checked against what landed at D.
 
 P samples each layer of a transfer with probability ``NodeConfig.integrity_sample`` (per layer, so that
-a sampled request pays for a layer or two, not for its whole KV). Once every write of the transfer
-completed (its source blocks are held and unchanged until then), P computes for each sampled layer a
-digest of its source runs in write order, off the loop (a worker thread), and sends them with DONE
-(``Done.check``) with the runs' offsets at D relative to a layer's base. Before D accepts that DONE it
-computes the same digests over its own memory at those offsets, also off the loop; a mismatch turns the DONE into a
-failure ("integrity: ..."), so the engine recomputes or fails the request (vLLM's ``kv_load_failure_policy``)
-instead of decoding from corrupt KV.
+a sampled request pays for a layer or two, not for its whole KV). Once every layer of the transfer was
+submitted (its source blocks are final, and held until every write ended), P computes for each sampled
+layer a digest of its source runs in write order, off the loop (a worker thread), and sends them with
+DONE (``Done.check``) with the runs' offsets at D relative to a layer's base. Before D accepts that DONE
+it computes the same digests over its own memory at those offsets, also off the loop; a mismatch turns
+the DONE into a failure ("integrity: ..."), so the engine recomputes or fails the request (vLLM's
+``kv_load_failure_policy``) instead of decoding from corrupt KV.
 
 The digest is XXH3-64 where D's layout lists it (``LayoutReply.digests``), else CRC32, which every
-version verifies. Both sides pay it after the last write, on the critical path, so its speed counts:
+version verifies. Both sides pay it near the last write, on the critical path, so its speed counts:
 on a 2-core EPYC VM zlib's CRC32 took 3.95 ms per 16 MB, XXH3-64 0.30 ms. A random change (a flipped
 bit, a stale or misplaced block) escapes CRC32 with odds 2^-32 and XXH3-64 with 2^-64; neither is meant
 against a forger (the token is).
 
 Verified: for a sampled layer, every byte (K and V planes) that P wrote equals what D holds when it
-accepts the DONE. Not verified: layers not sampled; a side whose KV is not in host
-memory (``register_kv_memory(host_memory=False)``, e.g. GPU memory: it neither samples nor checks);
-transfers with more than ``MAX_CHECK_RUNS`` runs per layer; what happens to the bytes after D checked.
+accepts the DONE (a layer matched early: when D read it, after its write completed). Not verified:
+layers not sampled; a side whose KV is not in host memory (``register_kv_memory(host_memory=False)``,
+e.g. GPU memory: it neither samples nor checks); transfers with more than ``MAX_CHECK_RUNS`` runs per
+layer; what happens to the bytes after D checked.
+
+Early checks: D's check of a large transfer would sit between P's last write and D's acceptance. So once
+P's digest is ready, P sends the sampled layers whose writes it saw complete (``EarlyCheck``) while the last
+ones are still in flight; D verifies those at once and keeps the layers that matched (``EarlyChecks``),
+and at DONE, which still carries every sampled layer, verifies only the others. A layer matched early
+was checked after its write completed and before the DONE; only a writer of the transfer can change it
+in between (the fence keeps every other one out), and that writer's DONE says its writes are over.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import logging
 import random
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
+import msgspec
 import numpy as np
 import xxhash
 
@@ -36,8 +47,11 @@ from ..protocol.plan import BlockRuns, Spans, run_addresses
 from .spec import LocalLayout
 
 
+log = logging.getLogger(__name__)
+
 # What this side verifies besides crc32, for its LayoutReply.
 VERIFIES = [d for d in m.CHECK_DIGESTS if d != "crc32"]
+Match = tuple[int, int, int | None]   # a sampled layer found intact: (layer, K's digest, V's or None)
 
 
 def pick_digest(offered: Iterable[str]) -> str:
@@ -94,23 +108,105 @@ def sample_check(local: LocalLayout | None, runs: BlockRuns | None, spans: Spans
                         crc_v=digest_of_runs(digest, local.v_base[layers], src, lengths_) if split else [])
 
 
-def verify_check(local: LocalLayout | None, block_ids: list[int], check: m.LayerCheck) -> str:
+def verify_check(local: LocalLayout | None, block_ids: list[int], check: m.LayerCheck,
+                 early: EarlyMatch | None = None) -> str:
     """D: "" when what landed matches ``check``; else why not ("integrity: ..."). A check that names
-    bytes outside the transfer's own blocks, or does not fit this layout, is a failure too."""
+    bytes outside the transfer's own blocks, or does not fit this layout, is a failure too. The layers
+    ``early`` found intact are not read again."""
     if local is None or not local.host:
         return ""   # not host memory: unverifiable here (documented, not guessed)
     problem = _check_shape(local, block_ids, check)
     if problem:
         return f"integrity: malformed check: {problem}"
+    rest = check if early is None else early.unmatched(check)
+    if rest is None:
+        return ""
+    got_k, got_v = _digests_at_d(local, rest)
+    for plane, want, got in (("K", rest.crc_k, got_k), ("V", rest.crc_v, got_v)):
+        for layer, a, b in zip(rest.layers, want, got):
+            if a != b:
+                return (f"integrity: layer {layer} {plane}: the bytes that landed differ from what P wrote "
+                        f"({rest.digest.upper()} {b:08x}, P's {a:08x})")
+    return ""
+
+
+def _digests_at_d(local: LocalLayout, check: m.LayerCheck) -> tuple[list[int], list[int]]:
     digest, offsets, lengths = check.digest, check.offsets, check.lengths
     got_k = digest_of_runs(digest, local.k_base[check.layers], offsets, lengths)
     got_v = digest_of_runs(digest, local.v_base[check.layers], offsets, lengths) if check.crc_v else []
-    for plane, want, got in (("K", check.crc_k, got_k), ("V", check.crc_v, got_v)):
-        for layer, a, b in zip(check.layers, want, got):
-            if a != b:
-                return (f"integrity: layer {layer} {plane}: the bytes that landed differ from what P wrote "
-                        f"({digest.upper()} {b:08x}, P's {a:08x})")
-    return ""
+    return got_k, got_v
+
+
+def _runs_of(check: m.LayerCheck) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    return check.digest, tuple(check.offsets), tuple(check.lengths)
+
+
+def _match(check: m.LayerCheck, i: int) -> Match:
+    return check.layers[i], check.crc_k[i], check.crc_v[i] if check.crc_v else None
+
+
+def _part(check: m.LayerCheck, keep: list[int]) -> m.LayerCheck:
+    return msgspec.structs.replace(check, layers=[check.layers[i] for i in keep], crc_k=[check.crc_k[i] for i in keep],
+                                   crc_v=[check.crc_v[i] for i in keep] if check.crc_v else [])
+
+
+def landed_part(check: m.LayerCheck, landed: set[int]) -> m.LayerCheck | None:
+    """P: the part of ``check`` an early check sends, the sampled layers in ``landed``; None when that
+    is none of them, or all (the DONE is as near then)."""
+    keep = [i for i, layer in enumerate(check.layers) if layer in landed]
+    return _part(check, keep) if 0 < len(keep) < len(check.layers) else None
+
+
+class EarlyMatch(msgspec.Struct, frozen=True):
+    """D: what an early check found landed intact: the runs it read and the layers that matched there."""
+
+    runs: tuple[str, tuple[int, ...], tuple[int, ...]]
+    layers: frozenset[Match]
+
+    def unmatched(self, check: m.LayerCheck) -> m.LayerCheck | None:
+        """``check`` less its layers matched early (the same digests over the same runs); None: none left."""
+        if _runs_of(check) != self.runs:
+            return check
+        keep = [i for i in range(len(check.layers)) if _match(check, i) not in self.layers]
+        return None if not keep else check if len(keep) == len(check.layers) else _part(check, keep)
+
+
+def verify_early(local: LocalLayout | None, block_ids: list[int], check: m.LayerCheck) -> EarlyMatch | None:
+    """D, in a worker thread: the layers of an early check that landed intact; None where nothing can be
+    matched (not host memory, or a check that does not fit: the DONE's own check decides then)."""
+    if local is None or not local.host or _check_shape(local, block_ids, check):
+        return None
+    got_k, got_v = _digests_at_d(local, check)
+    intact = [i for i in range(len(check.layers))
+              if got_k[i] == check.crc_k[i] and (not check.crc_v or got_v[i] == check.crc_v[i])]
+    return EarlyMatch(_runs_of(check), frozenset(_match(check, i) for i in intact))
+
+
+class EarlyChecks:
+    """D: one transfer's early checks, at most one per writer, each running in a worker thread or done."""
+
+    __slots__ = ("_by_sender",)
+
+    def __init__(self) -> None:
+        self._by_sender: dict[str, asyncio.Future[EarlyMatch | None]] = {}
+
+    def start(self, sender: str, verify: Callable[[], EarlyMatch | None]) -> asyncio.Future[EarlyMatch | None] | None:
+        """``verify`` started for ``sender`` (in a worker thread); None when that writer's came before."""
+        if sender in self._by_sender:
+            return None
+        future = self._by_sender[sender] = asyncio.get_running_loop().run_in_executor(None, verify)
+        return future
+
+    async def of(self, sender: str) -> EarlyMatch | None:
+        """What ``sender``'s early check matched, once it ended (None: there was none, or it broke)."""
+        future = self._by_sender.get(sender)
+        if future is None:
+            return None
+        try:
+            return await asyncio.shield(future)   # a DONE whose handler is cancelled leaves it running
+        except Exception:   # a bug in the early check: the DONE verifies every layer itself
+            log.exception("early integrity check from %s raised", sender)
+            return None
 
 
 def _check_shape(local: LocalLayout, block_ids: list[int], check: m.LayerCheck) -> str:

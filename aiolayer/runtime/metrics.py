@@ -94,8 +94,10 @@ def snapshot(rt: Source) -> dict[str, Any]:
         "fences_unconfirmed": receiver.fences_unconfirmed,
         "receive_failures": dict(receiver.failures),
         "task_errors": rt.loop_thread.task_errors,
-        # sampled end-to-end checks: P's sent ("sampled"), D's "verified" / "mismatch"
-        "integrity": {"sampled": sender.integrity_checks if sender else 0, **receiver.integrity},
+        # sampled end-to-end checks: P's sent ("sampled"; "sent_early": a part before the DONE, taken by D),
+        # D's "verified" / "mismatch" (at DONE) and "verified_early" (early parts it verified)
+        "integrity": {"sampled": sender.integrity_checks if sender else 0,
+                      "sent_early": sender.early_checks if sender else 0, **receiver.integrity},
     }
 
 
@@ -147,8 +149,10 @@ class _SnapshotCollector:
                        "cause: deadline (P died, hung, never came), aborted (given up at D), prefill_failed "
                        "(P's FAILED, or D's integrity check refused its DONE), refused (the registration)",
                        None, ["cause"], [([k], v) for k, v in sorted(s.get("receive_failures", {}).items())])
-        yield _counter("aiolayer_integrity_checks", "sampled end-to-end KV checks: sent by P, verified or "
-                       "mismatched at D", None, ["result"], [([k], v) for k, v in sorted(s["integrity"].items())])
+        yield _counter("aiolayer_integrity_checks", "sampled end-to-end KV checks: sent by P (sampled; "
+                       "sent_early: the part landed before the DONE, taken by D), verified or mismatched at D "
+                       "(verified_early: early parts verified)", None, ["result"],
+                       [([k], v) for k, v in sorted(s["integrity"].items())])
         yield _counter("aiolayer_task_errors", "loop tasks that ended with an error (logged, the runtime went on)",
                        s.get("task_errors", 0))
 

@@ -76,6 +76,8 @@ SAMPLES: list[m._Msg] = [
                     items=[m.Ack(), None, m.Nack(code="auth", reason="no")]),
     m.LayoutReplies(layout=None, items=[m.Nack(code="ended", reason="gone")]),
     m.Done(transfer_id="t", sender="p", incarnation="inc", layers=4, bytes=1 << 33),
+    m.EarlyCheck(transfer_id="t", sender="p", token="k" * 32,
+                 check=m.LayerCheck(layers=[0, 2], offsets=[0], lengths=[64], crc_k=[1, 2], digest="xxh3_64")),
     m.DoneBatch(items=[m.Done(transfer_id="t", sender="p", bytes=1), m.Done(transfer_id="u", sender="p")]),
     m.Failed(transfer_id="t", sender="p", reason="boom"),
     m.Abort(transfer_id="t", reason="client gone"),

@@ -1,23 +1,27 @@
-"""Sampled end-to-end KV integrity: D verifies what landed against P's digests before it accepts DONE.
+"""Sampled end-to-end KV integrity: D verifies what landed against P's digests before it accepts DONE,
+the layers that landed before P's last write already as they land (early checks).
 
 P and D are real runtimes (memory backend) with host-memory paged caches; a fault hook on D flips
-bytes of one layer in the transfer's blocks after they landed and before D handles the DONE, as a
-faulty NIC, DMA engine or a stray writer would.
+bytes of one layer in the transfer's blocks after they landed and before D handles the DONE (or the
+early check), as a faulty NIC, DMA engine or a stray writer would.
 """
 
 from __future__ import annotations
 
 import random
+import time
 
 import msgspec
 import numpy as np
 import pytest
 
 from aiolayer import KVShape, NodeConfig, ReceiveSpec, Runtime, Timeouts, TransferSpec
+from aiolayer.errors import ControlRejected
 from aiolayer.kvcache import PagedKVCache
 from aiolayer.protocol import messages as m
 from aiolayer.runtime.control.hooks import install_hooks
-from aiolayer.runtime.integrity import digest_of_runs, pick_digest, sample_check, verify_check
+from aiolayer.runtime.integrity import (EarlyMatch, digest_of_runs, landed_part, pick_digest, sample_check,
+                                        verify_check, verify_early)
 from helpers_memory import host_cache
 
 pytestmark = pytest.mark.timeout(60)
@@ -26,18 +30,23 @@ TIMEOUTS = Timeouts(receive=20, fence_grace=2.0)
 
 
 class Corrupter:
-    """D's inbound hook: when a DONE arrives, flip one byte of layer ``layer`` (K or V) of its blocks."""
+    """D's inbound hook: when a DONE (or, with ``on_early``, an early check) arrives, flip one byte of
+    layer ``layer`` (K or V) of its blocks."""
 
     def __init__(self) -> None:
         self.cache: PagedKVCache | None = None
         self.blocks: dict[str, list[int]] = {}
         self.target: tuple[int, int] | None = None   # (layer, plane) to corrupt, or None
+        self.on_early = False                        # corrupt when the early check comes, not the DONE
         self.digests: list[str] = []                 # each checked DONE's digest
+        self.early: list[m.EarlyCheck] = []
 
     def __call__(self, msg) -> None:
+        if isinstance(msg, m.EarlyCheck):
+            self.early.append(msg)
         if isinstance(msg, m.Done) and msg.check is not None:
             self.digests.append(msg.check.digest)
-        if isinstance(msg, m.Done) and self.target is not None:
+        if isinstance(msg, m.EarlyCheck if self.on_early else m.Done) and self.target is not None:
             layer, plane = self.target
             block = self.blocks[msg.transfer_id][-1]
             self.cache.blocks[layer, plane, block, 5] ^= 0xFF
@@ -186,3 +195,95 @@ def test_p_digests_the_source_as_soon_as_every_layer_was_submitted(pair):
     assert not p.wait_outcome("stopped", 10).ok
     assert [tid for tid, _ in began] == [f"early{i}" for i in range(3)]
     assert d.metrics_snapshot()["integrity"].get("verified") == 3
+
+
+def _transfer_last_late(p: Runtime, d: Runtime, corrupter: Corrupter, tid: str, src: list[int], dst: list[int]):
+    """As ``_transfer``, but the last layer's write lands 0.5 s after the others did, as over a slow link."""
+    reg = d.receive(ReceiveSpec(transfer_id=tid, block_ids=dst))
+    corrupter.blocks[tid] = dst
+    landed = d.backend.bytes_written + 2 * len(dst) * SHAPE.block_bytes * (SHAPE.num_layers - 1)
+    try:
+        with p.begin_step([TransferSpec.from_registration(reg, src_blocks=src)]) as step:
+            for layer in range(SHAPE.num_layers - 1):
+                step.layer_ready(layer)
+            end = time.monotonic() + 5
+            while d.backend.bytes_written < landed and time.monotonic() < end:
+                time.sleep(0.01)
+            assert d.backend.bytes_written == landed, "the first layers did not land"
+            d.backend.faults.delay_s = 0.5
+            step.layer_ready(SHAPE.num_layers - 1)
+        return p.wait_outcome(tid, 10), d.wait_received(tid, 10)
+    finally:
+        d.backend.faults.delay_s = 0.0
+
+
+def _integrity(rt: Runtime) -> dict[str, int]:
+    return {k: v for k, v in rt.metrics_snapshot()["integrity"].items() if v}
+
+
+def test_layers_landed_before_the_last_write_are_verified_before_the_done(pair):
+    p, d, corrupter = pair
+    last = SHAPE.num_layers - 1
+    for i in range(2):
+        outcome, received = _transfer_last_late(p, d, corrupter, f"soon{i}", [i, i + 8], [2 * i, 2 * i + 1])
+        assert outcome.ok and received.ok, received.reason
+    assert [e.check.layers for e in corrupter.early] == [list(range(last))] * 2   # not the one in flight
+    assert _integrity(d) == {"verified_early": 2, "verified": 2}
+    assert _integrity(p) == {"sampled": 2, "sent_early": 2}
+
+
+def test_a_layer_that_differs_at_the_early_check_is_read_again_at_the_done(pair):
+    p, d, corrupter = pair
+    corrupter.target, corrupter.on_early = (1, 1), True   # flipped as the early check arrives: it sees it
+    _, received = _transfer_last_late(p, d, corrupter, "flipped", [3], [5])
+    assert not received.ok and "integrity: layer 1 V" in received.reason, received.reason
+    assert _integrity(d) == {"verified_early": 1, "mismatch": 1}
+
+
+def test_an_early_check_is_answered_only_to_a_writer_with_the_token_and_changes_nothing(pair):
+    p, d, _ = pair
+    token = "t" * 32
+    d.receive(ReceiveSpec(transfer_id="probe", block_ids=[7], token=token))
+    check = m.LayerCheck(layers=[0], offsets=[0], lengths=[SHAPE.block_bytes], crc_k=[1], crc_v=[2],
+                         digest="xxh3_64")
+
+    def early(sender: str, tok: str = token) -> str:
+        try:
+            reply = p.request(d.control_endpoint, m.EarlyCheck(transfer_id="probe", sender=sender, token=tok,
+                                                               check=check), timeout=5)
+        except ControlRejected as exc:
+            return f"nack {exc.code}"
+        return reply.detail
+
+    assert early("p-int", "x" * 32) == "nack auth"
+    assert early("p-int") == "nack sender"   # it never fetched the layout: no writer of the transfer
+    p.request(d.control_endpoint, m.LayoutRequest(requester="p-int", transfer_id="probe", token=token,
+                                                  control=p.control_endpoint, incarnation=p.incarnation), timeout=5)
+    assert early("p-int") == "0 of 1 layers intact"   # D holds zeros there, not these digests
+    assert early("p-int") == "repeated: not verified again"
+    assert early("stranger") == "nack sender"
+    assert d.receiver.state_of("probe")[0] == "registered"
+    d.abort_receive("probe", "given up")
+    assert early("p-int") in ("nack ended", "nack auth")
+    assert _integrity(d) == {"verified_early": 1}
+
+
+def test_a_layer_counts_as_matched_early_only_for_the_same_runs_and_digests(pair):
+    _, d, _ = pair
+    local, every = d.sender.local, list(range(SHAPE.num_layers))
+    bb = SHAPE.block_bytes
+    zeros_k = digest_of_runs("xxh3_64", local.k_base[every], [0], [bb])
+    zeros_v = digest_of_runs("xxh3_64", local.v_base[every], [0], [bb])
+    done = m.LayerCheck(layers=every, offsets=[0], lengths=[bb], crc_k=zeros_k, crc_v=zeros_v, digest="xxh3_64")
+    assert landed_part(done, set()) is None and landed_part(done, set(every)) is None
+    part = landed_part(done, {0, 2})
+    assert part.layers == [0, 2] and part.crc_k == [zeros_k[0], zeros_k[2]]
+    matched = verify_early(local, [0], part)
+    assert matched is not None and len(matched.layers) == 2
+    assert matched.unmatched(done).layers == [1, 3]
+    other_bytes = msgspec.structs.replace(done, crc_k=[zeros_k[0] ^ 1] + zeros_k[1:])
+    assert matched.unmatched(other_bytes).layers == [0, 1, 3]   # P says other bytes for layer 0: read again
+    assert matched.unmatched(msgspec.structs.replace(done, lengths=[bb // 2])).layers == every
+    assert verify_check(local, [0], other_bytes, matched).startswith("integrity: layer 0 K")
+    assert EarlyMatch(matched.runs, frozenset()).unmatched(done) is done
+    assert verify_early(local, [3], part) is None   # outside the transfer's blocks: nothing matched

@@ -21,7 +21,7 @@ from ...errors import ControlError, ControlRejected, DeadlineExceeded, FrameDrop
 from ... import version
 from ...protocol import messages as m
 from ...protocol.codes import AckDetail, NackCode
-from ..integrity import verify_check
+from ..integrity import EarlyChecks, verify_check, verify_early
 from .hooks import Hooks
 
 if TYPE_CHECKING:
@@ -56,7 +56,9 @@ class ReceiverPort(Protocol):
 
     def admit_writer(self, msg: m.LayoutRequest) -> None: ...
 
-    def blocks_to_verify(self, transfer_id: str, token: str) -> list[int] | None: ...
+    def to_verify(self, transfer_id: str, token: str) -> tuple[list[int], EarlyChecks] | None: ...
+
+    def early_check_of(self, msg: m.EarlyCheck) -> tuple[list[int], EarlyChecks]: ...
 
     def registration(self, transfer_id: str, token: str) -> tuple[list[int], int]: ...
 
@@ -184,15 +186,33 @@ async def _verified(rt: Host, done: m.Done | m.Failed) -> m.Done | m.Failed:
     (unknown, wrong token, already given up) goes on unchecked."""
     if not isinstance(done, m.Done) or done.check is None:
         return done
-    blocks = rt.receiver.blocks_to_verify(done.transfer_id, done.token)
-    if blocks is None:
+    target = rt.receiver.to_verify(done.transfer_id, done.token)
+    if target is None:
         return done
-    problem = await asyncio.to_thread(verify_check, _sender(rt).local, blocks, done.check)
+    blocks, early_checks = target
+    local, early = _sender(rt).local, await early_checks.of(done.sender)
+    if early is not None and early.unmatched(done.check) is None:   # only the shape left: no thread hop
+        problem = verify_check(local, blocks, done.check, early)
+    else:
+        problem = await asyncio.to_thread(verify_check, local, blocks, done.check, early)
     rt.receiver.integrity["mismatch" if problem else "verified"] += 1
     if not problem:
         return done
     log.error("transfer %s from %s: %s", done.transfer_id, done.sender, problem)
     return m.Failed(transfer_id=done.transfer_id, sender=done.sender, reason=problem, token=done.token)
+
+
+async def _early_check(rt: Host, msg: m.EarlyCheck) -> m.Ack:
+    """A writer's early check: the layers that landed intact are remembered for its DONE (integrity.py).
+    Answered once verified; a repeat from the same writer is not verified again."""
+    blocks, early_checks = rt.receiver.early_check_of(msg)
+    local = _sender(rt).local
+    verifying = early_checks.start(msg.sender, lambda: verify_early(local, blocks, msg.check))
+    if verifying is None:
+        return m.Ack(detail="repeated: not verified again")
+    matched = await early_checks.of(msg.sender)
+    rt.receiver.integrity["verified_early"] += 1
+    return m.Ack(detail=f"{0 if matched is None else len(matched.layers)} of {len(msg.check.layers)} layers intact")
 
 
 async def handle(rt: Host, hooks: Hooks, msg: m.Message) -> m.Message:
@@ -206,6 +226,8 @@ async def handle(rt: Host, hooks: Hooks, msg: m.Message) -> m.Message:
         if any(getattr(done, "check", None) is not None for done in items):   # else answered in this pass
             items = await asyncio.gather(*(_verified(rt, done) for done in msg.items))
         return m.Replies(items=[_batched_item(hooks, done, rt.receiver.handle) for done in items])
+    if isinstance(msg, m.EarlyCheck):
+        return await _early_check(rt, msg)
     if isinstance(msg, m.Abort):
         return m.Ack(detail=await _sender(rt).abort(msg.transfer_id, msg.reason, msg.token))
     if isinstance(msg, m.AbortRequest):

@@ -13,6 +13,7 @@ from typing import Callable
 import msgspec
 
 from ...protocol.state import receiver_transfer
+from ..integrity import EarlyChecks
 from .writers import Writers
 
 Release = Callable[[list[int]], None]   # frees a transfer's blocks once it is released
@@ -29,7 +30,7 @@ class Received(msgspec.Struct, kw_only=True):
 
 class Entry:
     __slots__ = ("transfer_id", "token", "block_ids", "first_block", "state", "writers",
-                 "timer", "on_release", "fence", "forget", "registered_s", "cause")
+                 "timer", "on_release", "fence", "forget", "registered_s", "cause", "early")
 
     def __init__(self, transfer_id: str, token: str, block_ids: list[int], on_release: Release | None,
                  first_block: int, senders: int = 1) -> None:
@@ -45,3 +46,4 @@ class Entry:
         self.forget = False                     # forget the entry once settled: the engine owns the blocks
         self.registered_s = time.perf_counter()  # a finished receive's duration starts here
         self.cause = ""                         # why it failed, if it does (``receiver.FAILURE_CAUSES``)
+        self.early = EarlyChecks()              # its writers' early integrity checks (integrity.py)

@@ -42,6 +42,7 @@ from ...protocol import messages as m
 from ...protocol.checks import check_senders, check_token
 from ...protocol.codes import AckDetail, NackCode
 from ...protocol.state import Event, IllegalTransition, State
+from ..integrity import EarlyChecks
 from .entry import Entry, Received, Release
 from .lookups import WaitingLookups
 from ..loop import Spawn, not_running
@@ -90,8 +91,7 @@ class Receiver:
     # --- on the loop ---------------------------------------------------------------------------
 
     def register(self, transfer_id: str, block_ids: list[int], *, token: str, on_release: Release | None = None,
-                 first_block: int = 0,
-                 senders: int = 1, forget: bool = False) -> None:
+                 first_block: int = 0, senders: int = 1, forget: bool = False) -> None:
         """Register before publishing the block ids; ``on_release(block_ids)`` frees them later.
 
         ``token`` is the transfer's secret: only a peer that presents it may end the transfer.
@@ -207,13 +207,20 @@ class Receiver:
             self._start_fence(entry)
         return entry.state.state.value
 
-    def blocks_to_verify(self, transfer_id: str, token: str) -> list[int] | None:
-        """The blocks of a transfer a DONE's integrity check may read: registered, this token, still
+    def to_verify(self, transfer_id: str, token: str) -> tuple[list[int], EarlyChecks] | None:
+        """The blocks a DONE's integrity check may read and its early checks: registered, this token, still
         taking writes; None otherwise (the DONE then goes on unchecked, to be refused or kept as usual)."""
         entry = self._entries.get(transfer_id)
         if entry is None or entry.state.state is not State.REGISTERED or not m.same_token(token, entry.token):
             return None
-        return entry.block_ids
+        return entry.block_ids, entry.early
+
+    def early_check_of(self, msg: m.EarlyCheck) -> tuple[list[int], EarlyChecks]:
+        """Where a writer's early check may read (``auth``, ``ended``, ``sender`` otherwise); admits no writer."""
+        entry = self.authorize_writer(msg.transfer_id, msg.token, "early check")
+        if not entry.writers.knows(msg.sender):
+            raise ControlRejected(NackCode.SENDER, f"early check: {msg.sender!r} is no writer of {msg.transfer_id}")
+        return entry.block_ids, entry.early
 
     async def wait_registered(self, transfer_id: str, token: str, limit: float) -> None:
         """Until ``transfer_id`` is registered (at most ``limit`` s); a settled id at once: ``ended``/``auth``."""
@@ -236,9 +243,7 @@ class Receiver:
 
     def state_of(self, transfer_id: str) -> tuple[str, str]:
         entry = self._entries.get(transfer_id)
-        if entry is None:
-            return "unknown", ""
-        return entry.state.state.value, entry.state.reason
+        return ("unknown", "") if entry is None else (entry.state.state.value, entry.state.reason)
 
     def table_sizes(self) -> dict[str, int]:
         return {"entries": len(self._entries), "early": len(self._early), "lookups_waiting": self.lookups.count}
@@ -289,9 +294,7 @@ class Receiver:
 
     def _keep_early(self, msg: m.Done | m.Failed) -> None:
         now = time.monotonic()
-        for key, (_, expiry) in list(self._early.items()):
-            if expiry < now:
-                del self._early[key]
+        self._early = {key: word for key, word in self._early.items() if word[1] >= now}   # the expired go
         if len(self._early) >= MAX_EARLY:
             raise ControlRejected(NackCode.BUSY, f"{MAX_EARLY} messages already wait for their registration")
         key = (msg.transfer_id, msg.token, msg.sender)
@@ -301,8 +304,7 @@ class Receiver:
     def _apply_early(self, entry: Entry) -> None:
         """On registration: apply the early word with the right token; drop (and count) the others."""
         tid = entry.transfer_id
-        keys = [key for key in self._early if key[0] == tid]
-        for key in keys:
+        for key in [key for key in self._early if key[0] == tid]:
             msg, _ = self._early.pop(key)
             if m.same_token(key[1], entry.token):
                 try:
@@ -366,9 +368,7 @@ class Receiver:
         try:
             try:
                 quiet = await self._ask_until_quiet(entry, end)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # P's state is unknown: the grace decides
+            except Exception:   # P's state is unknown: the grace decides (CancelledError is no Exception)
                 log.exception("transfer %s: asking P to stop failed; fencing for the whole grace", entry.transfer_id)
                 quiet = False
             if not quiet:

@@ -65,6 +65,9 @@ class Writers:
         writer = self._by_sender[sender] = Writer(sender, control, incarnation)
         return writer
 
+    def knows(self, sender: str) -> bool:
+        return sender in self._by_sender
+
     def mark_quiet(self, sender: str) -> None:
         """``sender`` said DONE or FAILED, which P sends only once none of its writes can land."""
         writer = self._by_sender.get(sender)

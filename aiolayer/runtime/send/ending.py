@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import operator
 import time
 from typing import Any
 
 from ...config import Timeouts
-from ...errors import DeliveryFailed
+from ...errors import AiolayerError, DeliveryFailed
 from ...protocol import messages as m
 from ...protocol.state import Event, State
 from .done_batch import DoneBatcher
 from .fence import Request, guarded, until_writes_end
-from ..integrity import sample_check
+from ..integrity import landed_part, sample_check
 from ..loop import Spawn
 from .results import Results
-from ..spec import LocalLayout, Outcome
+from ..spec import LocalLayout, Outcome, TransferSpec
 
 log = logging.getLogger("aiolayer.runtime.send.sender")   # the sender's own log, as before the split
 _BY_LAYER = operator.attrgetter("layer")
@@ -37,6 +38,7 @@ class TransferEnding:
     local: LocalLayout | None
     integrity_sample: float
     integrity_checks: int
+    early_checks: int
     results: Results
     dones: DoneBatcher
     outcome_counts: collections.Counter[str]
@@ -91,11 +93,35 @@ class TransferEnding:
 
     def digest_early(self, req: Request) -> None:
         """Every layer of ``req`` was submitted, so its source is final: P's integrity digest of it starts
-        now in a worker thread, beside the last writes, instead of after them on DONE's path."""
+        now in a worker thread, beside the last writes, instead of after them on DONE's path; once ready,
+        the layers already landed go to D at once (``EarlyCheck``) for D to verify before the DONE."""
         if self.integrity_sample and req.check is None:
             req.check = asyncio.get_running_loop().run_in_executor(
                 None, sample_check, self.local, req.runs, req.spans, self.integrity_sample, req.digest)
             req.check.add_done_callback(_retrieved)   # a transfer that fails never awaits it
+            req.check.add_done_callback(functools.partial(self._check_ready, req))
+
+    def _check_ready(self, req: Request, check: asyncio.Future[m.LayerCheck | None]) -> None:
+        if check.cancelled() or check.exception() is not None or req.aborted or req.state.terminal:
+            return
+        full = check.result()
+        part = None if full is None else landed_part(full, {t.layer for t in req.timings})
+        if part is not None:
+            early = m.EarlyCheck(transfer_id=req.spec.transfer_id, sender=self.engine_id, token=req.spec.token,
+                                 check=part)
+            self._spawn(self._send_early(req.spec, early), name=f"early check {req.spec.transfer_id}")
+
+    async def _send_early(self, spec: TransferSpec, early: m.EarlyCheck) -> None:
+        """Best effort: D verifies at DONE what it did not match early, so a lost or refused early check
+        (an older D answers ``Nack(decode)``) costs time, never a check."""
+        try:
+            client = await self.dones.peers.get(spec.peer)
+            await client.call(early, timeout=self.timeouts.control_call)
+            self.early_checks += 1
+        except AiolayerError as exc:
+            log.debug("transfer %s: early check not taken: %s", spec.transfer_id, exc)
+        except Exception:   # never into the runtime's TaskGroup; the DONE still checks all
+            log.exception("transfer %s: early check failed", spec.transfer_id)
 
     def _publish(self, req: Request, reason: str, settled: float | None) -> None:
         if req.state.terminal:
