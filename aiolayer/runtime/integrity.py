@@ -1,16 +1,16 @@
 """Sampled end-to-end KV integrity: digests of what P wrote, checked against what landed at D.
 
 P samples each layer of a transfer with probability ``NodeConfig.integrity_sample`` (per layer, so that
-a sampled request pays for a layer or two, not for its whole KV). Once every layer of the transfer was
-submitted (its source blocks are final, and held until every write ended), P computes for each sampled
-layer a digest of its source runs in write order, off the loop (a worker thread), and sends them with
-DONE (``Done.check``) with the runs' offsets at D relative to a layer's base. Before D accepts that DONE
+a sampled request pays for a layer or two, not for its whole KV). As the layers of the transfer are
+submitted (a layer's source is final then, and held until every write ended), P computes for each
+sampled layer a digest of its source runs in write order, off the loop (a worker thread), and sends them
+with DONE (``Done.check``) with the runs' offsets at D relative to a layer's base. Before D accepts that DONE
 it computes the same digests over its own memory at those offsets, also off the loop; a mismatch turns
 the DONE into a failure ("integrity: ..."), so the engine recomputes or fails the request (vLLM's
 ``kv_load_failure_policy``) instead of decoding from corrupt KV.
 
 The digest is XXH3-64 where D's layout lists it (``LayoutReply.digests``), else CRC32, which every
-version verifies. Both sides pay it near the last write, on the critical path, so its speed counts:
+version verifies. What neither side reads before the last write is on the critical path, so its speed counts:
 on a 2-core EPYC VM zlib's CRC32 took 3.95 ms per 16 MB, XXH3-64 0.30 ms. A random change (a flipped
 bit, a stale or misplaced block) escapes CRC32 with odds 2^-32 and XXH3-64 with 2^-64; neither is meant
 against a forger (the token is).
@@ -21,12 +21,13 @@ layers not sampled; a side whose KV is not in host memory (``register_kv_memory(
 e.g. GPU memory: it neither samples nor checks); transfers with more than ``MAX_CHECK_RUNS`` runs per
 layer; what happens to the bytes after D checked.
 
-Early checks: D's check of a large transfer would sit between P's last write and D's acceptance. So once
-P's digest is ready, P sends the sampled layers whose writes it saw complete (``EarlyCheck``) while the last
-ones are still in flight; D verifies those at once and keeps the layers that matched (``EarlyChecks``),
-and at DONE, which still carries every sampled layer, verifies only the others. A layer matched early
-was checked after its write completed and before the DONE; only a writer of the transfer can change it
-in between (the fence keeps every other one out), and that writer's DONE says its writes are over.
+Early checks: D's check of a large transfer would sit between P's last write and D's acceptance. So P
+digests the sampled layers while the prefill goes on, a part of the layers at a time
+(``send.checking``), and sends D those whose writes it saw complete (``EarlyCheck``); D verifies them at
+once and keeps the layers that matched (``EarlyChecks``), and at DONE, which still carries every sampled
+layer, verifies only the others. A layer matched early was read after its write completed and before
+the DONE; only a writer of the transfer can change it in between (the fence keeps every other one
+out), and that writer's DONE says its writes are over.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 # What this side verifies besides crc32, for its LayoutReply.
 VERIFIES = [d for d in m.CHECK_DIGESTS if d != "crc32"]
 Match = tuple[int, int, int | None]   # a sampled layer found intact: (layer, K's digest, V's or None)
+MAX_EARLY_CHECKS = 16   # early checks D verifies per writer of a transfer (P sends at most ``send.checking.CHUNKS``)
 
 
 def pick_digest(offered: Iterable[str]) -> str:
@@ -88,10 +90,21 @@ def _split_planes(local: LocalLayout) -> bool | None:
     return False if not split.any() else None
 
 
-def sample_check(local: LocalLayout | None, runs: BlockRuns | None, spans: Spans | None,
-                 rate: float, digest: str = "crc32") -> m.LayerCheck | None:
-    """P: a check for this transfer, when it is sampled and can be checked; None else. Runs in a
-    worker thread (it reads every byte of the transfer's source)."""
+class CheckPlan(msgspec.Struct, frozen=True):
+    """P: what one transfer's check reads: the sampled layers, and its runs at P (``src``) and at D
+    (``dst``), relative to a layer's base."""
+
+    layers: list[int]
+    src: list[int]
+    dst: list[int]
+    lengths: list[int]
+    split: bool      # K and V in separate planes
+    digest: str
+
+
+def plan_check(local: LocalLayout | None, runs: BlockRuns | None, spans: Spans | None,
+               rate: float, digest: str = "crc32") -> CheckPlan | None:
+    """P: the plan of this transfer's check, when it is sampled and can be checked; None else."""
     if local is None or not local.host or rate <= 0.0:
         return None
     layers = [layer for layer in range(local.num_layers) if random.random() < rate]
@@ -102,10 +115,33 @@ def sample_check(local: LocalLayout | None, runs: BlockRuns | None, spans: Spans
     src, dst, lengths = (np.asarray(a, dtype=np.int64) for a in rel)
     if not layers or split is None or not 0 < len(lengths) <= m.MAX_CHECK_RUNS:
         return None
-    src, lengths_ = src.tolist(), lengths.tolist()
-    return m.LayerCheck(layers=layers, offsets=dst.tolist(), lengths=lengths_, digest=digest,
-                        crc_k=digest_of_runs(digest, local.k_base[layers], src, lengths_),
-                        crc_v=digest_of_runs(digest, local.v_base[layers], src, lengths_) if split else [])
+    return CheckPlan(layers=layers, src=src.tolist(), dst=dst.tolist(), lengths=lengths.tolist(), split=split,
+                     digest=digest)
+
+
+def digest_layers(local: LocalLayout, plan: CheckPlan, layers: list[int]) -> list[tuple[int, int | None]]:
+    """P, in a worker thread (it reads every byte of those layers' source): per layer, K's and V's digest."""
+    k = digest_of_runs(plan.digest, local.k_base[layers], plan.src, plan.lengths)
+    v = digest_of_runs(plan.digest, local.v_base[layers], plan.src, plan.lengths) if plan.split else []
+    return [(k[i], v[i] if plan.split else None) for i in range(len(layers))]
+
+
+def check_of(plan: CheckPlan, digests: dict[int, tuple[int, int | None]]) -> m.LayerCheck:
+    """The ``LayerCheck`` of the digested layers, ascending."""
+    layers = sorted(digests)
+    return m.LayerCheck(layers=layers, offsets=plan.dst, lengths=plan.lengths, digest=plan.digest,
+                        crc_k=[digests[layer][0] for layer in layers],
+                        crc_v=[digests[layer][1] or 0 for layer in layers] if plan.split else [])
+
+
+def sample_check(local: LocalLayout | None, runs: BlockRuns | None, spans: Spans | None,
+                 rate: float, digest: str = "crc32") -> m.LayerCheck | None:
+    """P: the whole check of this transfer at once, when it is sampled and can be checked; None else.
+    Runs in a worker thread."""
+    plan = plan_check(local, runs, spans, rate, digest)
+    if plan is None or local is None:
+        return None
+    return check_of(plan, dict(zip(plan.layers, digest_layers(local, plan, plan.layers))))
 
 
 def verify_check(local: LocalLayout | None, block_ids: list[int], check: m.LayerCheck,
@@ -150,13 +186,6 @@ def _part(check: m.LayerCheck, keep: list[int]) -> m.LayerCheck:
                                    crc_v=[check.crc_v[i] for i in keep] if check.crc_v else [])
 
 
-def landed_part(check: m.LayerCheck, landed: set[int]) -> m.LayerCheck | None:
-    """P: the part of ``check`` an early check sends, the sampled layers in ``landed``; None when that
-    is none of them, or all (the DONE is as near then)."""
-    keep = [i for i, layer in enumerate(check.layers) if layer in landed]
-    return _part(check, keep) if 0 < len(keep) < len(check.layers) else None
-
-
 class EarlyMatch(msgspec.Struct, frozen=True):
     """D: what an early check found landed intact: the runs it read and the layers that matched there."""
 
@@ -183,30 +212,38 @@ def verify_early(local: LocalLayout | None, block_ids: list[int], check: m.Layer
 
 
 class EarlyChecks:
-    """D: one transfer's early checks, at most one per writer, each running in a worker thread or done."""
+    """D: one transfer's early checks, per writer, each running in a worker thread or done."""
 
     __slots__ = ("_by_sender",)
 
     def __init__(self) -> None:
-        self._by_sender: dict[str, asyncio.Future[EarlyMatch | None]] = {}
+        self._by_sender: dict[str, list[asyncio.Future[EarlyMatch | None]]] = {}
 
     def start(self, sender: str, verify: Callable[[], EarlyMatch | None]) -> asyncio.Future[EarlyMatch | None] | None:
-        """``verify`` started for ``sender`` (in a worker thread); None when that writer's came before."""
-        if sender in self._by_sender:
+        """``verify`` started for ``sender`` (in a worker thread); None once that writer sent ``MAX_EARLY_CHECKS``."""
+        futures = self._by_sender.setdefault(sender, [])
+        if len(futures) >= MAX_EARLY_CHECKS:
             return None
-        future = self._by_sender[sender] = asyncio.get_running_loop().run_in_executor(None, verify)
-        return future
+        futures.append(asyncio.get_running_loop().run_in_executor(None, verify))
+        return futures[-1]
 
     async def of(self, sender: str) -> EarlyMatch | None:
-        """What ``sender``'s early check matched, once it ended (None: there was none, or it broke)."""
-        future = self._by_sender.get(sender)
-        if future is None:
-            return None
-        try:
-            return await asyncio.shield(future)   # a DONE whose handler is cancelled leaves it running
-        except Exception:   # a bug in the early check: the DONE verifies every layer itself
-            log.exception("early integrity check from %s raised", sender)
-            return None
+        """What ``sender``'s early checks matched, once each ended: the layers over the same runs."""
+        found: EarlyMatch | None = None
+        for future in list(self._by_sender.get(sender, ())):
+            got = await early_result(future)
+            if got is not None and (found is None or got.runs == found.runs):
+                found = got if found is None else EarlyMatch(found.runs, found.layers | got.layers)
+        return found
+
+
+async def early_result(future: asyncio.Future[EarlyMatch | None]) -> EarlyMatch | None:
+    """An early check's result once it ended; None when it broke (the DONE then reads those layers)."""
+    try:
+        return await asyncio.shield(future)   # a DONE whose handler is cancelled leaves it running
+    except Exception:   # a bug in the early check: the DONE verifies every layer itself
+        log.exception("early integrity check raised")
+        return None
 
 
 def _check_shape(local: LocalLayout, block_ids: list[int], check: m.LayerCheck) -> str:

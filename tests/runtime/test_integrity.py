@@ -2,12 +2,13 @@
 the layers that landed before P's last write already as they land (early checks).
 
 P and D are real runtimes (memory backend) with host-memory paged caches; a fault hook on D flips
-bytes of one layer in the transfer's blocks after they landed and before D handles the DONE (or the
-early check), as a faulty NIC, DMA engine or a stray writer would.
+bytes of one layer in the transfer's blocks after they landed and before D reads them (at the early
+check naming the layer, else at the DONE), as a faulty NIC, DMA engine or a stray writer would.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 
@@ -20,7 +21,7 @@ from aiolayer.errors import ControlRejected
 from aiolayer.kvcache import PagedKVCache
 from aiolayer.protocol import messages as m
 from aiolayer.runtime.control.hooks import install_hooks
-from aiolayer.runtime.integrity import (EarlyMatch, digest_of_runs, landed_part, pick_digest, sample_check,
+from aiolayer.runtime.integrity import (MAX_EARLY_CHECKS, EarlyMatch, digest_of_runs, pick_digest, sample_check,
                                         verify_check, verify_early)
 from helpers_memory import host_cache
 
@@ -30,14 +31,15 @@ TIMEOUTS = Timeouts(receive=20, fence_grace=2.0)
 
 
 class Corrupter:
-    """D's inbound hook: when a DONE (or, with ``on_early``, an early check) arrives, flip one byte of
-    layer ``layer`` (K or V) of its blocks."""
+    """D's inbound hook: flip one byte of layer ``layer`` (K or V) of a transfer's blocks when the first
+    message that makes D read that layer arrives (an early check naming it, else the DONE): after the
+    layer landed, before D reads it."""
 
     def __init__(self) -> None:
         self.cache: PagedKVCache | None = None
         self.blocks: dict[str, list[int]] = {}
         self.target: tuple[int, int] | None = None   # (layer, plane) to corrupt, or None
-        self.on_early = False                        # corrupt when the early check comes, not the DONE
+        self.flipped_at = ""                         # the type of the message that came with the flip
         self.digests: list[str] = []                 # each checked DONE's digest
         self.early: list[m.EarlyCheck] = []
 
@@ -46,10 +48,11 @@ class Corrupter:
             self.early.append(msg)
         if isinstance(msg, m.Done) and msg.check is not None:
             self.digests.append(msg.check.digest)
-        if isinstance(msg, m.EarlyCheck if self.on_early else m.Done) and self.target is not None:
+        check = getattr(msg, "check", None)
+        if self.target is not None and check is not None and self.target[0] in check.layers:
             layer, plane = self.target
-            block = self.blocks[msg.transfer_id][-1]
-            self.cache.blocks[layer, plane, block, 5] ^= 0xFF
+            self.target, self.flipped_at = None, type(msg).__name__   # once: a second flip would undo it
+            self.cache.blocks[layer, plane, self.blocks[msg.transfer_id][-1], 5] ^= 0xFF
 
 
 @pytest.fixture
@@ -171,8 +174,9 @@ def test_layers_are_sampled_one_by_one_at_the_given_share(pair):
 
 
 def test_p_digests_the_source_as_soon_as_every_layer_was_submitted(pair):
-    """P's digest starts once the transfer's last layer was submitted (its source final), beside the last
-    writes, not after them; a transfer stopped before that takes none; every check still verifies."""
+    """P digests a transfer's layers as they are submitted (their source is final then), so the DONE's whole
+    check exists once the last was, beside the last writes, not after them; a transfer stopped before
+    that has none; every check still verifies."""
     p, d, corrupter = pair
     began: list[tuple[str, bool]] = []
     real = p.sender.stream.sources_final
@@ -221,23 +225,29 @@ def _integrity(rt: Runtime) -> dict[str, int]:
     return {k: v for k, v in rt.metrics_snapshot()["integrity"].items() if v}
 
 
-def test_layers_landed_before_the_last_write_are_verified_before_the_done(pair):
+def test_layers_landed_before_the_last_write_are_verified_before_the_done(pair, caplog):
     p, d, corrupter = pair
     last = SHAPE.num_layers - 1
-    for i in range(2):
-        outcome, received = _transfer_last_late(p, d, corrupter, f"soon{i}", [i, i + 8], [2 * i, 2 * i + 1])
-        assert outcome.ok and received.ok, received.reason
-    assert [e.check.layers for e in corrupter.early] == [list(range(last))] * 2   # not the one in flight
-    assert _integrity(d) == {"verified_early": 2, "verified": 2}
-    assert _integrity(p) == {"sampled": 2, "sent_early": 2}
+    with caplog.at_level(logging.DEBUG, logger="aiolayer.runtime.runtime"):
+        for i in range(2):
+            outcome, received = _transfer_last_late(p, d, corrupter, f"soon{i}", [i, i + 8], [2 * i, 2 * i + 1])
+            assert outcome.ok and received.ok, received.reason
+            sent = [layer for e in corrupter.early if e.transfer_id == f"soon{i}" for layer in e.check.layers]
+            assert sorted(sent) == list(range(last)), sent   # each once, and never the one still in flight
+    at_done = [r.getMessage() for r in caplog.records if "DONE's check" in r.getMessage()]
+    assert len(at_done) == 2 and all(f"1 of {SHAPE.num_layers} layers read at DONE" in line for line in at_done)
+    early = len(corrupter.early)
+    assert _integrity(d) == {"verified_early": early, "verified": 2}
+    assert _integrity(p) == {"sampled": 2, "sent_early": early}
 
 
 def test_a_layer_that_differs_at_the_early_check_is_read_again_at_the_done(pair):
     p, d, corrupter = pair
-    corrupter.target, corrupter.on_early = (1, 1), True   # flipped as the early check arrives: it sees it
+    corrupter.target = (1, 1)   # flipped as the early check naming it arrives: that check sees it
     _, received = _transfer_last_late(p, d, corrupter, "flipped", [3], [5])
+    assert corrupter.flipped_at == "EarlyCheck"
     assert not received.ok and "integrity: layer 1 V" in received.reason, received.reason
-    assert _integrity(d) == {"verified_early": 1, "mismatch": 1}
+    assert _integrity(d) == {"verified_early": len(corrupter.early), "mismatch": 1}
 
 
 def test_an_early_check_is_answered_only_to_a_writer_with_the_token_and_changes_nothing(pair):
@@ -259,13 +269,14 @@ def test_an_early_check_is_answered_only_to_a_writer_with_the_token_and_changes_
     assert early("p-int") == "nack sender"   # it never fetched the layout: no writer of the transfer
     p.request(d.control_endpoint, m.LayoutRequest(requester="p-int", transfer_id="probe", token=token,
                                                   control=p.control_endpoint, incarnation=p.incarnation), timeout=5)
-    assert early("p-int") == "0 of 1 layers intact"   # D holds zeros there, not these digests
-    assert early("p-int") == "repeated: not verified again"
+    for _ in range(MAX_EARLY_CHECKS):
+        assert early("p-int") == "0 of 1 layers intact"   # D holds zeros there, not these digests
+    assert early("p-int") == "nack busy"   # a writer cannot make D read without end
     assert early("stranger") == "nack sender"
     assert d.receiver.state_of("probe")[0] == "registered"
     d.abort_receive("probe", "given up")
     assert early("p-int") in ("nack ended", "nack auth")
-    assert _integrity(d) == {"verified_early": 1}
+    assert _integrity(d) == {"verified_early": MAX_EARLY_CHECKS}
 
 
 def test_a_layer_counts_as_matched_early_only_for_the_same_runs_and_digests(pair):
@@ -275,9 +286,7 @@ def test_a_layer_counts_as_matched_early_only_for_the_same_runs_and_digests(pair
     zeros_k = digest_of_runs("xxh3_64", local.k_base[every], [0], [bb])
     zeros_v = digest_of_runs("xxh3_64", local.v_base[every], [0], [bb])
     done = m.LayerCheck(layers=every, offsets=[0], lengths=[bb], crc_k=zeros_k, crc_v=zeros_v, digest="xxh3_64")
-    assert landed_part(done, set()) is None and landed_part(done, set(every)) is None
-    part = landed_part(done, {0, 2})
-    assert part.layers == [0, 2] and part.crc_k == [zeros_k[0], zeros_k[2]]
+    part = msgspec.structs.replace(done, layers=[0, 2], crc_k=zeros_k[::2], crc_v=zeros_v[::2])
     matched = verify_early(local, [0], part)
     assert matched is not None and len(matched.layers) == 2
     assert matched.unmatched(done).layers == [1, 3]

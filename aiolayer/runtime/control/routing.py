@@ -12,6 +12,7 @@ import asyncio
 import collections
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
 
@@ -21,7 +22,7 @@ from ...errors import ControlError, ControlRejected, DeadlineExceeded, FrameDrop
 from ... import version
 from ...protocol import messages as m
 from ...protocol.codes import AckDetail, NackCode
-from ..integrity import EarlyChecks, verify_check, verify_early
+from ..integrity import MAX_EARLY_CHECKS, EarlyChecks, early_result, verify_check, verify_early
 from .hooks import Hooks
 
 if TYPE_CHECKING:
@@ -190,11 +191,15 @@ async def _verified(rt: Host, done: m.Done | m.Failed) -> m.Done | m.Failed:
     if target is None:
         return done
     blocks, early_checks = target
+    began = time.perf_counter()
     local, early = _sender(rt).local, await early_checks.of(done.sender)
-    if early is not None and early.unmatched(done.check) is None:   # only the shape left: no thread hop
+    rest = done.check if early is None else early.unmatched(done.check)
+    if rest is None:   # every layer matched early: only the shape is left, no thread hop
         problem = verify_check(local, blocks, done.check, early)
     else:
         problem = await asyncio.to_thread(verify_check, local, blocks, done.check, early)
+    log.debug("transfer %s: DONE's check: %d of %d layers read at DONE, %.2f ms", done.transfer_id,
+              0 if rest is None else len(rest.layers), len(done.check.layers), (time.perf_counter() - began) * 1e3)
     rt.receiver.integrity["mismatch" if problem else "verified"] += 1
     if not problem:
         return done
@@ -204,15 +209,17 @@ async def _verified(rt: Host, done: m.Done | m.Failed) -> m.Done | m.Failed:
 
 async def _early_check(rt: Host, msg: m.EarlyCheck) -> m.Ack:
     """A writer's early check: the layers that landed intact are remembered for its DONE (integrity.py).
-    Answered once verified; a repeat from the same writer is not verified again."""
+    Answered once verified; past ``MAX_EARLY_CHECKS`` of one writer, ``Nack(busy)``."""
     blocks, early_checks = rt.receiver.early_check_of(msg)
     local = _sender(rt).local
     verifying = early_checks.start(msg.sender, lambda: verify_early(local, blocks, msg.check))
     if verifying is None:
-        return m.Ack(detail="repeated: not verified again")
-    matched = await early_checks.of(msg.sender)
+        raise ControlRejected(NackCode.BUSY, f"early check: {MAX_EARLY_CHECKS} from {msg.sender!r} already")
+    matched = await early_result(verifying)
     rt.receiver.integrity["verified_early"] += 1
-    return m.Ack(detail=f"{0 if matched is None else len(matched.layers)} of {len(msg.check.layers)} layers intact")
+    detail = f"{0 if matched is None else len(matched.layers)} of {len(msg.check.layers)} layers intact"
+    log.debug("transfer %s: early check from %s: %s", msg.transfer_id, msg.sender, detail)
+    return m.Ack(detail=detail)
 
 
 async def handle(rt: Host, hooks: Hooks, msg: m.Message) -> m.Message:

@@ -21,8 +21,10 @@ from ...errors import AiolayerError, DeliveryFailed
 from ...protocol import messages as m
 from ...protocol.state import Event, State
 from .done_batch import DoneBatcher
+from .checking import SourceCheck
 from .fence import Request, guarded, until_writes_end
-from ..integrity import landed_part, sample_check
+from ..integrity import plan_check, sample_check
+from ..control.plane import ControlPeers
 from ..loop import Spawn
 from .results import Results
 from ..spec import LocalLayout, Outcome, TransferSpec
@@ -37,6 +39,7 @@ class TransferEnding:
     timeouts: Timeouts
     local: LocalLayout | None
     integrity_sample: float
+    peers: ControlPeers
     integrity_checks: int
     early_checks: int
     results: Results
@@ -91,22 +94,30 @@ class TransferEnding:
             return
         self._publish(req, m.done_verdict(reply), settled)
 
-    def digest_early(self, req: Request) -> None:
-        """Every layer of ``req`` was submitted, so its source is final: P's integrity digest of it starts
-        now in a worker thread, beside the last writes, instead of after them on DONE's path; once ready,
-        the layers already landed go to D at once (``EarlyCheck``) for D to verify before the DONE."""
-        if self.integrity_sample and req.check is None:
-            req.check = asyncio.get_running_loop().run_in_executor(
-                None, sample_check, self.local, req.runs, req.spans, self.integrity_sample, req.digest)
-            req.check.add_done_callback(_retrieved)   # a transfer that fails never awaits it
-            req.check.add_done_callback(functools.partial(self._check_ready, req))
+    def layers_submitted(self, req: Request, layers: list[int]) -> None:
+        """Stream hook: ``layers`` of ``req`` were submitted, so their source is final: a sampled transfer
+        digests them while the prefill goes on, and sends D what landed early (``checking.py``)."""
+        if req.checking is None:   # its first layers: sampled or not is decided now, once
+            req.checking = self._source_check(req) or False
+        if isinstance(req.checking, SourceCheck):
+            req.checking.add(layers)
 
-    def _check_ready(self, req: Request, check: asyncio.Future[m.LayerCheck | None]) -> None:
-        if check.cancelled() or check.exception() is not None or req.aborted or req.state.terminal:
-            return
-        full = check.result()
-        part = None if full is None else landed_part(full, {t.layer for t in req.timings})
-        if part is not None:
+    def digest_early(self, req: Request) -> None:
+        """Stream hook: every layer of ``req`` was submitted: the check's last digest starts, beside the
+        last writes; the DONE awaits the whole check (``req.check``)."""
+        if isinstance(req.checking, SourceCheck) and req.check is None:
+            req.check = req.checking.finish()
+
+    def _source_check(self, req: Request) -> SourceCheck | None:
+        local, share = self.local, self.integrity_sample
+        plan = plan_check(local, req.runs, req.spans, share, req.digest) if share else None
+        if plan is None or local is None:
+            return None
+        return SourceCheck(local, plan, local.num_layers, lambda: {t.layer for t in req.timings},
+                           functools.partial(self._early_part, req))
+
+    def _early_part(self, req: Request, part: m.LayerCheck) -> None:
+        if not req.aborted and not req.state.terminal:
             early = m.EarlyCheck(transfer_id=req.spec.transfer_id, sender=self.engine_id, token=req.spec.token,
                                  check=part)
             self._spawn(self._send_early(req.spec, early), name=f"early check {req.spec.transfer_id}")
@@ -115,7 +126,7 @@ class TransferEnding:
         """Best effort: D verifies at DONE what it did not match early, so a lost or refused early check
         (an older D answers ``Nack(decode)``) costs time, never a check."""
         try:
-            client = await self.dones.peers.get(spec.peer)
+            client = await self.peers.get(spec.peer)
             await client.call(early, timeout=self.timeouts.control_call)
             self.early_checks += 1
         except AiolayerError as exc:
@@ -180,7 +191,3 @@ class TransferEnding:
         else:   # the backend closed: nobody knows, keep them held
             log.error("transfer %s: backend closed with writes unresolved; source kept held", req.spec.transfer_id)
 
-
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()

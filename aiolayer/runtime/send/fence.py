@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable, Concatenate, Coroutine, ParamSpec, 
 
 from ...protocol.plan import BlockRuns, Spans
 from ...protocol.state import sender_transfer
+from .checking import SourceCheck
 from .events import READY, DeviceEvent
 from ..spec import LayerTiming, TransferSpec
 
@@ -77,7 +78,7 @@ class Request:
     """One transfer on the loop: its step's layers, its state, and what its fence waits for."""
 
     __slots__ = ("spec", "runs", "spans", "feed", "cursor", "_waiter", "state", "timings", "bytes", "pending",
-                 "quiet", "digest", "check")
+                 "quiet", "digest", "checking", "check")
 
     def __init__(self, spec: TransferSpec, runs: BlockRuns | None, feed: StepLayers | None = None) -> None:
         self.spec = spec
@@ -92,7 +93,8 @@ class Request:
         self.pending: list[asyncio.Future[Any]] = []   # timed-out writes that may still land
         self.quiet = asyncio.Event()                   # set once no write of ours can be in flight
         self.digest = "crc32"                          # the integrity digest D's layout offered (integrity.py)
-        self.check: asyncio.Future[Any] | None = None  # P's integrity check, computed once every layer was submitted
+        self.checking: SourceCheck | bool | None = None   # its integrity check (False: not sampled; None: not yet)
+        self.check: asyncio.Future[Any] | None = None  # the whole check, once every layer was submitted
 
     @property
     def aborted(self) -> str:

@@ -96,6 +96,10 @@ class LayerPlan:
         return src[layer], dst[layer], lengths[layer], nbytes
 
 
+def _nothing_yet(req: Request, layers: list[int]) -> None:
+    return None
+
+
 def _nothing(req: Request) -> None:
     return None
 
@@ -108,7 +112,8 @@ class LayerStreamer:
         # A backend with ``start_write`` (Mooncake) takes the layers ready together as ONE write,
         # started with no task; any other, each layer as its own write in its own task.
         self._start: StartWrite | None = getattr(backend, "start_write", None)
-        # called once a transfer's every layer was submitted: its source is final from then on
+        # called as a transfer's layers are submitted (their source is final from then on), and once all were
+        self.submitted: Callable[[Request, list[int]], None] = _nothing_yet
         self.sources_final: Callable[[Request], None] = _nothing
 
     async def stream(self, req: Request, local: LocalLayout, layout: RemoteLayout) -> float:
@@ -225,6 +230,7 @@ class LayerStreamer:
     def _submit(self, group: compat.TaskGroup, sink: "_Sink", held: _Held) -> None:
         """The held layers into writes (one, with ``start_write``; else one task per layer); clears ``held``."""
         batches = [list(held)] if self._start is not None else [[h] for h in held]
+        self.submitted(sink.req, [layer for layer, _ in held])
         held.clear()
         for layers in batches:
             order = sink.order
