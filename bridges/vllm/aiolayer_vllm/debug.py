@@ -24,15 +24,26 @@ def zero_blocks(views: Mapping[str, tuple[Any, ...]], blocks: list[int]) -> None
 
 
 def corrupter(views: Mapping[str, tuple[Any, ...]], layer_names, blocks_of):
-    """D's inbound hook: on a DONE (alone or batched), change one value of the last layer in the
-    transfer's last block; ``blocks_of(transfer id)`` gives D's blocks of a transfer (or None)."""
-    last = views[layer_names[-1]]
+    """D's inbound hook: change one value of the last layer in the transfer's last block when the first
+    message that makes D read that layer arrives: an early check naming it, else the DONE (alone or
+    batched); ``blocks_of(transfer id)`` gives D's blocks of a transfer (or None)."""
+    last, last_index = views[layer_names[-1]], len(layer_names) - 1
+    early: set[str] = set()   # transfers whose last layer an early check named (changed then)
+
+    def change(transfer_id: str) -> None:
+        blocks = blocks_of(transfer_id)
+        if blocks:
+            last[0][blocks[-1]].view(-1)[0] += 1.0
 
     def corrupt(msg: m.Message) -> None:
+        if isinstance(msg, m.EarlyCheck) and last_index in msg.check.layers:
+            early.add(msg.transfer_id)
+            change(msg.transfer_id)
         dones = msg.items if isinstance(msg, m.DoneBatch) else [msg] if isinstance(msg, m.Done) else []
         for done in dones:
-            blocks = blocks_of(getattr(done, "transfer_id", ""))
-            if blocks:
-                last[0][blocks[-1]].view(-1)[0] += 1.0
+            if done.transfer_id in early:
+                early.discard(done.transfer_id)
+            else:
+                change(done.transfer_id)
 
     return corrupt
