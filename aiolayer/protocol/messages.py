@@ -114,8 +114,8 @@ class Done(_Msg, tag="done", frozen=True):
 
 
 class EarlyCheck(_Msg, tag="early_check", frozen=True):
-    """Part of a sampled transfer's check sent before its DONE: the sampled layers whose writes P saw
-    complete while its last ones were still in flight. D verifies them at once and remembers the layers
+    """Part of a sampled transfer's check sent before its DONE: sampled layers whose writes P saw complete
+    while later ones were still being computed or written. D verifies them at once and remembers the layers
     that matched; the DONE still carries every sampled layer, and D verifies at DONE only those it did
     not match early. Changes no transfer state; only a known writer with the token is answered."""
 
