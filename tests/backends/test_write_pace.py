@@ -1,15 +1,19 @@
-"""The Mooncake poller's nap (``mooncake_poll.WritePace``, ``GroupPoller._tick``): across a slow link a
+"""The Mooncake poller's pace (``mooncake_poll.WritePace``, ``GroupPoller._tick``): across a slow link a
 layer's write takes tens of ms, and the poller sleeps through most of what is left of it rather than
 waking every 1 ms on the core the forward runs on; it still ticks where it cannot tell (no rate yet,
-runs waiting for room, a deadline near). The effect on real engines: docs/results.md."""
+runs waiting for room, a deadline near). Near a write's due time it looks every quarter millisecond
+(``fine_sleep``), so a loopback layer is seen landed within a fraction of a tick. The effect on real
+engines: docs/results.md; on ``make bench``: docs/mooncake.md."""
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 
 import pytest
 
-from aiolayer.backends.mooncake_poll import _MAX_NAP_S, POLL_TICK_S, Group, GroupPoller, WritePace
+from aiolayer.backends.fine_sleep import FineSleep
+from aiolayer.backends.mooncake_poll import _FINE_TICK_S, _MAX_NAP_S, POLL_TICK_S, Group, GroupPoller, WritePace
 
 MB = 1_000_000
 
@@ -69,3 +73,34 @@ def test_the_poller_ticks_where_a_nap_could_miss_something():
     two = _poller_with(_group("d", 4 * MB, watched=0.040), _group("new", MB, watched=0.040))
     two.pace.settled(_group("d", 4 * MB, watched=0.0), 0.040)
     assert two._tick(0.041) == POLL_TICK_S         # one target without a rate: tick for it
+
+
+def test_writes_that_overlap_and_settle_in_one_look_do_not_make_the_rate_look_faster():
+    pace = WritePace()
+    pace.settled(_group("d", 4 * MB, watched=0.0), 0.020)          # 200 MB/s
+    # two writes share the link from 0.100 on and land together, 8 MB in 40 ms
+    first, behind = _group("d", 4 * MB, watched=0.100), _group("d", 4 * MB, watched=0.101)
+    pace.settled(first, 0.1400)                                      # 4 MB in 40 ms: 100 MB/s
+    pace.settled(behind, 0.1401)                                     # seen a look later
+    # the second's sample is the 8 MB since the two began to overlap (~200 MB/s), not its 4 MB over the
+    # 0.1 ms between the two looks (40 GB/s), which made the next write look due almost at once
+    due = pace.due(_group("d", 4 * MB, watched=0.200))
+    assert due is not None and 0.215 < due < 0.230
+
+
+@pytest.mark.asyncio
+async def test_near_its_due_time_the_poller_looks_every_quarter_millisecond():
+    poller = _poller_with(_group("d", 4 * MB, watched=0.040))      # due at 0.080 (100 MB/s)
+    poller.pace.settled(_group("d", 4 * MB, watched=0.0), 0.040)
+    assert poller._tick(0.0785) == POLL_TICK_S                      # no fine timer: whole ticks
+    poller.fine = FineSleep.open(asyncio.get_running_loop())
+    assert poller.fine is not None
+    try:
+        assert poller._tick(0.060) == _MAX_NAP_S                    # 20 ms left: still a nap
+        assert poller._tick(0.076) == POLL_TICK_S                   # 4 ms left: ticks
+        assert poller._tick(0.0785) == pytest.approx(0.0005)        # to 1 ms before it is due
+        assert poller._tick(0.0795) == _FINE_TICK_S                 # then looks every 0.25 ms
+        assert poller._tick(0.0805) == _FINE_TICK_S                 # through 1 ms past it
+        assert poller._tick(0.0815) == POLL_TICK_S                  # then the estimate was wrong: ticks
+    finally:
+        poller.fine.close()
