@@ -7,7 +7,7 @@
   the core the TCP transport needs, so the second is usually faster; ``--raw-under-compute`` also
   measures it while a thread does the forward's torch work, to show what one busy core costs, and
   one layer at a time: paced by a timer and polled every 0.1 ms (``per_layer_paced``), and handed
-  over by the simulated forward itself and polled every 1 ms like aiolayer's poller (``per_layer_1ms``).
+  over by the simulated forward itself and polled every 1 ms, aiolayer's poller's tick (``per_layer_1ms``).
 - ``raw_tcp``: plain sockets on 127.0.0.1 into a child process (1 and 4 streams, the faster counts).
 - ``memcpy``: one numpy copy within P's process.
 Each returns (seconds, verified-by-CRC32, per-variant seconds).

@@ -131,7 +131,7 @@ def print_table(report: dict) -> None:
         same_tick = lw.get("efficiency_vs_raw_per_layer_1ms")
         print(f"layerwise GB/s vs raw Mooncake paced one layer at a time like the forward: "
               f"{lw['efficiency_vs_raw_per_layer']:.2f}"
-              + (f" (polled every 0.1 ms); vs the same forward's layers polled every 1 ms like the runtime: "
+              + (f" (polled every 0.1 ms); vs the same forward's layers polled every 1 ms (the runtime's tick): "
                  f"{same_tick:.2f}" if same_tick is not None else "")
               + f"; vs Mooncake's batch write: {lw['efficiency_vs_batch_sync']:.2f}")
 
