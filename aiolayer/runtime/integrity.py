@@ -149,14 +149,27 @@ def verify_check(local: LocalLayout | None, block_ids: list[int], check: m.Layer
     """D: "" when what landed matches ``check``; else why not ("integrity: ..."). A check that names
     bytes outside the transfer's own blocks, or does not fit this layout, is a failure too. The layers
     ``early`` found intact are not read again."""
+    problem, rest = plan_verify(local, block_ids, check, early)
+    if problem or rest is None or local is None:
+        return problem
+    return read_check(local, rest)
+
+
+def plan_verify(local: LocalLayout | None, block_ids: list[int], check: m.LayerCheck,
+                early: EarlyMatch | None = None) -> tuple[str, m.LayerCheck | None]:
+    """D, on the loop (no byte read): why ``check`` fails as it stands ("" if it does not), and the part
+    of it still to read (None: nothing; not host memory, or every layer matched early)."""
     if local is None or not local.host:
-        return ""   # not host memory: unverifiable here (documented, not guessed)
+        return "", None   # not host memory: unverifiable here (documented, not guessed)
     problem = _check_shape(local, block_ids, check)
     if problem:
-        return f"integrity: malformed check: {problem}"
-    rest = check if early is None else early.unmatched(check)
-    if rest is None:
-        return ""
+        return f"integrity: malformed check: {problem}", None
+    return "", check if early is None else early.unmatched(check)
+
+
+def read_check(local: LocalLayout, rest: m.LayerCheck) -> str:
+    """D, in a worker thread: "" when the layers of ``rest`` (a check ``plan_verify`` let through) landed
+    as P wrote them; else which differs."""
     got_k, got_v = _digests_at_d(local, rest)
     for plane, want, got in (("K", rest.crc_k, got_k), ("V", rest.crc_v, got_v)):
         for layer, a, b in zip(rest.layers, want, got):

@@ -21,8 +21,8 @@ from aiolayer.errors import ControlRejected
 from aiolayer.kvcache import PagedKVCache
 from aiolayer.protocol import messages as m
 from aiolayer.runtime.control.hooks import install_hooks
-from aiolayer.runtime.integrity import (MAX_EARLY_CHECKS, EarlyMatch, digest_of_runs, pick_digest, sample_check,
-                                        verify_check, verify_early)
+from aiolayer.runtime.integrity import (MAX_EARLY_CHECKS, EarlyMatch, digest_of_runs, pick_digest, plan_verify,
+                                        sample_check, verify_check, verify_early)
 from helpers_memory import host_cache
 
 pytestmark = pytest.mark.timeout(60)
@@ -296,3 +296,8 @@ def test_a_layer_counts_as_matched_early_only_for_the_same_runs_and_digests(pair
     assert verify_check(local, [0], other_bytes, matched).startswith("integrity: layer 0 K")
     assert EarlyMatch(matched.runs, frozenset()).unmatched(done) is done
     assert verify_early(local, [3], part) is None   # outside the transfer's blocks: nothing matched
+    # a DONE's check one CRC short over the runs matched early: refused as malformed before D works
+    # out what is left to read (which would index past its CRCs), nothing read
+    short = msgspec.structs.replace(done, crc_k=zeros_k[:-1])
+    assert plan_verify(local, [0], short, matched) == ("integrity: malformed check: 3/4 CRCs for 4 layers", None)
+    assert plan_verify(local, [0], done, matched) == ("", matched.unmatched(done))

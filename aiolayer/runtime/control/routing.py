@@ -22,7 +22,7 @@ from ...errors import ControlError, ControlRejected, DeadlineExceeded, FrameDrop
 from ... import version
 from ...protocol import messages as m
 from ...protocol.codes import AckDetail, NackCode
-from ..integrity import MAX_EARLY_CHECKS, EarlyChecks, early_result, verify_check, verify_early
+from ..integrity import MAX_EARLY_CHECKS, EarlyChecks, early_result, plan_verify, read_check, verify_early
 from .hooks import Hooks
 
 if TYPE_CHECKING:
@@ -193,11 +193,9 @@ async def _verified(rt: Host, done: m.Done | m.Failed) -> m.Done | m.Failed:
     blocks, early_checks = target
     began = time.perf_counter()
     local, early = _sender(rt).local, await early_checks.of(done.sender)
-    rest = done.check if early is None else early.unmatched(done.check)
-    if rest is None:   # every layer matched early: only the shape is left, no thread hop
-        problem = verify_check(local, blocks, done.check, early)
-    else:
-        problem = await asyncio.to_thread(verify_check, local, blocks, done.check, early)
+    problem, rest = plan_verify(local, blocks, done.check, early)
+    if rest is not None and local is not None:   # else malformed, or every layer matched early: no thread hop
+        problem = await asyncio.to_thread(read_check, local, rest)
     log.debug("transfer %s: DONE's check: %d of %d layers read at DONE, %.2f ms", done.transfer_id,
               0 if rest is None else len(rest.layers), len(done.check.layers), (time.perf_counter() - began) * 1e3)
     rt.receiver.integrity["mismatch" if problem else "verified"] += 1
