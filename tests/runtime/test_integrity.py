@@ -179,14 +179,15 @@ def test_p_digests_the_source_as_soon_as_every_layer_was_submitted(pair):
     that has none; every check still verifies."""
     p, d, corrupter = pair
     began: list[tuple[str, bool]] = []
-    real = p.sender.stream.sources_final
+    real = p.sender.stream.submitted
 
-    def record(req) -> None:
-        began.append((req.spec.transfer_id, req.check is None))
-        real(req)
-        assert req.check is not None   # the worker thread's digest, which DONE awaits
+    def record(req, layers, last) -> None:
+        if last:
+            began.append((req.spec.transfer_id, req.check is None))
+        real(req, layers, last)
+        assert req.check is not None or not last   # the worker thread's digest, which DONE awaits
 
-    p.sender.stream.sources_final = record
+    p.sender.stream.submitted = record
     for i in range(3):
         _, received = _transfer(p, d, corrupter, f"early{i}", [i], [i + 4])
         assert received.ok, received.reason

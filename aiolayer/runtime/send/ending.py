@@ -81,7 +81,7 @@ class TransferEnding:
         req.state.apply(Event.ALL_LAYERS_WRITTEN)
         check = None
         if self.integrity_sample:   # every write completed: the held source is what D must hold now
-            early = req.check   # begun beside the last writes (``digest_early``), else now
+            early = req.check   # begun beside the last writes (``layers_submitted``), else now
             check = await (early if early is not None else asyncio.to_thread(
                 sample_check, self.local, req.runs, req.spans, self.integrity_sample, req.digest))
             self.integrity_checks += check is not None
@@ -94,18 +94,18 @@ class TransferEnding:
             return
         self._publish(req, m.done_verdict(reply), settled)
 
-    def layers_submitted(self, req: Request, layers: list[int]) -> None:
+    def layers_submitted(self, req: Request, layers: list[int], last: bool) -> None:
         """Stream hook: ``layers`` of ``req`` were submitted, so their source is final: a sampled transfer
-        digests them while the prefill goes on, and sends D what landed early (``checking.py``)."""
+        digests them while the prefill goes on, and sends D what landed early (``checking.py``). With
+        ``last`` every layer was: the check's last digest starts, beside the last writes; the DONE awaits
+        the whole check (``req.check``)."""
         if req.checking is None:   # its first layers: sampled or not is decided now, once
             req.checking = self._source_check(req) or False
-        if isinstance(req.checking, SourceCheck):
+        if not isinstance(req.checking, SourceCheck):
+            return
+        if layers:
             req.checking.add(layers)
-
-    def digest_early(self, req: Request) -> None:
-        """Stream hook: every layer of ``req`` was submitted: the check's last digest starts, beside the
-        last writes; the DONE awaits the whole check (``req.check``)."""
-        if isinstance(req.checking, SourceCheck) and req.check is None:
+        if last and req.check is None:
             req.check = req.checking.finish()
 
     def _source_check(self, req: Request) -> SourceCheck | None:

@@ -97,7 +97,6 @@ class Sender(TransferEnding):
         self.inbox_looks = 0   # the loop's looks into open steps' inboxes (its polling cost)
         self.stream = LayerStreamer(backend, timeouts, self.deadlines)
         self.stream.submitted = self.layers_submitted
-        self.stream.sources_final = self.digest_early
         self.dones = DoneBatcher(peers, timeouts)   # the DONEs of one pass of the loop, one frame per D
 
     # --- forward-thread API (never blocks) -------------------------------------------------

@@ -96,11 +96,7 @@ class LayerPlan:
         return src[layer], dst[layer], lengths[layer], nbytes
 
 
-def _nothing_yet(req: Request, layers: list[int]) -> None:
-    return None
-
-
-def _nothing(req: Request) -> None:
+def _nothing(req: Request, layers: list[int], last: bool) -> None:
     return None
 
 
@@ -112,9 +108,9 @@ class LayerStreamer:
         # A backend with ``start_write`` (Mooncake) takes the layers ready together as ONE write,
         # started with no task; any other, each layer as its own write in its own task.
         self._start: StartWrite | None = getattr(backend, "start_write", None)
-        # called as a transfer's layers are submitted (their source is final from then on), and once all were
-        self.submitted: Callable[[Request, list[int]], None] = _nothing_yet
-        self.sources_final: Callable[[Request], None] = _nothing
+        # called as a transfer's layers are submitted (their source is final from then on), and once more,
+        # with no layers and ``last``, once all were
+        self.submitted: Callable[[Request, list[int], bool], None] = _nothing
 
     async def stream(self, req: Request, local: LocalLayout, layout: RemoteLayout) -> float:
         """Submit each layer as it arrives; returns when every write settled (perf_counter).
@@ -205,7 +201,7 @@ class LayerStreamer:
             if held and (not left or (layerwise and not req.layer_ready)):
                 self._submit(group, sink, held)
         if not left and not reason and not sink.failed:
-            self.sources_final(req)
+            self.submitted(req, [], True)
         return reason
 
     async def _settle(self, sink: "_Sink") -> str:
@@ -230,7 +226,7 @@ class LayerStreamer:
     def _submit(self, group: compat.TaskGroup, sink: "_Sink", held: _Held) -> None:
         """The held layers into writes (one, with ``start_write``; else one task per layer); clears ``held``."""
         batches = [list(held)] if self._start is not None else [[h] for h in held]
-        self.submitted(sink.req, [layer for layer, _ in held])
+        self.submitted(sink.req, [layer for layer, _ in held], False)
         held.clear()
         for layers in batches:
             order = sink.order
