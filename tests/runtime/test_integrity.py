@@ -20,6 +20,7 @@ from aiolayer import KVShape, NodeConfig, ReceiveSpec, Runtime, Timeouts, Transf
 from aiolayer.errors import ControlRejected
 from aiolayer.kvcache import PagedKVCache
 from aiolayer.protocol import messages as m
+from aiolayer.protocol.codes import NackCode
 from aiolayer.runtime.control.hooks import install_hooks
 from aiolayer.runtime.integrity import (MAX_EARLY_CHECKS, EarlyMatch, digest_of_runs, pick_digest, plan_verify,
                                         sample_check, verify_check, verify_early)
@@ -42,10 +43,13 @@ class Corrupter:
         self.flipped_at = ""                         # the type of the message that came with the flip
         self.digests: list[str] = []                 # each checked DONE's digest
         self.early: list[m.EarlyCheck] = []
+        self.refuse_early = False                    # answer early checks as a D from before them does
 
     def __call__(self, msg) -> None:
         if isinstance(msg, m.EarlyCheck):
             self.early.append(msg)
+            if self.refuse_early:
+                raise ControlRejected(NackCode.DECODE, "unknown message type 'early_check'")
         if isinstance(msg, m.Done) and msg.check is not None:
             self.digests.append(msg.check.digest)
         check = getattr(msg, "check", None)
@@ -240,6 +244,20 @@ def test_layers_landed_before_the_last_write_are_verified_before_the_done(pair, 
     early = len(corrupter.early)
     assert _integrity(d) == {"verified_early": early, "verified": 2}
     assert _integrity(p) == {"sampled": 2, "sent_early": early}
+
+
+def test_p_stops_sending_early_checks_to_a_d_that_cannot_read_them(pair):
+    """An older D answers an early check ``Nack(decode)``: P sends that D none for a while (one refusal
+    per transfer otherwise), and the DONE still checks every sampled layer."""
+    p, d, corrupter = pair
+    corrupter.refuse_early = True
+    for i in range(3):
+        outcome, received = _transfer_last_late(p, d, corrupter, f"older{i}", [i], [i + 4])
+        assert outcome.ok and received.ok, received.reason
+    refused = {e.transfer_id for e in corrupter.early}
+    assert refused == {"older0"}, refused   # its first early checks, none after the refusal
+    assert _integrity(d) == {"verified": 3} and _integrity(p) == {"sampled": 3}
+    assert p.sender.early_refused.keys() == {d.control_endpoint}
 
 
 def test_a_layer_that_differs_at_the_early_check_is_read_again_at_the_done(pair):

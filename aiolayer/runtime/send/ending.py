@@ -17,8 +17,9 @@ import time
 from typing import Any
 
 from ...config import Timeouts
-from ...errors import AiolayerError, DeliveryFailed
+from ...errors import AiolayerError, ControlRejected, DeliveryFailed
 from ...protocol import messages as m
+from ...protocol.codes import NackCode
 from ...protocol.state import Event, State
 from .done_batch import DoneBatcher
 from .checking import SourceCheck
@@ -31,6 +32,7 @@ from ..spec import LocalLayout, Outcome, TransferSpec
 
 log = logging.getLogger("aiolayer.runtime.send.sender")   # the sender's own log, as before the split
 _BY_LAYER = operator.attrgetter("layer")
+_REFUSING_PEERS = 1024   # D endpoints remembered as refusing early checks
 
 
 class TransferEnding:
@@ -42,6 +44,7 @@ class TransferEnding:
     peers: ControlPeers
     integrity_checks: int
     early_checks: int
+    early_refused: dict[str, float]   # D endpoint -> until when it is sent no early checks (monotonic)
     results: Results
     dones: DoneBatcher
     outcome_counts: collections.Counter[str]
@@ -117,6 +120,8 @@ class TransferEnding:
                            functools.partial(self._early_part, req))
 
     def _early_part(self, req: Request, part: m.LayerCheck) -> None:
+        if self.early_refused.get(req.spec.peer, 0.0) > time.monotonic():   # a D that cannot read them
+            return
         if not req.aborted and not req.state.terminal:
             early = m.EarlyCheck(transfer_id=req.spec.transfer_id, sender=self.engine_id, token=req.spec.token,
                                  check=part)
@@ -129,10 +134,21 @@ class TransferEnding:
             client = await self.peers.get(spec.peer)
             await client.call(early, timeout=self.timeouts.control_call)
             self.early_checks += 1
+        except ControlRejected as exc:
+            if exc.code == NackCode.DECODE:   # an older D: ask again only after a while (it may be upgraded)
+                self._early_refused(spec.peer)
+            log.debug("transfer %s: early check not taken: %s", spec.transfer_id, exc)
         except AiolayerError as exc:
             log.debug("transfer %s: early check not taken: %s", spec.transfer_id, exc)
         except Exception:   # never into the runtime's TaskGroup; the DONE still checks all
             log.exception("transfer %s: early check failed", spec.transfer_id)
+
+    def _early_refused(self, peer: str) -> None:
+        refused = self.early_refused
+        refused.pop(peer, None)   # re-inserted: the oldest entry is the first
+        refused[peer] = time.monotonic() + self.timeouts.peer_idle
+        while len(refused) > _REFUSING_PEERS:
+            del refused[next(iter(refused))]
 
     def _publish(self, req: Request, reason: str, settled: float | None) -> None:
         if req.state.terminal:

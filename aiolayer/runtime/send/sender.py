@@ -76,6 +76,7 @@ class Sender(TransferEnding):
         self.integrity_sample = integrity_sample    # share of transfers checked end to end (integrity.py)
         self.integrity_checks = 0
         self.early_checks = 0          # early checks D took (parts of a check sent before the DONE)
+        self.early_refused: dict[str, float] = {}   # older Ds (Nack decode): sent none for a while
         self._steps: dict[int, StepLayers] = {}     # a begun step's layers, read by its transfers
         self.results = Results(on_outcome)
         r = self.results   # the same containers under the names the soak report reads (it sizes them)
