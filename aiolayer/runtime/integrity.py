@@ -237,8 +237,10 @@ class EarlyChecks:
         futures = self._by_sender.setdefault(sender, [])
         if len(futures) >= MAX_EARLY_CHECKS:
             return None
-        futures.append(asyncio.get_running_loop().run_in_executor(None, verify))
-        return futures[-1]
+        future = asyncio.get_running_loop().run_in_executor(None, verify)
+        future.add_done_callback(_log_broken)   # once here: the reply and the DONE both read it
+        futures.append(future)
+        return future
 
     async def of(self, sender: str) -> EarlyMatch | None:
         """What ``sender``'s early checks matched, once each ended: the layers over the same runs."""
@@ -254,9 +256,13 @@ async def early_result(future: asyncio.Future[EarlyMatch | None]) -> EarlyMatch 
     """An early check's result once it ended; None when it broke (the DONE then reads those layers)."""
     try:
         return await asyncio.shield(future)   # a DONE whose handler is cancelled leaves it running
-    except Exception:   # a bug in the early check: the DONE verifies every layer itself
-        log.exception("early integrity check raised")
+    except Exception:   # a bug in the early check (logged as it ended): the DONE verifies every layer itself
         return None
+
+
+def _log_broken(future: asyncio.Future[EarlyMatch | None]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("early integrity check raised", exc_info=future.exception())
 
 
 def _check_shape(local: LocalLayout, block_ids: list[int], check: m.LayerCheck) -> str:

@@ -260,6 +260,22 @@ def test_p_stops_sending_early_checks_to_a_d_that_cannot_read_them(pair):
     assert p.sender.early_refused.keys() == {d.control_endpoint}
 
 
+def test_an_early_check_that_breaks_is_logged_once_and_the_done_reads_every_layer(pair, caplog, monkeypatch):
+    p, d, corrupter = pair
+
+    def broken(*_):
+        raise RuntimeError("a bug in the early check")
+
+    monkeypatch.setattr("aiolayer.runtime.control.routing.verify_early", broken)
+    with caplog.at_level(logging.DEBUG):
+        outcome, received = _transfer_last_late(p, d, corrupter, "broken", [1], [6])
+    assert outcome.ok and received.ok, received.reason
+    raised = [r for r in caplog.records if r.getMessage() == "early integrity check raised"]
+    assert corrupter.early and len(raised) == len(corrupter.early)   # once each, not by reply and DONE
+    assert any(f"{SHAPE.num_layers} of {SHAPE.num_layers} layers read at DONE" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_a_layer_that_differs_at_the_early_check_is_read_again_at_the_done(pair):
     p, d, corrupter = pair
     corrupter.target = (1, 1)   # flipped as the early check naming it arrives: that check sees it
