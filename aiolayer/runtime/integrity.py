@@ -254,10 +254,10 @@ class EarlyChecks:
 
 async def early_result(future: asyncio.Future[EarlyMatch | None]) -> EarlyMatch | None:
     """An early check's result once it ended; None when it broke (the DONE then reads those layers)."""
-    try:
-        return await asyncio.shield(future)   # a DONE whose handler is cancelled leaves it running
-    except Exception:   # a bug in the early check (logged as it ended): the DONE verifies every layer itself
+    await asyncio.wait({future})   # a DONE whose handler is cancelled leaves it running
+    if future.cancelled() or future.exception() is not None:   # a bug (logged as it ended): the DONE reads it all
         return None
+    return future.result()
 
 
 def _log_broken(future: asyncio.Future[EarlyMatch | None]) -> None:
