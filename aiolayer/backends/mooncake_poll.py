@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from ..errors import BackendError, TransferTimeout, WriteRefused
 from .fine_sleep import FineSleep
+from .mooncake_pace import WritePace
 
 # The poller's tick. uvloop timers tick in whole milliseconds: a shorter sleep returns at once and
 # would spin a core. Yielding at once after progress (as before) spun a core while writes streamed,
@@ -55,7 +56,6 @@ MAX_RUNS_PER_TARGET = 16384
 _NAP_SHARE = 0.8
 _NAP_FROM_S = 0.01
 _MAX_NAP_S = 0.01
-_PACED_TARGETS = 1024   # targets whose rate is remembered
 # From ``_FINE_FROM_S`` before the first write is due to ``_FINE_FOR_S`` after, the poller looks every
 # ``_FINE_TICK_S``: a loopback layer's write (~4 ms at 2 GB/s) was seen ~0.5 ms late on average at 1 ms
 # ticks, an eighth of its time, and its landing varies by about a millisecond either side of the
@@ -131,44 +131,6 @@ class Group:
         return None
 
 
-class WritePace:
-    """When each target's next write should settle, from the rate its writes settled at: a write's time
-    runs from when it was watched or, behind another write to that target, from when that one settled
-    (writes to one peer complete nearly in order). A rate sample is every byte settled since that
-    target's writes began to overlap over the time since (writes behind another share its bytes' time:
-    two settling in one look once made the rate hundreds of times too high). The estimate moves by
-    half of each new sample."""
-
-    def __init__(self) -> None:
-        self._rate: dict[str, float] = {}       # target -> bytes per second
-        # target -> (when its last write settled, when its current run of overlapping writes began,
-        # the bytes settled in that run)
-        self._last: dict[str, tuple[float, float, int]] = {}
-
-    def settled(self, group: Group, now: float) -> None:
-        target = group.target
-        last, since, run_bytes = self._last.pop(target, (0.0, 0.0, 0))
-        if group.watched >= last:   # nothing to this target was in flight when it was watched
-            since, run_bytes = group.watched, 0
-        run_bytes += group.nbytes
-        self._last[target] = (now, since, run_bytes)   # re-inserted: the dicts keep the targets written to last
-        if group.nbytes > 0 and now > since:
-            sample = run_bytes / (now - since)
-            old = self._rate.pop(target, None)
-            self._rate[target] = sample if old is None else (old + sample) / 2
-        for table in (self._last, self._rate):
-            while len(table) > _PACED_TARGETS:   # peers come and go: forget the longest unused
-                del table[next(iter(table))]
-
-    def due(self, group: Group) -> float | None:
-        """When ``group`` (the first unsettled write to its target) should settle; None: no estimate."""
-        rate = self._rate.get(group.target)
-        if rate is None or group.nbytes <= 0:
-            return None
-        last = self._last.get(group.target, (0.0, 0.0, 0))[0]
-        return max(group.watched, last) + group.nbytes / rate
-
-
 def _not_started(*_: object) -> Any:
     raise BackendError("the Mooncake poller is not started")
 
@@ -204,7 +166,8 @@ class GroupPoller:
         """On the loop that runs ``run``: the engine's calls, and the fine timer where there is one."""
         self.check, self.submit = check, submit
         self._wake = asyncio.Event()
-        self.fine = FineSleep.open(asyncio.get_running_loop())
+        if self.fine is None:
+            self.fine = FineSleep.open(asyncio.get_running_loop())
 
     def room(self, target: str) -> int:
         """Runs a new write may submit to ``target`` now (none while earlier writes wait for room)."""

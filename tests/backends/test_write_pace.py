@@ -1,4 +1,4 @@
-"""The Mooncake poller's pace (``mooncake_poll.WritePace``, ``GroupPoller._tick``): across a slow link a
+"""The Mooncake poller's pace (``mooncake_pace.WritePace``, ``mooncake_poll.GroupPoller._tick``): across a slow link a
 layer's write takes tens of ms, and the poller sleeps through most of what is left of it rather than
 waking every 1 ms on the core the forward runs on; it still ticks where it cannot tell (no rate yet,
 runs waiting for room, a deadline near). Near a write's due time it looks every quarter millisecond
@@ -13,7 +13,8 @@ import heapq
 import pytest
 
 from aiolayer.backends.fine_sleep import FineSleep
-from aiolayer.backends.mooncake_poll import _FINE_TICK_S, _MAX_NAP_S, POLL_TICK_S, Group, GroupPoller, WritePace
+from aiolayer.backends.mooncake_pace import WritePace
+from aiolayer.backends.mooncake_poll import _FINE_TICK_S, _MAX_NAP_S, POLL_TICK_S, Group, GroupPoller
 
 MB = 1_000_000
 

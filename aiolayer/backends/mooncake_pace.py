@@ -1,0 +1,52 @@
+"""When the Mooncake poller should expect each target's next write to settle (``WritePace``).
+
+Split off ``mooncake_poll``: the poller naps through most of a write that will take long (a slow link)
+and looks often near the time it should land; this module only keeps the rates that tell when.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .mooncake_poll import Group
+
+_PACED_TARGETS = 1024   # targets whose rate is remembered
+
+
+class WritePace:
+    """When each target's next write should settle, from the rate its writes settled at: a write's time
+    runs from when it was watched or, behind another write to that target, from when that one settled
+    (writes to one peer complete nearly in order). A rate sample is every byte settled since that
+    target's writes began to overlap over the time since (writes behind another share its bytes' time:
+    two settling in one look once made the rate hundreds of times too high). The estimate moves by
+    half of each new sample."""
+
+    def __init__(self) -> None:
+        self._rate: dict[str, float] = {}       # target -> bytes per second
+        # target -> (when its last write settled, when its current run of overlapping writes began,
+        # the bytes settled in that run)
+        self._last: dict[str, tuple[float, float, int]] = {}
+
+    def settled(self, group: Group, now: float) -> None:
+        target = group.target
+        last, since, run_bytes = self._last.pop(target, (0.0, 0.0, 0))
+        if group.watched >= last:   # nothing to this target was in flight when it was watched
+            since, run_bytes = group.watched, 0
+        run_bytes += group.nbytes
+        self._last[target] = (now, since, run_bytes)   # re-inserted: the dicts keep the targets written to last
+        if group.nbytes > 0 and now > since:
+            sample = run_bytes / (now - since)
+            old = self._rate.pop(target, None)
+            self._rate[target] = sample if old is None else (old + sample) / 2
+        for table in (self._last, self._rate):
+            while len(table) > _PACED_TARGETS:   # peers come and go: forget the longest unused
+                del table[next(iter(table))]
+
+    def due(self, group: Group) -> float | None:
+        """When ``group`` (the first unsettled write to its target) should settle; None: no estimate."""
+        rate = self._rate.get(group.target)
+        if rate is None or group.nbytes <= 0:
+            return None
+        last = self._last.get(group.target, (0.0, 0.0, 0))[0]
+        return max(group.watched, last) + group.nbytes / rate
