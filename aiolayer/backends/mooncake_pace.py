@@ -43,6 +43,11 @@ class WritePace:
             while len(table) > _PACED_TARGETS:   # peers come and go: forget the longest unused
                 del table[next(iter(table))]
 
+    def takes(self, group: Group) -> float:
+        """How long ``group``'s bytes take at its target's rate (0.0: no estimate)."""
+        rate = self._rate.get(group.target)
+        return group.nbytes / rate if rate else 0.0
+
     def due(self, group: Group) -> float | None:
         """When ``group`` (the first unsettled write to its target) should settle; None: no estimate."""
         rate = self._rate.get(group.target)

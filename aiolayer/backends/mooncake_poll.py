@@ -62,6 +62,10 @@ _MAX_NAP_S = 0.01
 # estimate. Outside the window the estimate was wrong (the link slowed): ticks, so a stalled write
 # costs no extra wake-ups.
 _FINE_TICK_S = 0.00025
+# Only for writes expected to take this long, so that the looks cover at most their last half: a vLLM
+# layer's write on loopback (~0.5 MB, well under 1 ms) looked at every 0.25 ms from its start took the
+# core P's Mooncake threads push it from, and was seen landed later (docs/results.md).
+_FINE_MIN_WRITE_S = 0.002
 _FINE_FROM_S = 0.001
 _FINE_FOR_S = 0.001
 
@@ -224,21 +228,26 @@ class GroupPoller:
         if self._waiting or self._quarantine:
             return POLL_TICK_S
         until = (self._deadlines[0][0] - now) if self._deadlines else _MAX_NAP_S
+        first: Group | None = None   # the write due first
         for queue in self._inflight.values():
             due = self.pace.due(queue[0]) if queue else None
             if due is None:   # a target not measured yet: tick
                 return POLL_TICK_S
-            until = min(until, due - now)
+            if due - now < until:
+                until, first = due - now, queue[0]
         if until < _NAP_FROM_S:
-            return self._near(until)
+            return self._near(until, first)
         nap = min(_NAP_SHARE * until, _MAX_NAP_S)
         self.naps += 1
         return nap
 
-    def _near(self, until: float) -> float:
+    def _near(self, until: float, first: Group | None) -> float:
         """The sleep while the first write due is near (``until`` its due time, negative past it): fine
-        ticks from ``_FINE_FROM_S`` before it to ``_FINE_FOR_S`` after; ticks outside, or without a fine timer."""
-        if self.fine is None or until < -_FINE_FOR_S:
+        ticks from ``_FINE_FROM_S`` before it to ``_FINE_FOR_S`` after; ticks outside, for a short write,
+        or without a fine timer."""
+        if self.fine is None or first is None or until < -_FINE_FOR_S:
+            return POLL_TICK_S
+        if self.pace.takes(first) < _FINE_MIN_WRITE_S:
             return POLL_TICK_S
         if until > _FINE_FROM_S:
             return min(POLL_TICK_S, until - _FINE_FROM_S)

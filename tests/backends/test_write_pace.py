@@ -1,9 +1,9 @@
 """The Mooncake poller's pace (``mooncake_pace.WritePace``, ``mooncake_poll.GroupPoller._tick``): across a slow link a
 layer's write takes tens of ms, and the poller sleeps through most of what is left of it rather than
 waking every 1 ms on the core the forward runs on; it still ticks where it cannot tell (no rate yet,
-runs waiting for room, a deadline near). Near a write's due time it looks every quarter millisecond
-(``fine_sleep``), so a loopback layer is seen landed within a fraction of a tick. The effect on real
-engines: docs/results.md; on ``make bench``: docs/mooncake.md."""
+runs waiting for room, a deadline near). Near the due time of a write that takes 2 ms or more it looks
+every quarter millisecond (``fine_sleep``), so such a layer is seen landed within a fraction of a tick.
+The effect on real engines and on ``make bench``: docs/results.md, docs/mooncake.md."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def test_writes_that_overlap_and_settle_in_one_look_do_not_make_the_rate_look_fa
 
 
 @pytest.mark.asyncio
-async def test_near_its_due_time_the_poller_looks_every_quarter_millisecond():
+async def test_near_the_due_time_of_a_write_of_2_ms_or_more_the_poller_looks_every_quarter_millisecond():
     poller = _poller_with(_group("d", 4 * MB, watched=0.040))      # due at 0.080 (100 MB/s)
     poller.pace.settled(_group("d", 4 * MB, watched=0.0), 0.040)
     assert poller._tick(0.0785) == POLL_TICK_S                      # no fine timer: whole ticks
@@ -103,5 +103,9 @@ async def test_near_its_due_time_the_poller_looks_every_quarter_millisecond():
         assert poller._tick(0.0795) == _FINE_TICK_S                 # then looks every 0.25 ms
         assert poller._tick(0.0805) == _FINE_TICK_S                 # through 1 ms past it
         assert poller._tick(0.0815) == POLL_TICK_S                  # then the estimate was wrong: ticks
+        short = _poller_with(_group("d", 100_000, watched=0.040))  # 1 ms of write: looks would cover it all
+        short.pace.settled(_group("d", 4 * MB, watched=0.0), 0.040)
+        short.fine = poller.fine
+        assert short._tick(0.0405) == POLL_TICK_S
     finally:
         poller.fine.close()
