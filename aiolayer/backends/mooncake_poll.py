@@ -8,9 +8,9 @@ not O(writes in flight). Where the first write to each target is not due for a w
 its bytes over the rate that target's writes settled at), the poller naps through most of that
 instead of ticking. A group's every remaining run is checked only at its deadline; the runs
 still pending then are quarantined (they may still land) and handed back in ``group.late``. Near
-the time a write is due, and for a little while past it, the poller looks every ``_FINE_TICK_S``
-(``fine_sleep``: the loop's own timers count whole milliseconds), so a layer's write is seen landed
-within a fraction of a millisecond, not up to one tick late.
+the time a write of 2 ms or more is due, and for a little while past it, the poller looks every
+``_FINE_TICK_S`` (``fine_sleep``: the loop's own timers count whole milliseconds), so such a write is
+seen landed within a fraction of a millisecond, not up to one tick late.
 Mooncake's status call frees an id once it reported 1 or -1: an id is never checked again after that.
 
 Each target has at most ``max_runs`` runs in flight: Mooncake's queue per peer holds 65,535 (set in
@@ -57,17 +57,17 @@ _NAP_SHARE = 0.8
 _NAP_FROM_S = 0.01
 _MAX_NAP_S = 0.01
 # From ``_FINE_FROM_S`` before the first write is due to ``_FINE_FOR_S`` after, the poller looks every
-# ``_FINE_TICK_S``: a loopback layer's write (~4 ms at 2 GB/s) was seen ~0.5 ms late on average at 1 ms
+# ``_FINE_TICK_S``: a loopback layer's write of 8 MiB (~4 ms at 2 GB/s) was seen ~0.5 ms late on average at 1 ms
 # ticks, an eighth of its time, and its landing varies by about a millisecond either side of the
 # estimate. Outside the window the estimate was wrong (the link slowed): ticks, so a stalled write
 # costs no extra wake-ups.
 _FINE_TICK_S = 0.00025
+_FINE_FROM_S = 0.001
+_FINE_FOR_S = 0.001
 # Only for writes expected to take this long, so that the looks cover at most their last half: a vLLM
 # layer's write on loopback (~0.5 MB, well under 1 ms) looked at every 0.25 ms from its start took the
 # core P's Mooncake threads push it from, and was seen landed later (docs/results.md).
 _FINE_MIN_WRITE_S = 0.002
-_FINE_FROM_S = 0.001
-_FINE_FOR_S = 0.001
 
 
 class Group:
