@@ -6,12 +6,17 @@ and looks often near the time it should land; this module only keeps the rates t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .mooncake_poll import Group
+from typing import Protocol
 
 _PACED_TARGETS = 1024   # targets whose rate is remembered
+
+
+class Group(Protocol):
+    """What the pace reads of a write (``mooncake_poll.Group``; not imported: it imports this module)."""
+
+    target: str
+    nbytes: int      # its bytes
+    watched: float   # when the poller began to watch it (time.monotonic)
 
 
 class WritePace:
