@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from ..bounded import put_newest
+
 _PACED_TARGETS = 1024   # targets whose rate is remembered
 
 
@@ -35,18 +37,15 @@ class WritePace:
 
     def settled(self, group: Group, now: float) -> None:
         target = group.target
-        last, since, run_bytes = self._last.pop(target, (0.0, 0.0, 0))
+        last, since, run_bytes = self._last.get(target, (0.0, 0.0, 0))
         if group.watched >= last:   # nothing to this target was in flight when it was watched
             since, run_bytes = group.watched, 0
         run_bytes += group.nbytes
-        self._last[target] = (now, since, run_bytes)   # re-inserted: the dicts keep the targets written to last
+        put_newest(self._last, target, (now, since, run_bytes), _PACED_TARGETS)
         if group.nbytes > 0 and now > since:
             sample = run_bytes / (now - since)
-            old = self._rate.pop(target, None)
-            self._rate[target] = sample if old is None else (old + sample) / 2
-        for table in (self._last, self._rate):
-            while len(table) > _PACED_TARGETS:   # peers come and go: forget the longest unused
-                del table[next(iter(table))]
+            old = self._rate.get(target)
+            put_newest(self._rate, target, sample if old is None else (old + sample) / 2, _PACED_TARGETS)
 
     def takes(self, group: Group) -> float:
         """How long ``group``'s bytes take at its target's rate (0.0: no estimate)."""

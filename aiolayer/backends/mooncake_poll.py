@@ -8,9 +8,7 @@ not O(writes in flight). Where the first write to each target is not due for a w
 its bytes over the rate that target's writes settled at), the poller naps through most of that
 instead of ticking. A group's every remaining run is checked only at its deadline; the runs
 still pending then are quarantined (they may still land) and handed back in ``group.late``. Near
-the time a write of 2 ms or more is due, and for a little while past it, the poller looks every
-``_FINE_TICK_S`` (``fine_sleep``: the loop's own timers count whole milliseconds), so such a write is
-seen landed within a fraction of a millisecond, not up to one tick late.
+the time a write of 2 ms or more is due, the poller looks more often than it ticks (``_FINE_*`` below).
 Mooncake's status call frees an id once it reported 1 or -1: an id is never checked again after that.
 
 Each target has at most ``max_runs`` runs in flight: Mooncake's queue per peer holds 65,535 (set in

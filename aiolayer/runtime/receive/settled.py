@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 import time
 
+from ...bounded import put_newest
+
 MAX_SETTLED = 16384       # settled ids remembered: the oldest go first beyond this
 
 
@@ -22,10 +24,7 @@ class SettledTable:
 
     def remember(self, transfer_id: str, token: str, finished: bool) -> None:
         self._prune(now := time.monotonic())
-        self._ids.pop(transfer_id, None)
-        self._ids[transfer_id] = (token, now + self.lifetime_s, finished)
-        while len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
+        put_newest(self._ids, transfer_id, (token, now + self.lifetime_s, finished), self.capacity)
 
     def word(self, transfer_id: str) -> tuple[str, bool] | None:
         """(token, finished) of a transfer settled within the lifetime, or None."""

@@ -16,6 +16,7 @@ import operator
 import time
 from typing import Any
 
+from ...bounded import put_newest
 from ...config import Timeouts
 from ...errors import AiolayerError, ControlRejected, DeliveryFailed
 from ...protocol import messages as m
@@ -134,21 +135,14 @@ class TransferEnding:
             client = await self.peers.get(spec.peer)
             await client.call(early, timeout=self.timeouts.control_call)
             self.early_checks += 1
-        except ControlRejected as exc:
-            if exc.code == NackCode.DECODE:   # an older D: ask again only after a while (it may be upgraded)
-                self._early_refused(spec.peer)
-            log.debug("transfer %s: early check not taken: %s", spec.transfer_id, exc)
         except AiolayerError as exc:
+            if isinstance(exc, ControlRejected) and exc.code == NackCode.DECODE:
+                # an older D: ask again only after a while (it may be upgraded)
+                put_newest(self.early_refused, spec.peer, time.monotonic() + self.timeouts.peer_idle,
+                           _REFUSING_PEERS)
             log.debug("transfer %s: early check not taken: %s", spec.transfer_id, exc)
         except Exception:   # never into the runtime's TaskGroup; the DONE still checks all
             log.exception("transfer %s: early check failed", spec.transfer_id)
-
-    def _early_refused(self, peer: str) -> None:
-        refused = self.early_refused
-        refused.pop(peer, None)   # re-inserted: the oldest entry is the first
-        refused[peer] = time.monotonic() + self.timeouts.peer_idle
-        while len(refused) > _REFUSING_PEERS:
-            del refused[next(iter(refused))]
 
     def _publish(self, req: Request, reason: str, settled: float | None) -> None:
         if req.state.terminal:

@@ -16,6 +16,7 @@ import functools
 import logging
 from typing import Any, Awaitable, Callable, Concatenate, Coroutine, ParamSpec, Protocol, TypeVar
 
+from ...bounded import put_newest
 from ...protocol.plan import BlockRuns, Spans
 from ...protocol.state import sender_transfer
 from .checking import SourceCheck
@@ -170,10 +171,7 @@ class EarlyAborts:
             if entries[oldest] > now:
                 break
             del entries[oldest]
-        while len(entries) >= self.capacity:
-            del entries[next(iter(entries))]
-            self.evicted += 1
-        entries[key] = expiry
+        self.evicted += put_newest(entries, key, expiry, self.capacity)
 
     def take(self, key: tuple[str, str], now: float) -> bool:
         """Whether ``key`` was aborted early (and not expired); forgets it either way."""

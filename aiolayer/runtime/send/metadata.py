@@ -26,6 +26,7 @@ import logging
 from typing import Any, Coroutine, Union
 
 from ... import compat
+from ...bounded import put_newest
 from ...config import Timeouts
 from ...errors import ControlError, ControlRejected, DeadlineExceeded, MetadataError, StaleLayout
 from ...protocol import messages as m
@@ -80,12 +81,10 @@ class LayoutCache:
         fut = self._entries.get(key)
         if fut is not None and not (fut.done() and (fut.cancelled() or fut.exception() is not None)):
             return fut
-        while len(self._entries) >= MAX_PREFETCHED:   # never consumed (its transfer failed first): oldest go
-            self._entries.pop(next(iter(self._entries)))
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         fut.add_done_callback(_consume_exception)
-        self._entries[key] = fut
+        put_newest(self._entries, key, fut, MAX_PREFETCHED)   # never consumed (its transfer failed first): oldest go
         queue = self._queued.setdefault(endpoint, [])
         queue.append((credentials, fut))
         if len(queue) == 1:

@@ -1,0 +1,23 @@
+"""Bounded tables keyed by peer or transfer: a dict kept in insertion order, the oldest entry first.
+
+Peers and transfers come and go, so every table the runtime keeps per peer or per transfer forgets its
+oldest entries past a capacity; a re-inserted key moves to the end, so "oldest" is "used longest ago".
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def put_newest(table: dict[K, V], key: K, value: V, capacity: int) -> int:
+    """``table[key] = value`` as its newest entry; the oldest go beyond ``capacity``. Returns how many went."""
+    table.pop(key, None)
+    table[key] = value
+    dropped = 0
+    while len(table) > capacity:
+        del table[next(iter(table))]
+        dropped += 1
+    return dropped
