@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import ast
 import os
-import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -135,24 +133,18 @@ def test_bench_and_tests_share_one_child_process_helper():
     assert helpers_node.MC_ENV.items() >= node.MOONCAKE_ENV.items()   # one Mooncake environment
 
 
-def _until_stopped(pid: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
-        assert time.monotonic() < deadline, f"process {pid} not stopped {timeout:g} s after SIGSTOP"
-        time.sleep(0.01)
-
-
 def test_child_process_stop_thaws_a_frozen_child_in_its_own_group():
     """The union of the two drifted copies: the bench's SIGCONT before SIGTERM (a frozen child must be able
     to act on it), the tests' own process group, stop timing, stderr kept in a file."""
+    from helpers_node import freeze
+
     from aiolayer.harness.child import ChildProcess
 
     child = ChildProcess([sys.executable, "-c", SLEEPER], name="sleeper").start()
     try:
         assert child.read_json(20, require="port") == {"port": 1}
         assert os.getpgid(child.pid) == child.pid
-        os.kill(child.pid, signal.SIGSTOP)
-        _until_stopped(child.pid, 10)   # frozen for real before stop() thaws it, not a signal still on its way
+        freeze(child.pid, 10)   # frozen for real before stop() thaws it, not a signal still on its way
         assert child.stop(timeout=20) == 0   # a loaded box (a whole test run beside it) took over 5 s
         assert not child.killed and child.stop_s < 20
         assert "sleeper-stderr" in child.stderr_text()

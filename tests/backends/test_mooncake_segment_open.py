@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers_node import SMALL_SHAPE, apply_mc_env, mooncake_p, stoppable_node, until_streaming
+from helpers_node import SMALL_SHAPE, apply_mc_env, freeze, mooncake_p, stoppable_node, until_streaming
 
 apply_mc_env()  # before any Mooncake engine exists in this process
 
@@ -78,33 +78,11 @@ def longest_gap(beats: list[float], now: float) -> tuple[float, float]:
     return gap, began - stamps[0]
 
 
-def stop(node, limit: float = 5.0) -> None:
-    """SIGSTOP ``node`` and wait until every thread of it is stopped (a signal is delivered
-    asynchronously: a handshake could otherwise still be answered)."""
-    os.kill(node.pid, signal.SIGSTOP)
-    end = time.monotonic() + limit
-    while not _all_stopped(node.pid):
-        assert time.monotonic() < end, "the node did not stop"
-        time.sleep(0.005)
-
-
-def _all_stopped(pid: int) -> bool:
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:   # the thread ended meanwhile
-            continue
-        if state not in ("T", "t"):
-            return False
-    return True
-
-
 def while_b_stopped(p, b, scenario, window: float) -> tuple[tuple[float, float], object]:
     """Stop B, run ``scenario`` on P's loop, resume B after ``window`` s: the loop's longest pause
     meanwhile (``longest_gap``) and what the scenario returned."""
     beats: list[float] = []
-    stop(b)
+    freeze(b.pid)
     pulse = p.loop_thread.submit(heartbeat(beats))
     try:
         pending = p.loop_thread.submit(scenario)
@@ -245,7 +223,7 @@ def test_a_transfer_to_an_open_peer_ends_at_its_deadline_while_another_peer_is_o
             spec_a, spec_b = _spec(p, a, "to-a", 4), _spec(p, b, "to-b", 4)
             p.sender.begin_step(1, [spec_b])
             until_streaming(p, "to-b")   # P has B's layout: its first write will open B's segment
-            stop(b)
+            freeze(b.pid)
             try:
                 t_b = _step_layers(p, 1)
                 time.sleep(0.2)   # B's handshake is under way in its thread
