@@ -54,8 +54,8 @@ class WritePace:
 
     def due(self, group: Group) -> float | None:
         """When ``group`` (the first unsettled write to its target) should settle; None: no estimate."""
-        rate = self._rate.get(group.target)
-        if rate is None or group.nbytes <= 0:
+        takes = self.takes(group)
+        if takes <= 0.0:   # no rate yet, or no bytes
             return None
         last = self._last.get(group.target, (0.0, 0.0, 0))[0]
-        return max(group.watched, last) + group.nbytes / rate
+        return max(group.watched, last) + takes
