@@ -95,7 +95,7 @@ def snapshot(rt: Source) -> dict[str, Any]:
         "receive_failures": dict(receiver.failures),
         "task_errors": rt.loop_thread.task_errors,
         # sampled end-to-end checks: P's sent ("sampled"; "sent_early": a part before the DONE, taken by D),
-        # D's "verified" / "mismatch" (at DONE) and "verified_early" (early parts it verified)
+        # D's "verified" / "mismatch" / "unfinished" (at DONE) and "verified_early" (early parts it verified)
         "integrity": {"sampled": sender.integrity_checks if sender else 0,
                       "sent_early": sender.early_checks if sender else 0, **receiver.integrity},
     }
@@ -150,8 +150,9 @@ class _SnapshotCollector:
                        "(P's FAILED, or D's integrity check refused its DONE), refused (the registration)",
                        None, ["cause"], [([k], v) for k, v in sorted(s.get("receive_failures", {}).items())])
         yield _counter("aiolayer_integrity_checks", "sampled end-to-end KV checks: sent by P (sampled; "
-                       "sent_early: the part landed before the DONE, taken by D), verified or mismatched at D "
-                       "(verified_early: early parts verified)", None, ["result"],
+                       "sent_early: the part landed before the DONE, taken by D), verified, mismatched or "
+                       "unfinished (not read within done_delivery) at D (verified_early: early parts verified)",
+                       None, ["result"],
                        [([k], v) for k, v in sorted(s["integrity"].items())])
         yield _counter("aiolayer_task_errors", "loop tasks that ended with an error (logged, the runtime went on)",
                        s.get("task_errors", 0))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 
 import msgspec
@@ -60,12 +61,13 @@ class Corrupter:
 
 
 @pytest.fixture
-def pair():
+def pair(request):
     made, corrupter = [], Corrupter()
+    timeouts = getattr(request, "param", TIMEOUTS)
 
     def start(engine_id: str, seed: int | None, sample: float, **hooks) -> tuple[Runtime, PagedKVCache]:
         rt = install_hooks(Runtime(NodeConfig(engine_id=engine_id, backend="memory", integrity_sample=sample),
-                                   TIMEOUTS), **hooks).start()
+                                   timeouts), **hooks).start()
         made.append(rt)
         return rt, host_cache(rt, SHAPE, seed, host_memory=True)
 
@@ -336,3 +338,30 @@ def test_a_layer_counts_as_matched_early_only_for_the_same_runs_and_digests(pair
     short = msgspec.structs.replace(done, crc_k=zeros_k[:-1])
     assert plan_verify(local, [0], short, matched) == ("integrity: malformed check: 3/4 CRCs for 4 layers", None)
     assert plan_verify(local, [0], done, matched) == ("", matched.unmatched(done))
+
+
+@pytest.mark.parametrize("pair", [Timeouts(receive=20, fence_grace=2.0, control_call=0.5, done_delivery=1.5)],
+                         indirect=True)
+def test_a_check_that_does_not_end_fails_the_transfer_at_its_deadline(pair, monkeypatch):
+    """D's reads of what landed never end (a stuck worker, a full thread pool): each early check is
+    answered ``Nack(busy)`` after ``control_call`` and the DONE's check fails the transfer after
+    ``done_delivery``, long before D's ``receive`` deadline would have."""
+    p, d, corrupter = pair
+    stuck = threading.Event()
+
+    def never_ends(*_):
+        stuck.wait(30)
+        raise RuntimeError("released by the test")
+
+    monkeypatch.setattr("aiolayer.runtime.control.routing.verify_early", never_ends)
+    monkeypatch.setattr("aiolayer.runtime.control.routing.read_check", never_ends)
+    began = time.monotonic()
+    try:
+        outcome, received = _transfer_last_late(p, d, corrupter, "stuck", [2], [4])
+    finally:
+        stuck.set()
+    assert time.monotonic() - began < 8, "ended by D's receive deadline (20 s), not by the check's own"
+    assert not received.ok and "did not end within done_delivery 1.5s" in received.reason, received.reason
+    assert not outcome.ok
+    assert corrupter.early and p.sender.early_checks == 0   # each sent, none answered as verified
+    assert _integrity(d).get("unfinished", 0) >= 1 and "verified" not in _integrity(d)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
 import msgspec
 
 from ...errors import ControlError, ControlRejected, DeadlineExceeded, FrameDropped, RuntimeStateError
-from ... import version
+from ... import compat, version
 from ...protocol import messages as m
 from ...protocol.codes import AckDetail, NackCode
 from ..integrity import MAX_EARLY_CHECKS, EarlyChecks, early_result, plan_verify, read_check, verify_early
@@ -183,37 +183,59 @@ async def stop_sender(rt: Host, endpoint: str, transfer_id: str, token: str, rea
 
 async def _verified(rt: Host, done: m.Done | m.Failed) -> m.Done | m.Failed:
     """A DONE carrying an integrity check, once D compared what landed (in a worker thread): as sent,
-    or a FAILED from the same sender saying what differs. A DONE D would refuse or keep anyway
-    (unknown, wrong token, already given up) goes on unchecked."""
+    or a FAILED from the same sender saying what differs, or that the comparison did not end within
+    ``done_delivery`` (past it P gave up delivering this DONE, so no answer would reach it; the KV is
+    not vouched for, so the transfer fails, visibly). A DONE D would refuse or keep anyway (unknown,
+    wrong token, already given up) goes on unchecked."""
     if not isinstance(done, m.Done) or done.check is None:
         return done
     target = rt.receiver.to_verify(done.transfer_id, done.token)
     if target is None:
         return done
-    blocks, early_checks = target
-    began = time.perf_counter()
-    local, early = _sender(rt).local, await early_checks.of(done.sender)
-    problem, rest = plan_verify(local, blocks, done.check, early)
-    if rest is not None and local is not None:   # else malformed, or every layer matched early: no thread hop
-        problem = await asyncio.to_thread(read_check, local, rest)
-    log.debug("transfer %s: DONE's check: %d of %d layers read at DONE, %.2f ms", done.transfer_id,
-              0 if rest is None else len(rest.layers), len(done.check.layers), (time.perf_counter() - began) * 1e3)
-    rt.receiver.integrity["mismatch" if problem else "verified"] += 1
+    limit = rt.timeouts.done_delivery
+    try:
+        async with compat.timeout(limit):
+            problem = await _compare(rt, done.transfer_id, done.sender, done.check, *target)
+        verdict = "mismatch" if problem else "verified"
+    except TimeoutError:
+        problem, verdict = f"integrity: D's check of what landed did not end within done_delivery {limit:g}s", \
+            "unfinished"
+    rt.receiver.integrity[verdict] += 1
     if not problem:
         return done
     log.error("transfer %s from %s: %s", done.transfer_id, done.sender, problem)
     return m.Failed(transfer_id=done.transfer_id, sender=done.sender, reason=problem, token=done.token)
 
 
+async def _compare(rt: Host, transfer_id: str, sender: str, check: m.LayerCheck, blocks: list[int],
+                   early_checks: EarlyChecks) -> str:
+    """What differs between a DONE's check and what landed ("" if nothing): the layers its sender's
+    early checks did not match are read now."""
+    began = time.perf_counter()
+    local, early = _sender(rt).local, await early_checks.of(sender)
+    problem, rest = plan_verify(local, blocks, check, early)
+    if rest is not None and local is not None:   # else malformed, or every layer matched early: no thread hop
+        problem = await asyncio.to_thread(read_check, local, rest)
+    log.debug("transfer %s: DONE's check: %d of %d layers read at DONE, %.2f ms", transfer_id,
+              0 if rest is None else len(rest.layers), len(check.layers), (time.perf_counter() - began) * 1e3)
+    return problem
+
+
 async def _early_check(rt: Host, msg: m.EarlyCheck) -> m.Ack:
     """A writer's early check: the layers that landed intact are remembered for its DONE (integrity.py).
-    Answered once verified; past ``MAX_EARLY_CHECKS`` of one writer, ``Nack(busy)``."""
+    Answered once verified; past ``MAX_EARLY_CHECKS`` of one writer, ``Nack(busy)``; and so when it did
+    not end within ``control_call`` (P's call gave up then; the DONE waits for it within its own bound)."""
     blocks, early_checks = rt.receiver.early_check_of(msg)
     local = _sender(rt).local
     verifying = early_checks.start(msg.sender, lambda: verify_early(local, blocks, msg.check))
     if verifying is None:
         raise ControlRejected(NackCode.BUSY, f"early check: {MAX_EARLY_CHECKS} from {msg.sender!r} already")
-    matched = await early_result(verifying)
+    try:
+        async with compat.timeout(rt.timeouts.control_call):
+            matched = await early_result(verifying)
+    except TimeoutError:
+        raise ControlRejected(NackCode.BUSY, f"early check: still reading after {rt.timeouts.control_call:g}s") \
+            from None
     rt.receiver.integrity["verified_early"] += 1
     detail = f"{0 if matched is None else len(matched.layers)} of {len(msg.check.layers)} layers intact"
     log.debug("transfer %s: early check from %s: %s", msg.transfer_id, msg.sender, detail)
