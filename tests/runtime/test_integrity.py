@@ -365,3 +365,27 @@ def test_a_check_that_does_not_end_fails_the_transfer_at_its_deadline(pair, monk
     assert not outcome.ok
     assert corrupter.early and p.sender.early_checks == 0   # each sent, none answered as verified
     assert _integrity(d).get("unfinished", 0) >= 1 and "verified" not in _integrity(d)
+
+
+@pytest.mark.parametrize("pair", [Timeouts(receive=20, fence_grace=2.0, done_delivery=1.5)], indirect=True)
+def test_a_source_digest_that_does_not_end_holds_the_done_only_until_its_deadline(pair, monkeypatch, caplog):
+    """P's digest of the source never ends (a stuck worker, a full thread pool): the DONE goes without its
+    check after ``done_delivery``, logged, as when a digest breaks; the transfer is not held until D's
+    ``receive`` deadline, nor its source."""
+    p, d, corrupter = pair
+    stuck = threading.Event()
+
+    def never_ends(*_):
+        stuck.wait(30)
+        raise RuntimeError("released by the test")
+
+    monkeypatch.setattr("aiolayer.runtime.send.checking.digest_layers", never_ends)
+    began = time.monotonic()
+    try:
+        outcome, received = _transfer(p, d, corrupter, "undigested", [1, 9], [3, 4])
+    finally:
+        stuck.set()
+    assert outcome.ok and received.ok, (outcome.reason, received.reason)
+    assert 1.4 < time.monotonic() - began < 8
+    assert corrupter.digests == [] and _integrity(p) == {} and _integrity(d) == {}   # no check went, none counted
+    assert any("integrity digest did not end within done_delivery 1.5s" in r.getMessage() for r in caplog.records)

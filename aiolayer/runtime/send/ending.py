@@ -16,6 +16,7 @@ import operator
 import time
 from typing import Any
 
+from ... import compat
 from ...bounded import put_newest
 from ...config import Timeouts
 from ...errors import AiolayerError, ControlRejected, DeliveryFailed
@@ -83,12 +84,7 @@ class TransferEnding:
                 pass   # logged; D's own deadline and fence end the transfer there
             return
         req.state.apply(Event.ALL_LAYERS_WRITTEN)
-        check = None
-        if self.integrity_sample:   # every write completed: the held source is what D must hold now
-            early = req.check   # begun beside the last writes (``layers_submitted``), else now
-            check = await (early if early is not None else asyncio.to_thread(
-                sample_check, self.local, req.runs, req.spans, self.integrity_sample, req.digest))
-            self.integrity_checks += check is not None
+        check = await self._sampled_check(req) if self.integrity_sample else None
         msg = m.Done(transfer_id=spec.transfer_id, sender=self.engine_id, incarnation=spec.dst_incarnation,
                      layers=len(req.timings), bytes=req.bytes, token=spec.token, check=check)
         try:
@@ -97,6 +93,23 @@ class TransferEnding:
             self._publish(req, f"DONE not delivered: {exc}", settled)
             return
         self._publish(req, m.done_verdict(reply), settled)
+
+    async def _sampled_check(self, req: Request) -> m.LayerCheck | None:
+        """The DONE's integrity check of a sampled transfer (every write completed: the held source is
+        what D must hold now); None, logged, when its digest did not end within ``done_delivery`` (the
+        DONE goes unchecked, as when a digest breaks: ``checking.py``), so no thread holds the DONE."""
+        early = req.check   # begun beside the last writes (``layers_submitted``), else now
+        limit = self.timeouts.done_delivery
+        try:
+            async with compat.timeout(limit):
+                check = await (early if early is not None else asyncio.to_thread(
+                    sample_check, self.local, req.runs, req.spans, self.integrity_sample, req.digest))
+        except TimeoutError:
+            log.error("transfer %s: integrity digest did not end within done_delivery %gs; this transfer goes "
+                      "unchecked", req.spec.transfer_id, limit)
+            return None
+        self.integrity_checks += check is not None
+        return check
 
     def layers_submitted(self, req: Request, layers: list[int], last: bool) -> None:
         """Stream hook: ``layers`` of ``req`` were submitted, so their source is final: a sampled transfer
