@@ -80,6 +80,19 @@ def pair(request):
             rt.stop()
 
 
+@pytest.fixture
+def never_ends():
+    """A worker's job that never ends (a stuck read, a full thread pool), released as the test ends."""
+    stuck = threading.Event()
+
+    def job(*_):
+        stuck.wait(30)
+        raise RuntimeError("released by the test")
+
+    yield job
+    stuck.set()
+
+
 def _transfer(p: Runtime, d: Runtime, corrupter: Corrupter, tid: str, src: list[int], dst: list[int]):
     reg = d.receive(ReceiveSpec(transfer_id=tid, block_ids=dst))
     corrupter.blocks[tid] = dst
@@ -342,24 +355,15 @@ def test_a_layer_counts_as_matched_early_only_for_the_same_runs_and_digests(pair
 
 @pytest.mark.parametrize("pair", [Timeouts(receive=20, fence_grace=2.0, control_call=0.5, done_delivery=1.5)],
                          indirect=True)
-def test_a_check_that_does_not_end_fails_the_transfer_at_its_deadline(pair, monkeypatch):
+def test_a_check_that_does_not_end_fails_the_transfer_at_its_deadline(pair, never_ends, monkeypatch):
     """D's reads of what landed never end (a stuck worker, a full thread pool): each early check is
     answered ``Nack(busy)`` after ``control_call`` and the DONE's check fails the transfer after
     ``done_delivery``, long before D's ``receive`` deadline would have."""
     p, d, corrupter = pair
-    stuck = threading.Event()
-
-    def never_ends(*_):
-        stuck.wait(30)
-        raise RuntimeError("released by the test")
-
     monkeypatch.setattr("aiolayer.runtime.control.routing.verify_early", never_ends)
     monkeypatch.setattr("aiolayer.runtime.control.routing.read_check", never_ends)
     began = time.monotonic()
-    try:
-        outcome, received = _transfer_last_late(p, d, corrupter, "stuck", [2], [4])
-    finally:
-        stuck.set()
+    outcome, received = _transfer_last_late(p, d, corrupter, "stuck", [2], [4])
     assert time.monotonic() - began < 8, "ended by D's receive deadline (20 s), not by the check's own"
     assert not received.ok and "did not end within done_delivery 1.5s" in received.reason, received.reason
     assert not outcome.ok
@@ -368,23 +372,15 @@ def test_a_check_that_does_not_end_fails_the_transfer_at_its_deadline(pair, monk
 
 
 @pytest.mark.parametrize("pair", [Timeouts(receive=20, fence_grace=2.0, done_delivery=1.5)], indirect=True)
-def test_a_source_digest_that_does_not_end_holds_the_done_only_until_its_deadline(pair, monkeypatch, caplog):
+def test_a_source_digest_that_does_not_end_holds_the_done_only_until_its_deadline(pair, never_ends, monkeypatch,
+                                                                                  caplog):
     """P's digest of the source never ends (a stuck worker, a full thread pool): the DONE goes without its
     check after ``done_delivery``, logged, as when a digest breaks; the transfer is not held until D's
     ``receive`` deadline, nor its source."""
     p, d, corrupter = pair
-    stuck = threading.Event()
-
-    def never_ends(*_):
-        stuck.wait(30)
-        raise RuntimeError("released by the test")
-
     monkeypatch.setattr("aiolayer.runtime.send.checking.digest_layers", never_ends)
     began = time.monotonic()
-    try:
-        outcome, received = _transfer(p, d, corrupter, "undigested", [1, 9], [3, 4])
-    finally:
-        stuck.set()
+    outcome, received = _transfer(p, d, corrupter, "undigested", [1, 9], [3, 4])
     assert outcome.ok and received.ok, (outcome.reason, received.reason)
     assert 1.4 < time.monotonic() - began < 8
     assert corrupter.digests == [] and _integrity(p) == {} and _integrity(d) == {}   # no check went, none counted
