@@ -18,7 +18,7 @@ import zlib
 import numpy as np
 import pytest
 
-from helpers_node import SMALL_SHAPE, apply_mc_env, mooncake_p, stoppable_node
+from helpers_node import SMALL_SHAPE, apply_mc_env, freeze, mooncake_p, stoppable_node
 
 apply_mc_env()  # before any Mooncake engine exists in this process
 
@@ -98,7 +98,7 @@ def test_group_past_its_deadline_quarantines_what_is_pending(p_side, d_node):
     rep, layout = _target(rt, d_node, "g-late", 32)
     src, dst, lengths = _half_block_runs(cache, rep, layout)
     _write(rt, layout.session, src[:1], dst[:1], lengths[:1], 5.0)   # opens the segment
-    os.kill(d_node.pid, signal.SIGSTOP)
+    freeze(d_node.pid)   # every thread stopped: a run could otherwise still land before it
     exc = _write(rt, layout.session, src, dst, lengths, 0.5)
     assert isinstance(exc, TransferTimeout), repr(exc)
     pending = exc.pending

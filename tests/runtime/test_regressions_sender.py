@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers_node import SMALL_SHAPE, apply_mc_env, stoppable_node, until_streaming
+from helpers_node import SMALL_SHAPE, apply_mc_env, freeze, stoppable_node, until_streaming
 
 apply_mc_env()  # before any Mooncake engine exists in this process
 
@@ -165,7 +165,7 @@ def test_first_write_to_a_stopped_peer_stays_fenced_until_its_submit_ends(frozen
     spec = spec_for(frozen_d.control, "f2", src, rep)
     p.sender.begin_step(0, [spec])
     until_streaming(p, "f2")
-    os.kill(frozen_d.pid, signal.SIGSTOP)
+    freeze(frozen_d.pid)   # every thread stopped: a run could otherwise still land before it
     for layer in range(SHAPE.num_layers):
         p.sender.layer_ready(0, layer)
     p.sender.end_step(0)
@@ -208,7 +208,7 @@ def test_refused_submit_after_a_timed_out_run_hands_over_its_pending(frozen_d, m
     p.loop_thread.call(backend.write(layout.session, *one, 2.0), timeout=5)   # opens the segment
     real = backend._engine
     backend._engine = _RefuseSecondSubmit(real)
-    os.kill(frozen_d.pid, signal.SIGSTOP)
+    freeze(frozen_d.pid)   # every thread stopped: a run could otherwise still land before it
     two = [np.concatenate([a, a]) for a in one]
 
     async def write() -> BaseException | None:
