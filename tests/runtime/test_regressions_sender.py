@@ -86,33 +86,33 @@ def test_failed_and_stopped_only_once_no_write_can_land(memory_runtime, memory_d
     """A write timed out and still lands 3 s later; the quarantine (0.5 s) ends first. Until the
     write ended, D's abort must get ``settling`` and D must not hear FAILED (it would free the
     blocks the write then lands in)."""
-    d = memory_decode_node(SHAPE, engine_id="d-f1")
-    p, cache = p_runtime(memory_runtime, "p-f1", Timeouts(layer_write=0.3, quarantine=0.5, cleanup=0.3,
+    d = memory_decode_node(SHAPE, engine_id="d-landing")
+    p, cache = p_runtime(memory_runtime, "p-landing", Timeouts(layer_write=0.3, quarantine=0.5, cleanup=0.3,
                                                          done_delivery=1.0, control_call=0.5))
-    rep = alloc(p, d.control_endpoint, "f1", 2)
+    rep = alloc(p, d.control_endpoint, "landing", 2)
     d.runtime.backend.faults.stall_s = 3.0
     t0 = time.perf_counter()
-    run_step(p, 0, [spec_for(d.control_endpoint, "f1", [4, 5], rep)])
-    out = p.sender.wait("f1", 5)
+    run_step(p, 0, [spec_for(d.control_endpoint, "landing", [4, 5], rep)])
+    out = p.sender.wait("landing", 5)
     assert not out.ok and "TransferTimeout" in out.reason and not out.source_released
     time.sleep(max(0.0, t0 + 1.4 - time.perf_counter()))         # past quarantine + cleanup
     assert p.sender.fence_timeouts == 1
-    assert d_state(p, d.control_endpoint, "f1") == "registered"   # no FAILED while the write may land
-    assert abort_at_p(p, "f1", rep.token) == "settling"
-    assert "f1" not in p.sender.pop_released()
-    landed = released_within(p, "f1", 5)
+    assert d_state(p, d.control_endpoint, "landing") == "registered"   # no FAILED while the write may land
+    assert abort_at_p(p, "landing", rep.token) == "settling"
+    assert "landing" not in p.sender.pop_released()
+    landed = released_within(p, "landing", 5)
     assert landed is not None and landed - t0 >= 2.9, "source released before the stalled write landed"
-    assert abort_at_p(p, "f1", rep.token) == "stopped"            # now nothing can land
-    v = p.request(d.control_endpoint, m.VerifyRequest(transfer_id="f1"), timeout=5)
+    assert abort_at_p(p, "landing", rep.token) == "stopped"            # now nothing can land
+    v = p.request(d.control_endpoint, m.VerifyRequest(transfer_id="landing"), timeout=5)
     assert v.crc_k[0] == checksums(cache.blocks, [4, 5])[0][0]   # the late write did land at D
-    assert d_state(p, d.control_endpoint, "f1") == "registered"   # D's own deadline and fence take over
+    assert d_state(p, d.control_endpoint, "landing") == "registered"   # D's own deadline and fence take over
 
 
 def test_sender_stop_does_not_declare_live_writes_quiet(memory_runtime, memory_decode_node):
     """The sender's loop ends (its bridge closed) with writes still in flight: the transfers must
     stay not-quiet (abort: ``settling``, no FAILED) until those writes ended; FAILED after that."""
-    d = memory_decode_node(SHAPE, engine_id="d-f1s")
-    p, _ = p_runtime(memory_runtime, "p-f1s", Timeouts(layer_write=0.3, quarantine=10.0, cleanup=0.3,
+    d = memory_decode_node(SHAPE, engine_id="d-live")
+    p, _ = p_runtime(memory_runtime, "p-live", Timeouts(layer_write=0.3, quarantine=10.0, cleanup=0.3,
                                                        done_delivery=1.0, control_call=0.5))
     ep = d.control_endpoint
     reps = {tid: alloc(p, ep, tid, 2) for tid in ("aborted", "told")}
@@ -158,26 +158,26 @@ def mooncake_p():
 def test_first_write_to_a_stopped_peer_stays_fenced_until_its_submit_ends(frozen_d, mooncake_p):
     """The first write to a new target opens its segment in a thread; D is stopped, so that blocks
     past the deadline and the submit happens later. P must keep the source until then."""
-    p, cache = p_runtime(lambda e, t: mooncake_p(e, t), "p-f2",
+    p, cache = p_runtime(lambda e, t: mooncake_p(e, t), "p-first-write",
                          Timeouts(layer_write=1.0, quarantine=30.0, done_delivery=1.0, control_call=0.5))
     src = list(range(8, 16))
-    rep = alloc(p, frozen_d.control, "f2", len(src))
-    spec = spec_for(frozen_d.control, "f2", src, rep)
+    rep = alloc(p, frozen_d.control, "first-write", len(src))
+    spec = spec_for(frozen_d.control, "first-write", src, rep)
     p.sender.begin_step(0, [spec])
-    until_streaming(p, "f2")
+    until_streaming(p, "first-write")
     freeze(frozen_d.pid)   # every thread stopped: a run could otherwise still land before it
     for layer in range(SHAPE.num_layers):
         p.sender.layer_ready(0, layer)
     p.sender.end_step(0)
-    out = p.sender.wait("f2", 10)
+    out = p.sender.wait("first-write", 10)
     assert not out.ok and "TransferTimeout" in out.reason, out
     assert not out.source_released, "the submit still running in its thread was not fenced"
-    assert released_within(p, "f2", 1.0) is None
+    assert released_within(p, "first-write", 1.0) is None
     assert p.backend.quarantined >= 1
     os.kill(frozen_d.pid, signal.SIGCONT)
-    assert released_within(p, "f2", 15) is not None
+    assert released_within(p, "first-write", 15) is not None
     assert p.backend.quarantined == 0
-    v = p.request(frozen_d.control, m.VerifyRequest(transfer_id="f2"), timeout=5)
+    v = p.request(frozen_d.control, m.VerifyRequest(transfer_id="first-write"), timeout=5)
     assert v.crc_k[0] == checksums(cache.blocks, src)[0][0]     # the late submit did write D's blocks
 
 
@@ -198,9 +198,9 @@ class _RefuseSecondSubmit:
 
 
 def test_refused_submit_after_a_timed_out_run_hands_over_its_pending(frozen_d, mooncake_p):
-    p, cache = p_runtime(lambda e, t: mooncake_p(e, t), "p-f2r", Timeouts(layer_write=2.0, control_call=0.5))
-    rep = alloc(p, frozen_d.control, "f2r", 4)
-    layout = p.request(frozen_d.control, m.LayoutRequest(transfer_id="f2r", token=rep.token), timeout=5)
+    p, cache = p_runtime(lambda e, t: mooncake_p(e, t), "p-refused", Timeouts(layer_write=2.0, control_call=0.5))
+    rep = alloc(p, frozen_d.control, "refused", 4)
+    layout = p.request(frozen_d.control, m.LayoutRequest(transfer_id="refused", token=rep.token), timeout=5)
     dst = layout.layers[0].k_base + rep.block_ids[0] * SHAPE.block_bytes
     src = cache.k_base[0]
     one = np.array([src], dtype=np.int64), np.array([dst], dtype=np.int64), np.array([SHAPE.block_bytes])
@@ -235,42 +235,42 @@ def test_refused_submit_after_a_timed_out_run_hands_over_its_pending(frozen_d, m
 # --- the engine cancels a running send -----------------------------------------------------------------
 
 def test_cancel_stops_the_send_fails_it_and_tells_d_once_quiet(memory_runtime, memory_decode_node):
-    d = memory_decode_node(SHAPE, engine_id="d-f4")
-    p, cache = p_runtime(memory_runtime, "p-f4")
-    rep = alloc(p, d.control_endpoint, "f4", 3)
+    d = memory_decode_node(SHAPE, engine_id="d-cancel")
+    p, cache = p_runtime(memory_runtime, "p-cancel")
+    rep = alloc(p, d.control_endpoint, "cancel", 3)
     d.runtime.backend.faults.delay_s = 0.4            # layer 0's write is in flight when the cancel comes
-    before = p.request(d.control_endpoint, m.VerifyRequest(transfer_id="f4"), timeout=5)
-    p.sender.begin_step(0, [spec_for(d.control_endpoint, "f4", [7, 8, 9], rep)])
+    before = p.request(d.control_endpoint, m.VerifyRequest(transfer_id="cancel"), timeout=5)
+    p.sender.begin_step(0, [spec_for(d.control_endpoint, "cancel", [7, 8, 9], rep)])
     p.sender.layer_ready(0, 0)
     time.sleep(0.15)
-    p.sender.cancel("f4", "preempted by the scheduler")
+    p.sender.cancel("cancel", "preempted by the scheduler")
     p.sender.cancel("no-such-transfer", "ignored")
     for layer in range(1, SHAPE.num_layers):
         p.sender.layer_ready(0, layer)
     p.sender.end_step(0)
-    out = p.sender.wait("f4", 5)
+    out = p.sender.wait("cancel", 5)
     assert not out.ok and "preempted by the scheduler" in out.reason, out
     assert [t.layer for t in out.layers] == [0]       # no layer submitted after the cancel
-    released = released_within(p, "f4", 5)
+    released = released_within(p, "cancel", 5)
     assert released is not None and released >= out.layers[0].landed_s
     deadline = time.monotonic() + 3
-    while d_state(p, d.control_endpoint, "f4") != "failed" and time.monotonic() < deadline:
+    while d_state(p, d.control_endpoint, "cancel") != "failed" and time.monotonic() < deadline:
         time.sleep(0.02)
-    after = p.request(d.control_endpoint, m.VerifyRequest(transfer_id="f4"), timeout=5)
+    after = p.request(d.control_endpoint, m.VerifyRequest(transfer_id="cancel"), timeout=5)
     assert after.state == "failed" and "preempted by the scheduler" in after.reason, after
     assert after.crc_k[0] == checksums(cache.blocks, [7, 8, 9])[0][0]
     assert after.crc_k[1:] == before.crc_k[1:] and after.crc_v[1:] == before.crc_v[1:]
     d.runtime.backend.faults.delay_s = 0.0
-    rep2 = alloc(p, d.control_endpoint, "f4-next", 2)
-    run_step(p, 1, [spec_for(d.control_endpoint, "f4-next", [1, 2], rep2)])
-    assert p.sender.wait("f4-next", 5).ok
+    rep2 = alloc(p, d.control_endpoint, "cancel-next", 2)
+    run_step(p, 1, [spec_for(d.control_endpoint, "cancel-next", [1, 2], rep2)])
+    assert p.sender.wait("cancel-next", 5).ok
 
 
 # --- one bad spec fails alone ------------------------------------------------------------------------
 
 def test_bad_specs_fail_alone_and_the_runtime_keeps_serving(memory_runtime, memory_decode_node):
-    d = memory_decode_node(SHAPE, engine_id="d-f5")
-    p, cache = p_runtime(memory_runtime, "p-f5", Timeouts(control_call=0.5, done_delivery=1.0, layout_fetch=1.0))
+    d = memory_decode_node(SHAPE, engine_id="d-bad-spec")
+    p, cache = p_runtime(memory_runtime, "p-bad-spec", Timeouts(control_call=0.5, done_delivery=1.0, layout_fetch=1.0))
     ep = d.control_endpoint
     reps = {tid: alloc(p, ep, tid, 2) for tid in ("good-1", "huge", "negative", "lengths", "garbage", "good-2")}
     bad = {
@@ -307,8 +307,8 @@ def test_bad_specs_fail_alone_and_the_runtime_keeps_serving(memory_runtime, memo
 # --- a flood of stranger aborts cannot keep out a genuine early abort ---------------------------------
 
 def test_stranger_abort_flood_cannot_refuse_a_genuine_early_abort(memory_runtime, memory_decode_node):
-    d = memory_decode_node(SHAPE, engine_id="d-f9", timeouts=Timeouts(fence_grace=6.0))
-    p, _ = p_runtime(memory_runtime, "p-f9")
+    d = memory_decode_node(SHAPE, engine_id="d-flood", timeouts=Timeouts(fence_grace=6.0))
+    p, _ = p_runtime(memory_runtime, "p-flood")
     stranger = memory_runtime("stranger")
 
     async def flood() -> int:
@@ -318,18 +318,18 @@ def test_stranger_abort_flood_cannot_refuse_a_genuine_early_abort(memory_runtime
         return sum(isinstance(r, m.Ack) and r.detail == "stopped" for r in replies)
 
     assert stranger.loop_thread.call(flood(), timeout=60) > 0
-    rep = alloc(p, d.control_endpoint, "f9", 2)
-    before = p.request(d.control_endpoint, m.VerifyRequest(transfer_id="f9"), timeout=5)
+    rep = alloc(p, d.control_endpoint, "flood", 2)
+    before = p.request(d.control_endpoint, m.VerifyRequest(transfer_id="flood"), timeout=5)
     t0 = time.monotonic()
-    p.request(d.control_endpoint, m.AbortRequest(transfer_id="f9", reason="client gone", token=rep.token))
-    while d_state(p, d.control_endpoint, "f9") != "failed" and time.monotonic() - t0 < 8:
+    p.request(d.control_endpoint, m.AbortRequest(transfer_id="flood", reason="client gone", token=rep.token))
+    while d_state(p, d.control_endpoint, "flood") != "failed" and time.monotonic() - t0 < 8:
         time.sleep(0.02)
-    assert time.monotonic() - t0 < 3.0, "no P rank reached f9: D's fence must end at once"
+    assert time.monotonic() - t0 < 3.0, "no P rank reached it: D's fence must end at once"
     # a genuine early Abort (a peer that knew the transfer) reaches P before its step, despite the flood
-    assert stranger.request(p.control_endpoint, m.Abort(transfer_id="f9", reason="client gone", token=rep.token),
+    assert stranger.request(p.control_endpoint, m.Abort(transfer_id="flood", reason="client gone", token=rep.token),
                             timeout=5).detail == "stopped"
-    run_step(p, 0, [spec_for(d.control_endpoint, "f9", [3, 4], rep)])   # P's step comes after all
-    out = p.sender.wait("f9", 5)
+    run_step(p, 0, [spec_for(d.control_endpoint, "flood", [3, 4], rep)])   # P's step comes after all
+    out = p.sender.wait("flood", 5)
     assert not out.ok and "aborted by D before it started" in out.reason, out
-    after = p.request(d.control_endpoint, m.VerifyRequest(transfer_id="f9"), timeout=5)
+    after = p.request(d.control_endpoint, m.VerifyRequest(transfer_id="flood"), timeout=5)
     assert (after.crc_k, after.crc_v) == (before.crc_k, before.crc_v)   # not one byte written

@@ -53,12 +53,12 @@ def _pool_full(engine: Engine) -> bool:
 def test_one_token_prompt_is_computed_locally_after_its_kv_arrived(engines):
     """vLLM recomputes the last token of a full-prompt load: with a 1-token prompt it resets the
     count to 0 and asks the connector again. The parameters are spent: no second receive."""
-    d = engines("kv_consumer", "d-f3-one")
-    p = engines("kv_producer", "p-f3-one")
-    d.add("d-1", [42], 3, recv_params(p, "f3one"))
+    d = engines("kv_consumer", "d-one-token")
+    p = engines("kv_producer", "p-one-token")
+    d.add("d-1", [42], 3, recv_params(p, "one-token"))
     d.step()
     assert d.status("d-1") is _waiting_remote()
-    _prefill_at_p(p, d, "f3one", [42])
+    _prefill_at_p(p, d, "one-token", [42])
     steps_until(lambda: _ended(d, "d-1"), d, p, limit=LIMIT)
     assert _ended(d, "d-1") == "length"
     assert d.runtime.receiver.outcome_counts == {"finished": 1}
@@ -68,16 +68,16 @@ def test_request_preempted_at_d_is_prefilled_locally_not_parked_again(engines):
     """A tiny KV cache at D: two received requests outgrow it while decoding, vLLM preempts one
     (freeing its blocks, so the received KV is gone) and asks the connector again; the request is
     then prefilled locally and completes, instead of waiting for a transfer that already happened."""
-    d = engines("kv_consumer", "d-f3-pre", num_blocks=6)      # 5 usable blocks of 32 tokens
-    p = engines("kv_producer", "p-f3-pre")
+    d = engines("kv_consumer", "d-preempted", num_blocks=6)      # 5 usable blocks of 32 tokens
+    p = engines("kv_producer", "p-preempted")
     prompt = list(range(3, 67))                               # 64 tokens: 2 blocks, a 3rd at decode
     reqs = {}
     for name in ("a", "b"):
-        reqs[name] = d.add(f"d-{name}", prompt, 6, recv_params(p, f"f3pre{name}"))
+        reqs[name] = d.add(f"d-{name}", prompt, 6, recv_params(p, f"preempted-{name}"))
         d.step()
         assert d.status(f"d-{name}") is _waiting_remote()
     for name in ("a", "b"):
-        _prefill_at_p(p, d, f"f3pre{name}", prompt)
+        _prefill_at_p(p, d, f"preempted-{name}", prompt)
     parked_again = []
 
     def watch() -> bool:
@@ -105,15 +105,15 @@ def test_send_of_a_request_preempted_at_p_fails_and_never_says_done(engines, asy
     asks) is done after its prefill step N, but step N+1 is scheduled before N's output is in:
     X is still running (skipped, at max_tokens) and is the last one, so vLLM preempts it when Y
     needs a block. sync: the same with max_tokens=2, X preempted in the next step."""
-    d = engines("kv_consumer", "d-f4")
-    p = engines("kv_producer", "p-f4", num_blocks=8, asynchronous=asynchronous)   # 7 usable blocks
+    d = engines("kv_consumer", "d-p-preempted")
+    p = engines("kv_producer", "p-p-preempted", num_blocks=8, asynchronous=asynchronous)   # 7 usable blocks
     prompt = list(range(5, 69))                               # 64 tokens: 2 blocks
-    d.add("d-x", prompt, 3, recv_params(p, "f4x"))
+    d.add("d-x", prompt, 3, recv_params(p, "p-preempted"))
     d.step()
-    reg = lookup(p, d, "f4x")
+    reg = lookup(p, d, "p-preempted")
     p.add("p-y", list(range(100, 196)), 2, None)              # 3 blocks, needs a 4th at its 1st decode
     p.add("p-z", list(range(200, 264)), 2, None)              # 2 blocks, needs a 3rd
-    x = p.add("p-x", prompt, 1 if asynchronous else 2, send_params(d, "f4x", reg))  # the pool is now full
+    x = p.add("p-x", prompt, 1 if asynchronous else 2, send_params(d, "p-preempted", reg))  # the pool is now full
     d.runtime.backend.faults.delay_s = 0.5                    # P's writes stay in flight a while
 
     def forward(name: str) -> None:                           # X's KV, and other requests' KV elsewhere
@@ -156,8 +156,9 @@ BAD_RECV = {
 
 @pytest.mark.parametrize("case", sorted(BAD_RECV))
 def test_bad_params_at_d_prefill_locally(engines, case):
-    d = engines("kv_consumer", "d-f5")
-    params = {"transfer_id": "f5", "token": tok("f5"), "prefill_controls": ["tcp://127.0.0.1:5555"], **BAD_RECV[case]}
+    d = engines("kv_consumer", "d-bad-d-params")
+    params = {"transfer_id": "bad-d-params", "token": tok("bad-d-params"), "prefill_controls": ["tcp://127.0.0.1:5555"],
+              **BAD_RECV[case]}
     d.add("d-bad", list(range(40)), 2, {"aiolayer": params})
     d.step()
     assert d.status("d-bad") is not _waiting_remote()
@@ -183,19 +184,19 @@ BAD_SEND = {
 
 @pytest.mark.parametrize("case", sorted(BAD_SEND))
 def test_bad_params_at_p_are_not_sent_and_the_engine_keeps_serving(engines, case):
-    d = engines("kv_consumer", "d-f5p")
-    p = engines("kv_producer", "p-f5p")
+    d = engines("kv_consumer", "d-bad-p-params")
+    p = engines("kv_producer", "p-bad-p-params")
     prompt = list(range(7, 71))
-    d.add("d-good", prompt, 2, recv_params(p, "f5good"))
+    d.add("d-good", prompt, 2, recv_params(p, "good"))
     d.step()
-    reg = lookup(p, d, "f5good")
-    bad = send_params(d, "f5bad", reg)
+    reg = lookup(p, d, "good")
+    bad = send_params(d, "bad", reg)
     bad["aiolayer"].update(BAD_SEND[case])
     p.add("p-bad", prompt, 1, bad)
     p.step(before_save=layer_pattern(p, "p-bad"))              # nothing raises on the model-runner thread
     steps_until(lambda: _ended(p, "p-bad") and _pool_full(p), p, limit=LIMIT)
     # the engine keeps serving: a good transfer through the same P and D still completes
-    p.add("p-good", prompt, 1, send_params(d, "f5good", reg))
+    p.add("p-good", prompt, 1, send_params(d, "good", reg))
     p.step(before_save=layer_pattern(p, "p-good"))
     steps_until(lambda: _ended(d, "d-good"), d, p, limit=LIMIT)
     assert _ended(d, "d-good") == "length"
@@ -208,13 +209,13 @@ def test_worker_never_raises_for_one_bad_request(engines):
     """Defence in depth: metadata the scheduler would never build still fails alone at the worker."""
     from aiolayer_vllm.metadata import AiolayerMetadata, SendReq
 
-    d = engines("kv_consumer", "d-f5w")
-    p = engines("kv_producer", "p-f5w")
+    d = engines("kv_consumer", "d-one-bad")
+    p = engines("kv_producer", "p-one-bad")
     prompt = list(range(9, 73))
-    d.add("d-w", prompt, 2, recv_params(p, "f5w"))
+    d.add("d-w", prompt, 2, recv_params(p, "one-bad"))
     d.step()
-    reg = lookup(p, d, "f5w")
-    p.add("p-w", prompt, 1, send_params(d, "f5w", reg))
+    reg = lookup(p, d, "one-bad")
+    p.add("p-w", prompt, 1, send_params(d, "one-bad", reg))
     out = p.scheduler.schedule()
     meta = out.kv_connector_metadata
     good = meta.sends[0]
@@ -237,15 +238,15 @@ def test_worker_never_raises_for_one_bad_request(engines):
 def test_d_children_sharing_a_transfer_id_are_served_once_each(engines):
     """vLLM's n > 1 children share one kv_transfer_params: the first receives, the others are
     prefilled locally; none waits forever."""
-    d = engines("kv_consumer", "d-f7")
-    p = engines("kv_producer", "p-f7")
+    d = engines("kv_consumer", "d-d-children")
+    p = engines("kv_producer", "p-d-children")
     prompt = list(range(11, 75))
-    shared = recv_params(p, "f7")
+    shared = recv_params(p, "d-children")
     d.add("d-c0", prompt, 2, shared)
     d.add("d-c1", prompt, 2, shared)
     d.step()
     assert d.status("d-c0") is _waiting_remote() and d.status("d-c1") is not _waiting_remote()
-    _prefill_at_p(p, d, "f7", prompt)
+    _prefill_at_p(p, d, "d-children", prompt)
     steps_until(lambda: _ended(d, "d-c0") and _ended(d, "d-c1"), d, p, limit=LIMIT)
     assert (_ended(d, "d-c0"), _ended(d, "d-c1")) == ("length", "length")
     assert d.runtime.receiver.outcome_counts == {"finished": 1}
@@ -253,18 +254,18 @@ def test_d_children_sharing_a_transfer_id_are_served_once_each(engines):
 
 
 def test_p_children_sharing_a_transfer_id_send_once_and_free_every_block(engines):
-    d = engines("kv_consumer", "d-f7p")
-    p = engines("kv_producer", "p-f7p")
+    d = engines("kv_consumer", "d-p-children")
+    p = engines("kv_producer", "p-p-children")
     prompt = list(range(13, 77))
-    d.add("d-7", prompt, 2, recv_params(p, "f7p"))
+    d.add("d-1", prompt, 2, recv_params(p, "p-children"))
     d.step()
-    shared = send_params(d, "f7p", lookup(p, d, "f7p"))
+    shared = send_params(d, "p-children", lookup(p, d, "p-children"))
     p.add("p-c0", prompt, 1, shared)
     p.add("p-c1", prompt, 1, shared)
     first = p.step(before_save=layer_pattern(p, "p-c0"))
     assert [s.req_id for s in first.kv_connector_metadata.sends] == ["p-c0"]
-    steps_until(lambda: _ended(d, "d-7") and _pool_full(p) and not p.scheduler.requests, d, p, limit=LIMIT)
-    assert _ended(d, "d-7") == "length"
+    steps_until(lambda: _ended(d, "d-1") and _pool_full(p) and not p.scheduler.requests, d, p, limit=LIMIT)
+    assert _ended(d, "d-1") == "length"
     assert p.runtime.sender.outcome_counts == {"finished": 1}
 
 
@@ -273,18 +274,18 @@ def test_p_children_sharing_a_transfer_id_send_once_and_free_every_block(engines
 def test_kv_both_engines_tell_p_parameters_from_d_parameters(engines):
     """vLLM's NIXL recipes start both engines with kv_both: P's own request (P's parameters) must be
     prefilled and sent, not parked as a receive; D's must be parked and received."""
-    d = engines("kv_both", "d-f8")
-    p = engines("kv_both", "p-f8")
+    d = engines("kv_both", "d-kv-both")
+    p = engines("kv_both", "p-kv-both")
     prompt = list(range(17, 81))
-    d.add("d-8", prompt, 2, recv_params(p, "f8"))
+    d.add("d-1", prompt, 2, recv_params(p, "kv-both"))
     d.step()
-    assert d.status("d-8") is _waiting_remote()
-    reg = lookup(p, d, "f8")
-    p.add("p-8", prompt, 1, send_params(d, "f8", reg))
-    first = p.step(before_save=layer_pattern(p, "p-8"))
-    assert p.status("p-8") is not _waiting_remote()
-    assert [s.req_id for s in first.kv_connector_metadata.sends] == ["p-8"]
-    steps_until(lambda: _ended(d, "d-8") and _pool_full(p), d, p, limit=LIMIT)
-    assert _ended(d, "d-8") == "length"
+    assert d.status("d-1") is _waiting_remote()
+    reg = lookup(p, d, "kv-both")
+    p.add("p-1", prompt, 1, send_params(d, "kv-both", reg))
+    first = p.step(before_save=layer_pattern(p, "p-1"))
+    assert p.status("p-1") is not _waiting_remote()
+    assert [s.req_id for s in first.kv_connector_metadata.sends] == ["p-1"]
+    steps_until(lambda: _ended(d, "d-1") and _pool_full(p), d, p, limit=LIMIT)
+    assert _ended(d, "d-1") == "length"
     for i, name in enumerate(LAYERS):
         assert (d.kv_blocks(name)[reg.block_ids] == float(i + 1)).all()
