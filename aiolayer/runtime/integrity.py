@@ -225,12 +225,32 @@ def verify_early(local: LocalLayout | None, block_ids: list[int], check: m.Layer
 
 
 class EarlyChecks:
-    """D: one transfer's early checks, per writer, each running in a worker thread or done."""
+    """D: one transfer's early checks, per writer, each running in a worker thread or done; and the
+    check of each writer's DONE while it runs, which a retry of that DONE joins instead of reading again."""
 
-    __slots__ = ("_by_sender",)
+    __slots__ = ("_by_sender", "_at_done")
 
     def __init__(self) -> None:
         self._by_sender: dict[str, list[asyncio.Future[EarlyMatch | None]]] = {}
+        self._at_done: dict[str, tuple[m.LayerCheck, asyncio.Future[str]]] = {}
+
+    def running_done_check(self, sender: str, check: m.LayerCheck) -> asyncio.Future[str] | None:
+        """The problem ("" if none) that the check of ``sender``'s DONE with this ``check`` will
+        report, while that check runs; None when none runs."""
+        running = self._at_done.get(sender)
+        return running[1] if running is not None and running[0] == check else None
+
+    def begin_done_check(self, sender: str, check: m.LayerCheck) -> asyncio.Future[str]:
+        """The future its retries join: the caller sets its result, or cancels it, and ends it."""
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._at_done[sender] = (check, future)
+        return future
+
+    def end_done_check(self, sender: str, future: asyncio.Future[str]) -> None:
+        if self._at_done.get(sender, (None, None))[1] is future:
+            del self._at_done[sender]
+        if not future.done():
+            future.cancel()
 
     def start(self, sender: str, verify: Callable[[], EarlyMatch | None]) -> asyncio.Future[EarlyMatch | None] | None:
         """``verify`` started for ``sender`` (in a worker thread); None once that writer sent ``MAX_EARLY_CHECKS``."""

@@ -24,7 +24,7 @@ from aiolayer.protocol import messages as m
 from aiolayer.protocol.codes import NackCode
 from aiolayer.runtime.control.hooks import install_hooks
 from aiolayer.runtime.integrity import (MAX_EARLY_CHECKS, EarlyMatch, digest_of_runs, pick_digest, plan_verify,
-                                        sample_check, verify_check, verify_early)
+                                        read_check, sample_check, verify_check, verify_early)
 from helpers_memory import host_cache
 
 pytestmark = pytest.mark.timeout(60)
@@ -369,6 +369,28 @@ def test_a_check_that_does_not_end_fails_the_transfer_at_its_deadline(pair, neve
     assert not outcome.ok
     assert corrupter.early and p.sender.early_checks == 0   # each sent, none answered as verified
     assert _integrity(d).get("unfinished", 0) >= 1 and "verified" not in _integrity(d)
+
+
+@pytest.mark.parametrize("pair", [Timeouts(receive=20, fence_grace=2.0, control_call=0.5, done_delivery=5.0)],
+                         indirect=True)
+def test_a_retried_done_joins_the_check_still_running_instead_of_reading_again(pair, monkeypatch):
+    """D's read at DONE takes longer than P's call (1.2 s against 0.5): P retries the DONE, and each
+    retry waits for the first attempt's verdict. Reading again per attempt would add a read of the
+    same bytes per retry on a D already too slow, and the last attempt would time out too."""
+    p, d, corrupter = pair
+    reads = []
+
+    def slow_read(*args):
+        reads.append(time.monotonic())
+        time.sleep(1.2)
+        return read_check(*args)
+
+    monkeypatch.setattr("aiolayer.runtime.control.routing.read_check", slow_read)
+    outcome, received = _transfer_last_late(p, d, corrupter, "slow-check", [2, 6], [4, 5])
+    assert outcome.ok and received.ok, (outcome.reason, received.reason)
+    assert len(corrupter.digests) >= 2, "P did not retry the DONE: the check was not slower than its call"
+    assert len(reads) == 1, f"{len(reads)} reads at DONE for one DONE and its retries"
+    assert _integrity(d).get("verified") == 1
 
 
 @pytest.mark.parametrize("pair", [Timeouts(receive=20, fence_grace=2.0, done_delivery=1.5)], indirect=True)

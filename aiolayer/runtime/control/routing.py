@@ -185,26 +185,56 @@ async def _verified(rt: Host, done: m.Done | m.Failed) -> m.Done | m.Failed:
     """A DONE carrying an integrity check, once D compared what landed (in a worker thread): as sent,
     or a FAILED from the same sender saying what differs, or that the comparison did not end within
     ``done_delivery`` (past it P gave up delivering this DONE, so no answer would reach it; the KV is
-    not vouched for, so the transfer fails, visibly). A DONE D would refuse or keep anyway (unknown,
-    wrong token, already given up) goes on unchecked."""
+    not vouched for, so the transfer fails, visibly). A retry of a DONE whose check still runs gets
+    that check's verdict: a check slower than P's call is not read again per attempt. A DONE D would
+    refuse or keep anyway (unknown, wrong token, already given up) goes on unchecked."""
     if not isinstance(done, m.Done) or done.check is None:
         return done
     target = rt.receiver.to_verify(done.transfer_id, done.token)
     if target is None:
         return done
+    running = target[1].running_done_check(done.sender, done.check)
+    problem = await _joined(rt, running) if running is not None else await _checked(rt, done, done.check, *target)
+    if not problem:
+        return done
+    return m.Failed(transfer_id=done.transfer_id, sender=done.sender, reason=problem, token=done.token)
+
+
+async def _checked(rt: Host, done: m.Done, check: m.LayerCheck, blocks: list[int],
+                   early_checks: EarlyChecks) -> str:
+    """What differs between ``done``'s ``check`` and what landed ("" if nothing); its retries
+    meanwhile get the same answer. Counted once, and logged once, here."""
+    verdict_of_retries = early_checks.begin_done_check(done.sender, check)
+    try:
+        problem, verdict = await _bounded_compare(rt, done.transfer_id, done.sender, check, blocks, early_checks)
+        verdict_of_retries.set_result(problem)
+    finally:
+        early_checks.end_done_check(done.sender, verdict_of_retries)
+    rt.receiver.integrity[verdict] += 1
+    if problem:
+        log.error("transfer %s from %s: %s", done.transfer_id, done.sender, problem)
+    return problem
+
+
+async def _bounded_compare(rt: Host, transfer_id: str, sender: str, check: m.LayerCheck, blocks: list[int],
+                           early_checks: EarlyChecks) -> tuple[str, str]:
+    """``_compare`` within ``done_delivery``: its problem and the verdict counted for it."""
     limit = rt.timeouts.done_delivery
     try:
         async with compat.timeout(limit):
-            problem = await _compare(rt, done.transfer_id, done.sender, done.check, *target)
-        verdict = "mismatch" if problem else "verified"
+            problem = await _compare(rt, transfer_id, sender, check, blocks, early_checks)
     except TimeoutError:
-        problem, verdict = f"integrity: D's check of what landed did not end within done_delivery {limit:g}s", \
-            "unfinished"
-    rt.receiver.integrity[verdict] += 1
-    if not problem:
-        return done
-    log.error("transfer %s from %s: %s", done.transfer_id, done.sender, problem)
-    return m.Failed(transfer_id=done.transfer_id, sender=done.sender, reason=problem, token=done.token)
+        return f"integrity: D's check of what landed did not end within done_delivery {limit:g}s", "unfinished"
+    return problem, "mismatch" if problem else "verified"
+
+
+async def _joined(rt: Host, running: asyncio.Future[str]) -> str:
+    """A retried DONE's verdict: that of its first attempt's check, which ends within ``done_delivery``
+    (or is cancelled with its handler, the runtime stopping)."""
+    await asyncio.wait({running}, timeout=rt.timeouts.done_delivery)
+    if running.done() and not running.cancelled():
+        return running.result()
+    return "integrity: the check of this DONE's first attempt ended without a verdict"
 
 
 async def _compare(rt: Host, transfer_id: str, sender: str, check: m.LayerCheck, blocks: list[int],
