@@ -11,7 +11,8 @@ An item put with ``wake=True`` (a step's end: its last layer is waiting) cuts a 
 consumer's nap short, so it is not left for up to a tick; one wake-up per step, not per layer.
 While a step's layers come at a steady rhythm (a prefill: one every ~20 ms here), ``LayerPace`` lets
 the consumer sleep through most of the gap to the next one instead of ticking through it: about 2.6
-looks per layer instead of six, while a layer waits for its look about as long as without it.
+looks per layer instead of six, while a layer waits for its look about as long as without it. A CPU
+prefill of a long prompt, a layer every ~140 ms, takes ~8 looks per layer instead of ~25.
 If the consumer is dead the producer gets ``BridgeClosed`` at once;
 if it falls behind by ``capacity`` items, ``BridgeFull``.
 """
@@ -156,10 +157,13 @@ class LayerPace:
     finding look, at most ``max_nap_s``; a nap that ends before the next layer is followed by the
     bridge's ticks from the shortest (``poll_s``, then doubling), so a layer waits for its look about
     as long as without the pace. Where layers come faster the nap shrinks (several found at once split
-    the time), so a pace learned from a slow step costs a fast one no more than one nap. The loop calls
-    ``reset`` whenever no step is open: the next step's rhythm is learned afresh."""
+    the time), so a pace learned from a slow step costs a fast one no more than one nap. ``max_nap_s``
+    bounds that one nap; it is long enough for the slowest prefill that still hands layers over one by
+    one (each look a loop wake-up the forward's core pays for): a nap ends before the next layer is
+    due, whatever its length. The loop calls ``reset`` whenever no step is open: the next step's rhythm
+    is learned afresh."""
 
-    def __init__(self, poll_s: float, share: float = 0.9, max_nap_s: float = 0.05) -> None:
+    def __init__(self, poll_s: float, share: float = 0.9, max_nap_s: float = 0.25) -> None:
         self.poll_s, self.share, self.max_nap_s = poll_s, share, max_nap_s
         self._last: float | None = None   # when a look last found layers
 
