@@ -22,6 +22,7 @@ import httpx
 
 from aiolayer.harness.pd import ProxyProcess
 from aiolayer.harness.servers import metric_value, parse_metrics
+from helpers_node import freeze
 from helpers_proxy import FakeEngine, Hub, wait_for as _wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -142,7 +143,7 @@ def test_client_gone_before_the_first_chunk_releases_table_leases_and_ds_stream(
         _wait_for(lambda: len(p.requests) and _last_transfer(p) != tid, 10, "P got the prefill")
         tid = _last_transfer(p)
         d = _decode_of(stack, tid)
-        os.kill(proxy.proc.pid, signal.SIGSTOP)
+        freeze(proxy.proc.pid)   # every thread stopped before P answers and the client leaves
         try:
             p.gate.set()
             sock.close()
