@@ -12,7 +12,7 @@ consumer's nap short, so it is not left for up to a tick; one wake-up per step, 
 While a step's layers come at a steady rhythm (a prefill: one every ~20 ms here), ``LayerPace`` lets
 the consumer sleep through most of the gap to the next one instead of ticking through it: about 2.6
 looks per layer instead of six, while a layer waits for its look about as long as without it. A CPU
-prefill of a long prompt, a layer every ~140 ms, takes ~8 looks per layer instead of ~25.
+prefill of a long prompt, a layer every ~140 ms, takes ~6 looks per layer instead of ~24.
 If the consumer is dead the producer gets ``BridgeClosed`` at once;
 if it falls behind by ``capacity`` items, ``BridgeFull``.
 """
