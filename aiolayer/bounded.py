@@ -6,6 +6,7 @@ oldest entries past a capacity; a re-inserted key moves to the end, so "oldest" 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypeVar
 
 K = TypeVar("K")
@@ -21,3 +22,13 @@ def put_newest(table: dict[K, V], key: K, value: V, capacity: int) -> int:
         del table[next(iter(table))]
         dropped += 1
     return dropped
+
+
+def drop_expired(table: dict[K, V], now: float, expiry_of: Callable[[V], float]) -> None:
+    """Drop the oldest entries while their expiry has come; for tables kept in expiry order (one
+    lifetime for every entry, or a repeat moved to the end), so the first one still due stops it."""
+    while table:
+        oldest = next(iter(table))
+        if expiry_of(table[oldest]) > now:
+            return
+        del table[oldest]

@@ -8,9 +8,10 @@ id cannot be registered again meanwhile. Bounded: beyond ``MAX_SETTLED`` ids the
 from __future__ import annotations
 
 import collections
+import operator
 import time
 
-from ...bounded import put_newest
+from ...bounded import drop_expired, put_newest
 
 MAX_SETTLED = 16384       # settled ids remembered: the oldest go first beyond this
 
@@ -36,5 +37,4 @@ class SettledTable:
         self._ids.clear()
 
     def _prune(self, now: float) -> None:
-        while self._ids and next(iter(self._ids.values()))[1] < now:
-            self._ids.popitem(last=False)
+        drop_expired(self._ids, now, operator.itemgetter(1))

@@ -16,7 +16,7 @@ import functools
 import logging
 from typing import Any, Awaitable, Callable, Concatenate, Coroutine, ParamSpec, Protocol, TypeVar
 
-from ...bounded import put_newest
+from ...bounded import drop_expired, put_newest
 from ...protocol.plan import BlockRuns, Spans
 from ...protocol.state import sender_transfer
 from .checking import SourceCheck
@@ -166,11 +166,7 @@ class EarlyAborts:
     def add(self, key: tuple[str, str], expiry: float, now: float) -> None:
         entries = self._entries
         entries.pop(key, None)   # a repeat moves to the end: insertion order stays expiry order
-        while entries:   # expired ones are at the front
-            oldest = next(iter(entries))
-            if entries[oldest] > now:
-                break
-            del entries[oldest]
+        drop_expired(entries, now, float)
         self.evicted += put_newest(entries, key, expiry, self.capacity)
 
     def take(self, key: tuple[str, str], now: float) -> bool:
