@@ -1,5 +1,6 @@
 """Process supervision for the end-to-end tests: free ports, log tails, a child that dies with its parent,
-liveness by (pid, start time), signals to a group or a pid, and /dev/shm segments left by a killed tree.
+liveness by (pid, start time), signals to a group or a pid, a stop that waits until it took hold, and
+/dev/shm segments left by a killed tree.
 Nothing here knows vLLM; ``vllm_server`` builds on it.
 """
 
@@ -10,6 +11,7 @@ import os
 import random
 import signal
 import socket
+import time
 from pathlib import Path
 
 try:
@@ -138,3 +140,55 @@ def signal_group(pgid: int, sig: int) -> None:
 def signal_pid(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
+
+
+def freeze(pid: int, limit: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped: the signal stops the other threads
+    only once one of them runs, so a write or a handshake could otherwise still be answered after it."""
+    os.kill(pid, signal.SIGSTOP)
+    _until_stopped([pid], limit, f"process {pid}")
+
+
+def freeze_group(pgid: int, limit: float = 5.0) -> None:
+    """``freeze`` for every process of a group (a server and all it started)."""
+    os.killpg(pgid, signal.SIGSTOP)
+    _until_stopped(_group_members(pgid), limit, f"process group {pgid}")
+
+
+def _until_stopped(pids: list[int], limit: float, what: str) -> None:
+    end = time.monotonic() + limit
+    while not all(_all_threads_stopped(pid) for pid in pids):
+        if time.monotonic() > end:
+            raise ServerError(f"{what} not stopped {limit:g} s after SIGSTOP")
+        time.sleep(0.005)
+
+
+def _stat_fields(path: str) -> list[str] | None:
+    """/proc's stat fields after the command's closing parenthesis (state first); None once it is gone."""
+    try:
+        with open(path) as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:   # gone: nothing left to run
+        return True
+    for task in tasks:
+        fields = _stat_fields(f"/proc/{pid}/task/{task}/stat")
+        if fields is not None and fields[0] not in ("T", "t"):   # None: the thread ended meanwhile
+            return False
+    return True
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat_fields(f"/proc/{entry}/stat")
+            if fields is not None and int(fields[2]) == pgid:   # state, ppid, pgrp
+                members.append(int(entry))
+    return members

@@ -27,6 +27,7 @@ import pytest
 
 from aiolayer.harness.child import KILL_TIMEOUT_S, STOP_TIMEOUT_S, ChildProcess, ChildStartError  # noqa: F401
 from aiolayer.harness.node import mooncake_env, shape_flags
+from aiolayer.harness.procs import freeze  # noqa: F401 - the tests' way to stop a node
 from aiolayer.config import KVShape
 
 # Mooncake settings for every process that creates an engine (docs/mooncake.md).
@@ -158,25 +159,3 @@ def until_streaming(p, tid: str, limit: float = 5.0) -> None:
     while p.loop_thread.call(state(), timeout=2) != "streaming":
         assert time.monotonic() < end, "P never got D's layout"
         time.sleep(0.02)
-
-
-def freeze(pid: int, limit: float = 5.0) -> None:
-    """SIGSTOP ``pid`` and wait until every thread of it is stopped (a signal is delivered
-    asynchronously: a handshake could otherwise still be answered, a stop still be on its way)."""
-    os.kill(pid, signal.SIGSTOP)
-    end = time.monotonic() + limit
-    while not _all_stopped(pid):
-        assert time.monotonic() < end, f"process {pid} not stopped {limit:g} s after SIGSTOP"
-        time.sleep(0.005)
-
-
-def _all_stopped(pid: int) -> bool:
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:   # the thread ended meanwhile
-            continue
-        if state not in ("T", "t"):
-            return False
-    return True

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from aiolayer.harness.procs import free_port
+from aiolayer.harness.procs import free_port, freeze_group
 from aiolayer.harness.servers import VllmServer
 
 
@@ -133,8 +133,9 @@ except ProcessLookupError:
 
 
 class Freezer:
-    """``stop()`` sends SIGSTOP to a server's process group (API server, engine core, worker: its own session),
-    ``resume()`` SIGCONT. Should the test process die in between, a watchdog process resumes the server."""
+    """``stop()`` sends SIGSTOP to a server's process group (API server, engine core, worker: its own session)
+    and returns once every thread of it is stopped, ``resume()`` SIGCONT. Should the test process die in
+    between, a watchdog process resumes the server."""
 
     def __init__(self, server: VllmServer) -> None:
         self.group = server.proc.pid
@@ -146,7 +147,8 @@ class Freezer:
             os.killpg(self.group, sig)
 
     def stop(self) -> None:
-        self._signal(signal.SIGSTOP)
+        with contextlib.suppress(ProcessLookupError):   # the server died meanwhile: the test sees that
+            freeze_group(self.group)
 
     def resume(self) -> None:
         self._signal(signal.SIGCONT)

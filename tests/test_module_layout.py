@@ -9,7 +9,9 @@ and type checkers see the public names ``aiolayer`` loads lazily."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -150,6 +152,42 @@ def test_child_process_stop_thaws_a_frozen_child_in_its_own_group():
         assert "sleeper-stderr" in child.stderr_text()
     finally:
         child.close()
+
+
+# A process whose second thread spins, and a child of it (same group) that spins too: a signal still on
+# its way would find one of them running.
+SPINNERS = ("import json, subprocess, sys, threading, time\n"
+            "spin = 'import time\\nend = time.monotonic() + 60\\nwhile time.monotonic() < end: pass'\n"
+            "kid = subprocess.Popen([sys.executable, '-c', spin])\n"
+            "threading.Thread(target=exec, args=(spin,), daemon=True).start()\n"
+            "print(json.dumps({'port': 1, 'kid': kid.pid}), flush=True)\n"
+            "exec(spin)\n")
+
+
+def test_freeze_group_returns_once_every_thread_of_the_group_is_stopped():
+    from aiolayer.harness.child import ChildProcess
+    from aiolayer.harness.procs import freeze_group
+
+    child = ChildProcess([sys.executable, "-c", SPINNERS], name="spinners").start()
+    try:
+        kid = child.read_json(20, require="port")["kid"]
+        assert os.getpgid(kid) == child.pid
+        freeze_group(child.pid, 10)
+        states = [_thread_states(pid) for pid in (child.pid, kid)]
+        assert all(len(s) >= 1 for s in states) and len(states[0]) >= 2
+        assert all(state in ("T", "t") for s in states for state in s), states
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.close()
+
+
+def _thread_states(pid: int) -> list[str]:
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            states.append(f.read().rsplit(")", 1)[1].split()[0])
+    return states
 
 
 def test_child_process_first_line_has_a_deadline_and_carries_stderr():

@@ -28,6 +28,7 @@ from aiolayer.errors import AiolayerError, DeadlineExceeded
 from aiolayer.kvcache import PagedKVCache, checksums
 from aiolayer.protocol import messages as m
 from aiolayer.harness.node import NodeProcess
+from aiolayer.harness.procs import freeze
 
 from ..perf.forward import RequestKV, SimulatedForward, seeded_kv
 from . import net_faults
@@ -207,7 +208,7 @@ def scenario_freeze(h: FaultHarness) -> dict:
                 "source_released_while_frozen": released_while_frozen, "source_released_later": released}
 
     try:
-        return _with_good_peer(h, "SIGSTOP D", node.control, lambda: os.kill(node.pid, signal.SIGSTOP),
+        return _with_good_peer(h, "SIGSTOP D", node.control, lambda: freeze(node.pid),
                                after=after)
     finally:
         node.stop()
@@ -232,7 +233,7 @@ def scenario_slow(h: FaultHarness) -> dict:
     node = h.bad_node()
 
     def stall() -> None:
-        os.kill(node.pid, signal.SIGSTOP)
+        freeze(node.pid)
         time.sleep(0.5)
         os.kill(node.pid, signal.SIGCONT)
 
