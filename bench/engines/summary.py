@@ -5,6 +5,7 @@ and which rows fail the run."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 
@@ -74,8 +75,23 @@ def _over_own_p(serial: list[dict], solo: list[dict]) -> list[float | None]:
 
 def _paired(mine: list[float | None], theirs: list[float | None]) -> dict:
     diffs = [a - b for a, b in zip(mine, theirs) if a is not None and b is not None]
+    ci = median_ci95(diffs)
     return {"median_ms": round(statistics.median(diffs), 1), "lower_in": sum(d < 0 for d in diffs),
-            "rounds": len(diffs)} if diffs else {}
+            "rounds": len(diffs), "ci95_ms": None if ci is None else [round(c, 1) for c in ci]} if diffs else {}
+
+
+def median_ci95(values: list[float]) -> tuple[float, float] | None:
+    """An interval that holds the median of what ``values`` sample with at least 95% confidence, from
+    the sign test's order statistics: nothing assumed about how rounds spread (they swing by hundreds of
+    ms on some hosts). None below 6 values, where even the whole range holds it with less."""
+    n, tail, k = len(values), 0, -1
+    while k + 1 < n and 2 * (tail + math.comb(n, k + 1)) <= 0.05 * 2 ** n:
+        k += 1
+        tail += math.comb(n, k)   # 2**n * P(Binomial(n, 1/2) <= k): the interval misses that often at each end
+    if k < 0:
+        return None
+    ordered = sorted(values)
+    return ordered[k], ordered[n - 1 - k]
 
 
 def each_row(rows: list[dict], summary_of: Callable[[dict, dict | None], dict]) -> list[dict]:
@@ -133,14 +149,22 @@ def print_table(summary: list[dict]) -> None:
 
 
 def _print_rounds(summary: list[dict]) -> None:
-    """``--together``: each pair of disaggregated rows once, compared round by round."""
+    """``--together``: each pair of rows once (a P/D row against the aggregated engine, not the reverse),
+    compared round by round, with whether the rounds resolve the difference."""
     seen = set()
     for s in summary:
         for other, d in (s.get("c1", {}).get("same_round_vs") or {}).items():
-            if "aggregated" in (s["row"], other) or (other, s["row"]) in seen:
+            if s["row"] == "aggregated" or (other, s["row"]) in seen:
                 continue
             seen.add((s["row"], other))
-            over = (f"; over each one's own P: {d['over_p_median_ms']:+.1f} ms, lower in {d['over_p_lower_in']} of "
-                    f"{d['over_p_rounds']}") if "over_p_median_ms" in d else ""
+            over = (f"; over each one's own P: {d['over_p_median_ms']:+.1f} ms{_interval(d.get('over_p_ci95_ms'))}, "
+                    f"lower in {d['over_p_lower_in']} of {d['over_p_rounds']}") if "over_p_median_ms" in d else ""
             print(f"{s['row']} against {other}, round by round: {d['median_ms']:+.1f} ms (median of the rounds' "
-                  f"differences), lower in {d['lower_in']} of {d['rounds']} rounds{over}")
+                  f"differences){_interval(d.get('ci95_ms'))}, lower in {d['lower_in']} of {d['rounds']} rounds{over}")
+
+
+def _interval(ci: list[float] | None) -> str:
+    if ci is None:
+        return " (too few rounds for a 95% interval)"
+    verdict = "resolved" if ci[0] > 0 or ci[1] < 0 else "not resolved"
+    return f" [95% {ci[0]:+.1f} to {ci[1]:+.1f}: {verdict}]"

@@ -82,19 +82,43 @@ def test_rows_run_together_are_compared_round_by_round(capsys):
     summary = summarize(rows)
     by_row = {s["row"]: s["c1"]["same_round_vs"] for s in summary}
     assert by_row["aiolayer"] == {
-        "aggregated": {"median_ms": 30.0, "lower_in": 0, "rounds": 3},   # no P of its own: TTFT only
-        "mooncake": {"median_ms": -5.0, "lower_in": 2, "rounds": 3,
+        "aggregated": {"median_ms": 30.0, "lower_in": 0, "rounds": 3, "ci95_ms": None},   # no P of its own
+        "mooncake": {"median_ms": -5.0, "lower_in": 2, "rounds": 3, "ci95_ms": None,
                      # over each one's P: (30, 40, 20) against (10, 30, 5), the errored round left out
-                     "over_p_median_ms": 15.0, "over_p_lower_in": 0, "over_p_rounds": 3}}
+                     "over_p_median_ms": 15.0, "over_p_lower_in": 0, "over_p_rounds": 3, "over_p_ci95_ms": None}}
     assert by_row["mooncake"]["aiolayer"]["median_ms"] == 5.0 and by_row["mooncake"]["aiolayer"]["lower_in"] == 1
     from aiolayer.bench.engines.summary import print_table
     print_table(summary)
     out = capsys.readouterr().out
-    assert ("aiolayer against mooncake, round by round: -5.0 ms (median of the rounds' differences), "
-            "lower in 2 of 3 rounds; over each one's own P: +15.0 ms, lower in 0 of 3") in out
-    assert "mooncake against aiolayer" not in out and "against aggregated" not in out   # each pair once
+    few = " (too few rounds for a 95% interval)"
+    assert (f"aiolayer against mooncake, round by round: -5.0 ms (median of the rounds' differences){few}, "
+            f"lower in 2 of 3 rounds; over each one's own P: +15.0 ms{few}, lower in 0 of 3") in out
+    assert f"aiolayer against aggregated, round by round: +30.0 ms (median of the rounds' differences){few}" in out
+    assert "mooncake against aiolayer" not in out and "aggregated against" not in out   # each pair once
     plain = summarize([{k: v for k, v in row.items() if k != "together"} for row in rows])
     assert all("same_round_vs" not in s["c1"] for s in plain)
+
+
+def test_a_round_by_round_difference_is_resolved_only_where_its_95_percent_interval_excludes_zero(capsys):
+    """The interval is the sign test's (order statistics 4 and 13 of 16 rounds): rounds that swing by
+    hundreds of ms either way leave a 30 ms median unresolved; the same median with a tight spread does not."""
+    from aiolayer.bench.engines.summary import median_ci95, print_table
+
+    assert median_ci95([5.0] * 5) is None and median_ci95(list(range(6))) == (0, 5)
+    assert median_ci95([float(x) for x in range(16, 0, -1)]) == (4.0, 13.0)
+    swinging = [-300.0, 400.0, -250.0, 350.0, 30.0, 30.0, -200.0, 300.0, 30.0, 30.0, -150.0, 250.0, 30.0, 30.0,
+                -100.0, 200.0]
+    tight = [20.0 + i for i in range(16)]
+    rows = [_row(name, [[1]] * 16) for name in ("aggregated", "aiolayer", "mooncake")]
+    for row, diffs in zip(rows, ([0.0] * 16, swinging, tight)):
+        row["serial"] = [{**r, "ttft_ms": 1000.0 + d} for r, d in zip(row["serial"], diffs)]
+        row["together"] = True
+    print_table(summarize(rows))
+    out = capsys.readouterr().out
+    assert "aiolayer against aggregated, round by round: +30.0 ms (median of the rounds' differences) " \
+           "[95% -150.0 to +250.0: not resolved]" in out
+    assert "mooncake against aggregated, round by round: +27.5 ms (median of the rounds' differences) " \
+           "[95% +23.0 to +32.0: resolved]" in out
 
 
 def test_a_row_whose_engines_fail_to_stop_fails_alone_when_rows_run_together(monkeypatch):
