@@ -18,7 +18,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -26,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from . import scratch
 from .servers import Completion, VllmServer, completion, die_with_parent, free_port
 
 
@@ -67,7 +67,7 @@ class ProxyProcess:
         self.log = None
 
     def start(self) -> ProxyProcess:
-        path = os.path.join(tempfile.gettempdir(), f"aiolayer-proxy-{self.port}.log")
+        path = scratch.log_file(f"aiolayer-proxy-{self.port}.log")
         self.log = open(path, "w+b")
         # its own group (stop() signals it whole), and it dies with the test process if that is killed
         # (the death signal follows the forking thread: only the main thread's lives as long as the process)

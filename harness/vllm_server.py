@@ -27,7 +27,8 @@ OMP thread binding. A test that needs something else opts out explicitly, and sa
 exception is the KV cache size: vLLM's default sizes it from the machine's free memory, which on a
 shared box is neither small nor reproducible, so ``kv_cache_gib`` is 1 unless a test says otherwise.
 
-Server output goes to a log file (never an unread pipe); every failure carries the log's tail.
+Server output goes to a log file (never an unread pipe); every failure carries the log's tail. The tree's
+temporary files go to a directory of its own, removed once it stopped (``scratch.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -51,6 +51,7 @@ from typing import Any
 
 import httpx
 
+from . import scratch
 from .procs import (ServerError, die_with_parent, free_port, log_tail, pid_alive, psutil, remove_orphan_shm,
                     shm_in_use, signal_group, signal_pid)
 
@@ -97,7 +98,7 @@ class VllmServer:
     plugins: Sequence[str] | None = None         # VLLM_PLUGINS allow-list; () loads no general plugin
     extra_args: Sequence[str] = ()
     env: Mapping[str, str] | None = None         # extra environment (e.g. PYTHONPATH for a connector)
-    log_dir: str | os.PathLike | None = None     # None: a fresh temp dir
+    log_dir: str | os.PathLike | None = None     # None: a fresh temp dir, removed at exit (scratch.py)
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
 
@@ -111,6 +112,7 @@ class VllmServer:
     _seen: dict[int, float] = dataclasses.field(default_factory=dict, init=False, repr=False)  # pid -> start time
     _shm_ours: set[str] = dataclasses.field(default_factory=set, init=False, repr=False)
     _log_file: Any = dataclasses.field(default=None, init=False, repr=False)
+    tmp_dir: Path | None = dataclasses.field(default=None, init=False)   # the tree's TMPDIR (scratch.py)
     _spawned_at: float = dataclasses.field(default=0.0, init=False, repr=False)
     _healthy: bool = dataclasses.field(default=False, init=False, repr=False)   # /health answered 200
 
@@ -173,6 +175,8 @@ class VllmServer:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_bind
         if self.plugins is not None:
             env["VLLM_PLUGINS"] = ",".join(self.plugins)   # "" parses to [""]: matches no plugin
+        if self.tmp_dir is not None:
+            env.update(scratch.tree_env(self.tmp_dir))
         if self.env:
             env.update(self.env)
         return env
@@ -207,8 +211,9 @@ class VllmServer:
             if self.netns:
                 raise ServerError(f"{self.name}: a server in a network namespace needs an explicit port")
             self.port = free_port(self.host)
-        log_dir = Path(self.log_dir) if self.log_dir is not None else Path(tempfile.mkdtemp(prefix="aiolayer-vllm-"))
+        log_dir = Path(self.log_dir) if self.log_dir is not None else scratch.log_dir("aiolayer-vllm-")
         log_dir.mkdir(parents=True, exist_ok=True)
+        self.tmp_dir = scratch.private_tmp()
         self.log_path = log_dir / f"{self.name}-{self.port}.log"
         self._log_file = open(self.log_path, "ab", buffering=0)
         self._log_file.write(("$ " + " ".join(self.command()) + "\n").encode())
@@ -322,6 +327,7 @@ class VllmServer:
             # A SIGKILLed tree leaves its shared-memory queues (psm_*) in /dev/shm: unlink the ones
             # our processes had mapped or open, unless some other live process still uses them.
             self.shm_removed = remove_orphan_shm(self._shm_ours)
+            scratch.remove(self.tmp_dir)   # its IPC sockets and rendezvous file: no process left uses them
         self.stop_s = time.monotonic() - t0
         _LIVE.discard(self)
         if self._log_file is not None:

@@ -12,6 +12,7 @@ import ast
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -188,6 +189,20 @@ def _thread_states(pid: int) -> list[str]:
         with open(f"/proc/{pid}/task/{task}/stat") as f:
             states.append(f.read().rsplit(")", 1)[1].split()[0])
     return states
+
+
+@pytest.mark.parametrize("keep", ["", "1"])
+def test_harness_logs_are_removed_at_exit_unless_kept(keep, tmp_path):
+    """Engine and proxy logs go to the temporary directory and would pile up there run after run."""
+    made = ("from aiolayer.harness import scratch; d = scratch.log_dir('aiolayer-test-'); "
+            "(d / 'e.log').write_text('x'); f = scratch.log_file(f'aiolayer-test-{d.name}.log'); f.write_text('x'); "
+            "print(d, f)")
+    env = {**os.environ, "TMPDIR": str(tmp_path), "AIOLAYER_KEEP_LOGS": keep}
+    out = subprocess.run([sys.executable, "-c", made], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    paths = [Path(p) for p in out.stdout.split()]
+    assert [p.parent for p in paths] == [tmp_path, tmp_path]
+    assert [p.exists() for p in paths] == [bool(keep)] * 2
 
 
 def test_child_process_first_line_has_a_deadline_and_carries_stderr():

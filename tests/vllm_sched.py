@@ -8,6 +8,8 @@ results -> ``update_from_output``, as vLLM's model runner does, minus the model.
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 
 import torch
@@ -24,6 +26,7 @@ def model_dir() -> str:
         from transformers import LlamaConfig
 
         path = tempfile.mkdtemp(prefix="aiolayer-llama-cfg-")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
         LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=len(LAYERS),
                     num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                     max_position_embeddings=4096).save_pretrained(path)

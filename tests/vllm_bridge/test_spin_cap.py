@@ -29,13 +29,15 @@ pytestmark = pytest.mark.timeout(120)
 # 2 ms it sleeps on the notification, at most LOST_WAKEUP_CAP_MS of its 5 s. A reader idle for 1.5 s
 # sleeps its whole timeout (300 ms here), as vLLM's does.
 _CHILD = textwrap.dedent("""
-    import json, os, tempfile, time
+    import atexit, json, os, shutil, tempfile, time
     import zmq
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
     from aiolayer_vllm.spin import cap_spin
 
     ctx = zmq.Context()
-    address = "ipc://" + os.path.join(tempfile.mkdtemp(), "notify")
+    where = tempfile.mkdtemp()
+    atexit.register(shutil.rmtree, where, ignore_errors=True)
+    address = "ipc://" + os.path.join(where, "notify")
     writer = SpinCondition(False, ctx, address)
     reader = SpinCondition(True, ctx, address)
 

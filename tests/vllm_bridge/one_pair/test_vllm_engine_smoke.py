@@ -3,7 +3,7 @@
 P of the folder's shared pair (conftest.py), asked without ``kv_transfer_params``, so no transfer: the
 model serves, greedy decoding is deterministic and prompt-dependent (including on earlier tokens, which
 is what makes a KV-transfer test meaningful), matches a transformers reference, the KV usage gauge is
-exported, and stop() leaves no process or port behind (checked last, on both engines).
+exported, and stop() leaves no process, port or temporary file behind (checked last, on both engines).
 """
 
 from __future__ import annotations
@@ -102,6 +102,8 @@ def test_stop_leaves_nothing_behind(stack):
         if server.alive():
             names = set(server.processes().values())
             assert {"VLLM::EngineCore", "VLLM::Worker"} <= names, names        # the tree we must clean up
+            # vLLM's IPC sockets went to the tree's own TMPDIR, not the host's, where a killed tree leaves them
+            assert any(p.is_socket() for p in server.tmp_dir.iterdir()), list(server.tmp_dir.iterdir())
         t0 = time.monotonic()
         server.stop()
         assert time.monotonic() - t0 < server.stop_timeout_s + 6
@@ -109,6 +111,7 @@ def test_stop_leaves_nothing_behind(stack):
         assert server.pids() == set(), server.pids()
         assert not any(_alive(p) for p in pids)
         assert not server.port_open()
+        assert not server.tmp_dir.exists()
 
 
 def _alive(pid: int) -> bool:
