@@ -175,8 +175,6 @@ class VllmServer:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_bind
         if self.plugins is not None:
             env["VLLM_PLUGINS"] = ",".join(self.plugins)   # "" parses to [""]: matches no plugin
-        if self.tmp_dir is not None:
-            env.update(scratch.tree_env(self.tmp_dir))
         if self.env:
             env.update(self.env)
         return env
@@ -217,10 +215,11 @@ class VllmServer:
         self.log_path = log_dir / f"{self.name}-{self.port}.log"
         self._log_file = open(self.log_path, "ab", buffering=0)
         self._log_file.write(("$ " + " ".join(self.command()) + "\n").encode())
+        env = {**self.environment(), **scratch.tree_env(self.tmp_dir)}   # also under a subclass's environment()
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
             self.command(), stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
-            env=self.environment(), start_new_session=True, cwd=str(log_dir), preexec_fn=self._preexec(),
+            env=env, start_new_session=True, cwd=str(log_dir), preexec_fn=self._preexec(),
         )
         _LIVE.add(self)
         self._spawned_at, self._healthy = t0, False

@@ -108,6 +108,8 @@ def test_the_readme_quickstart_serves_a_completion_with_kv_moved_from_p_to_d(tmp
         for server in started:
             segments |= {n for n in shm_in_use(server.pids()) if n.startswith(SHM_PREFIXES)}
         d = started[1]
+        # vLLM's IPC sockets go to each tree's own TMPDIR (removed at stop), not the host's
+        assert all(any(p.is_socket() for p in s.tmp_dir.iterdir()) for s in started[:2])
 
         answer = subprocess.run(["bash", "-c", blocks["curl"]], env=env, capture_output=True, text=True,
                                 timeout=120, check=False)
@@ -130,3 +132,4 @@ def test_the_readme_quickstart_serves_a_completion_with_kv_moved_from_p_to_d(tmp
             server.stop()
     left = sorted(name for name in segments if (Path("/dev/shm") / name).exists())
     assert not left, f"shared-memory segments left behind: {left}"
+    assert not [s.tmp_dir for s in started if s.tmp_dir.exists()]
