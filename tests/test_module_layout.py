@@ -1,7 +1,7 @@
 """bench/ and harness/ laid out like the core. Their modules import each other without a cycle (read from
 the source with ``ast``, imports inside functions included: a deferred import hides a cycle, it does not
 remove it), the harness never imports the bench (the tests use it without the benchmark), and the bench
-and the tests start their child processes through one helper. The runtime's
+and the tests start, freeze and clean up after their child processes through one harness. The runtime's
 sides (send/ for P, receive/ for D, control/) import each other only as its layering allows. The vLLM bridge
 takes from aiolayer only its public names and a short list of modules, the core never imports the bridge,
 and type checkers see the public names ``aiolayer`` loads lazily."""
