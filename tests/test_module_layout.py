@@ -205,6 +205,17 @@ def test_harness_logs_are_removed_at_exit_unless_kept(keep, tmp_path):
     assert [p.exists() for p in paths] == [bool(keep)] * 2
 
 
+def test_a_server_trees_private_tmpdir_keeps_inductors_cache_where_torch_puts_it():
+    """The harness computes torch's default without importing torch; a rule changed upstream shows here
+    (every engine would otherwise compile from scratch under its private TMPDIR)."""
+    torch_dirs = pytest.importorskip("torch._inductor.runtime.cache_dir_utils")
+    from aiolayer.harness import scratch
+
+    env = scratch.tree_env(Path("/nonexistent"))
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == os.environ.get("TORCHINDUCTOR_CACHE_DIR", torch_dirs.default_cache_dir())
+    assert env["TMPDIR"] == "/nonexistent"
+
+
 def test_child_process_first_line_has_a_deadline_and_carries_stderr():
     from aiolayer.harness.child import ChildProcess, ChildStartError
 
