@@ -29,7 +29,8 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     layer_gap: float = 60.0          # next layer of a started request to arrive from the forward
     layer_write: float = 10.0        # one layer's writes to complete once submitted
     done_delivery: float = 10.0      # DONE/FAILED accepted by D, all attempts together
-    receive: float = 120.0           # D: registration -> DONE/FAILED from P
+    receive: float = 120.0           # D: registration -> DONE/FAILED from P; P's writes end then too (the
+                                     # window D grants with its layout: docs/fencing.md, rule 8)
     fence_grace: float = 35.0        # D: without P's ack, wait this long before reusing blocks P may write
                                      # (longer than a Mooncake write can stay in flight: MC_TRANSFER_TIMEOUT=30)
     quarantine: float = 60.0         # P: wait for a timed-out write to end before reusing its source

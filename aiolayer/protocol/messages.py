@@ -78,6 +78,9 @@ class LayoutReply(_Msg, tag="layout", frozen=True):
     kv_interior: str = ""      # what a head's bytes hold token by token (HeadGeometry.interior)
     # Integrity digests D can verify besides "crc32" (LayerCheck.digest); [] from an older D: crc32 only.
     digests: list[str] = []
+    # Seconds left, when D answered, for the writes of the transfer it answered (docs/fencing.md, rule 8):
+    # P submits none after it. None: not said (an older D, or a layout shared by a batch's items).
+    window: Union[float, None] = None
 
 
 # --- transfer outcome (P tells D) ----------------------------------------------------------------
@@ -253,10 +256,12 @@ class Replies(_Msg, tag="replies", frozen=True):
 class LayoutReplies(_Msg, tag="layouts", frozen=True):
     """The answer to a ``LayoutBatch``: per item, in order, ``Ack`` (authorized: ``layout`` is its
     answer), its ``Nack``, or None (left unanswered: a fault-injection hook dropped it; asked again
-    alone). ``layout`` is None when no item was authorized."""
+    alone). ``layout`` is None when no item was authorized. ``windows``: per item, its transfer's
+    ``LayoutReply.window`` (0 where the item was not authorized); [] from an older D."""
 
     layout: Union[LayoutReply, None]
     items: list[Union[Ack, Nack, None]]
+    windows: list[float] = []
 
 
 # --- topology (whoever routes requests asks a rank who it is) ------------------------------------

@@ -6,12 +6,13 @@ Split off ``sender`` (which re-exports the types) so that the sender holds only 
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import msgspec
 import numpy as np
 
-from ..errors import ConfigError, LayoutMismatch
+from ..errors import ConfigError, LayoutMismatch, MetadataError
 from ..protocol import messages as m
 from ..protocol.plan import (BlockRuns, HeadGeometry, RankRoute, Spans, check_block_bounds, run_addresses,
                              slice_addresses, token_spans)
@@ -141,6 +142,10 @@ class RemoteLayout(msgspec.Struct, frozen=True):
     kv_layout: str = ""
     kv_interior: str = ""
     digests: tuple[str, ...] = ()   # integrity digests D verifies besides crc32
+    # The transfer's writes end at ``write_by`` (time.monotonic): D granted ``window`` seconds when it
+    # answered; counted from when P asked, so P's end comes no later than D's (docs/fencing.md, rule 8).
+    window: float = math.inf
+    write_by: float = math.inf
 
     @property
     def num_layers(self) -> int:
@@ -153,6 +158,15 @@ class RemoteLayout(msgspec.Struct, frozen=True):
                    np.array([r.v_base for r in reply.layers], dtype=np.int64),
                    reply.kv_heads, reply.block_size, reply.head_bytes, reply.kv_layout, reply.kv_interior,
                    tuple(reply.digests))
+
+    def granted(self, window: float | None, asked_s: float) -> "RemoteLayout":
+        """This layout as one transfer's: its writes end ``window`` s after ``asked_s`` (time.monotonic
+        when P sent the request D answered). None: D did not say (an older D), no end."""
+        if window is None:
+            return self
+        if not window >= 0:   # NaN too: from the network, refused
+            raise MetadataError(f"{self.endpoint} granted a write window of {window!r}")
+        return msgspec.structs.replace(self, window=window, write_by=asked_s + window)
 
 
 def check_spec(spec: object) -> None:

@@ -26,7 +26,8 @@ from aiolayer.config import Timeouts
 from aiolayer.errors import ConfigError, ControlRejected
 from aiolayer.kvcache import PagedKVCache, checksums
 from aiolayer.protocol import messages as m
-from aiolayer.runtime.receive.receiver import MAX_EARLY, Receiver
+from aiolayer.runtime.receive.early import MAX_EARLY
+from aiolayer.runtime.receive.receiver import Receiver
 
 BLOCKS = 4
 WRONG = "f" * 32

@@ -10,13 +10,15 @@
   the transfer up (``aborting``), it is not.
 
 Real runtimes on the memory backend over real control sockets. A layer whose device event completes
-late (``TimedEvent``) holds P's DONE back while D changes its mind; a D whose server drops the first
-reply of a kind (after handling the message) stands for a reply lost on the way.
+late (``TimedEvent``) holds P's DONE back while D changes its mind, or D drops the DONE (a frame lost
+on the way) until it has given the transfer up; a D whose server drops the first reply of a kind (after
+handling the message) stands for a reply lost on the way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -36,6 +38,7 @@ pytestmark = pytest.mark.timeout(60)
 LAYERS = SMALL_SHAPE.num_layers
 TOKEN = "v" * 32
 LOSSY = Timeouts(control_call=0.5, done_delivery=4.0)   # P: a lost reply is asked again after 0.5 s
+PERSISTENT = Timeouts(control_call=0.5, control_retries=8, done_delivery=4.0)   # P: a lost DONE, for up to 4 s
 
 
 def _late_done(p, d, tid: str, monkeypatch, last_layer_s: float):
@@ -88,29 +91,49 @@ def test_a_done_that_d_answers_failed_fails_the_transfer_at_p(memory_runtime, me
     assert d_state(p, d.control_endpoint, "vfail") == "failed"
 
 
+def _deaf_to_done(d: Runtime) -> threading.Event:
+    """D drops every DONE unanswered (lost on the way) until the returned event is set: P asks again."""
+    real, hearing = d.server.handler, threading.Event()
+
+    async def handler(msg: m.Message) -> m.Message:
+        if isinstance(msg, (m.Done, m.DoneBatch)) and not hearing.is_set():
+            raise FrameDropped("the DONE is lost on the way")
+        return await real(msg)
+    d.server.handler = handler
+    return hearing
+
+
 def test_a_done_that_d_answers_already_failed_fails_the_transfer_at_p(memory_runtime, memory_decode_node,
                                                                       monkeypatch):
-    d = memory_decode_node(SMALL_SHAPE, "d-vgone", Timeouts(fence_grace=0.1))
-    p = memory_p(memory_runtime, "p-vgone", Timeouts(), 32)
+    """Every write landed within D's window, but the DONE is lost until D's deadline ended the
+    transfer and D freed it: the retried DONE is answered ``already failed``."""
+    d = memory_decode_node(SMALL_SHAPE, "d-vgone", Timeouts(receive=0.5, fence_grace=0.1))
+    hearing = _deaf_to_done(d.runtime)
+    p = memory_p(memory_runtime, "p-vgone", PERSISTENT, 32)
     _never_confirms(p)
-    rep, began = _late_done(p, d, "vgone", monkeypatch, last_layer_s=1.0)
-    _give_up_at_d(p, d, rep, 0.2, began)
-    assert _state_within(p, d, "vgone", "failed") == "failed"   # the fence's grace ended it
+    _late_done(p, d, "vgone", monkeypatch, last_layer_s=0.0)
+    assert _state_within(p, d, "vgone", "failed") == "failed"   # deadline, then the grace after the window
     p.request(d.control_endpoint, m.ReleaseRequest(transfer_id="vgone"), timeout=5)   # forgotten: settled only
+    hearing.set()
     outcome = p.sender.wait("vgone", 10)
     assert not outcome.ok and "'already failed'" in outcome.reason, outcome.reason
 
 
 def test_a_done_that_d_keeps_as_early_word_fails_the_transfer_at_p(memory_runtime, memory_decode_node,
                                                                    monkeypatch):
-    """D's deadline ended the transfer, D freed it, and forgot even that it settled: the DONE is for
-    a transfer D does not have (``kept until registration``), never a success."""
-    d = memory_decode_node(SMALL_SHAPE, "d-vkept", Timeouts(receive=0.3, fence_grace=0.1))
-    p = memory_p(memory_runtime, "p-vkept", Timeouts(), 33)
+    """D's deadline ended the transfer, D freed it, and forgot even that it settled, before the DONE
+    (lost until then) came: it is for a transfer D does not have (``kept until registration``), never
+    a success."""
+    limits = Timeouts(receive=0.5, fence_grace=0.1)
+    d = memory_decode_node(SMALL_SHAPE, "d-vkept", limits)
+    hearing = _deaf_to_done(d.runtime)
+    p = memory_p(memory_runtime, "p-vkept", PERSISTENT, 33)
     _never_confirms(p)
-    _late_done(p, d, "vkept", monkeypatch, last_layer_s=1.5)
-    assert _state_within(p, d, "vkept", "failed") == "failed"   # deadline, then the fence's grace
-    p.request(d.control_endpoint, m.ReleaseRequest(transfer_id="vkept"), timeout=5)   # settled for 0.3 s more
+    _late_done(p, d, "vkept", monkeypatch, last_layer_s=0.0)
+    assert _state_within(p, d, "vkept", "failed") == "failed"   # deadline, then the grace after the window
+    p.request(d.control_endpoint, m.ReleaseRequest(transfer_id="vkept"), timeout=5)
+    time.sleep(limits.receive + 0.2)                             # its settled id is forgotten too
+    hearing.set()
     outcome = p.sender.wait("vkept", 10)
     assert not outcome.ok and "'kept until registration'" in outcome.reason, outcome.reason
 

@@ -57,6 +57,8 @@ class ReceiverPort(Protocol):
 
     def admit_writer(self, msg: m.LayoutRequest) -> None: ...
 
+    def window(self, transfer_id: str) -> float: ...
+
     def to_verify(self, transfer_id: str, token: str) -> tuple[list[int], EarlyChecks] | None: ...
 
     def early_check_of(self, msg: m.EarlyCheck) -> tuple[list[int], EarlyChecks]: ...
@@ -127,6 +129,11 @@ def _grant_layout(rt: Host, msg: m.LayoutRequest) -> m.Ack:
     return m.Ack()
 
 
+def _granted_layout(rt: Host, transfer_id: str) -> m.LayoutReply:
+    """The layout as one granted transfer's answer: with the seconds left for its writes (its window)."""
+    return msgspec.structs.replace(_published_layout(rt), window=rt.receiver.window(transfer_id))
+
+
 async def _lookup(rt: Host, msg: m.LookupRequest) -> m.AllocReply:
     """A transfer's registration; a waiting lookup is held until D registered it (``lookup_wait``). A
     writer's lookup (late binding) is a layout grant too: the P rank is admitted as a writer, by the
@@ -138,7 +145,7 @@ async def _lookup(rt: Host, msg: m.LookupRequest) -> m.AllocReply:
     if msg.requester:
         _grant_layout(rt, m.LayoutRequest(requester=msg.requester, transfer_id=msg.transfer_id, token=msg.token,
                                           control=msg.control, incarnation=msg.incarnation, writers=msg.writers))
-        layout = _published_layout(rt)
+        layout = _granted_layout(rt, msg.transfer_id)
     return m.AllocReply(transfer_id=msg.transfer_id, block_ids=block_ids, incarnation=rt.incarnation,
                         first_block=first, token=msg.token, layout=layout)
 
@@ -293,12 +300,14 @@ async def handle(rt: Host, hooks: Hooks, msg: m.Message) -> m.Message:
         return await _lookup(rt, msg)
     if isinstance(msg, m.LayoutRequest):
         _grant_layout(rt, msg)
-        return _published_layout(rt)
+        return _granted_layout(rt, msg.transfer_id)
     if isinstance(msg, m.LayoutBatch):
         _check_batch(msg.items, m.MAX_LAYOUT_BATCH, "layout requests")
         answers = [_batched_item(hooks, req, lambda r: _grant_layout(rt, r)) for req in msg.items]
+        windows = [rt.receiver.window(req.transfer_id) if isinstance(answer, m.Ack) else 0.0
+                   for req, answer in zip(msg.items, answers)]
         granted = any(isinstance(a, m.Ack) for a in answers)
-        return m.LayoutReplies(layout=rt.layout_reply if granted else None, items=answers)
+        return m.LayoutReplies(layout=rt.layout_reply if granted else None, items=answers, windows=windows)
     if isinstance(msg, m.TopologyRequest):
         return _topology(rt)
     if hooks.extra_handler is not None:

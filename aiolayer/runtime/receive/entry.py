@@ -30,7 +30,7 @@ class Received(msgspec.Struct, kw_only=True):
 
 class Entry:
     __slots__ = ("transfer_id", "token", "block_ids", "first_block", "state", "writers",
-                 "timer", "on_release", "fence", "forget", "registered_s", "cause", "early")
+                 "timer", "on_release", "fence", "forget", "registered_s", "cause", "early", "write_end")
 
     def __init__(self, transfer_id: str, token: str, block_ids: list[int], on_release: Release | None,
                  first_block: int, senders: int = 1) -> None:
@@ -47,3 +47,4 @@ class Entry:
         self.registered_s = time.perf_counter()  # a finished receive's duration starts here
         self.cause = ""                         # why it failed, if it does (``receiver.FAILURE_CAUSES``)
         self.early = EarlyChecks()              # its writers' early integrity checks (integrity.py)
+        self.write_end = 0.0                    # loop time: no write may be submitted after (its writers' window)

@@ -43,6 +43,7 @@ from ...protocol.checks import check_senders, check_token
 from ...protocol.codes import AckDetail, NackCode
 from ...protocol.state import Event, IllegalTransition, State
 from ..integrity import EarlyChecks
+from .early import EarlyWords
 from .entry import Entry, Received, Release
 from .lookups import WaitingLookups
 from ..loop import Spawn, not_running
@@ -53,7 +54,6 @@ log = logging.getLogger(__name__)
 
 # why a receive failed before its KV was accepted (``Receiver.failures``; docs/operations.md#metrics)
 FAILURE_CAUSES = ("deadline", "aborted", "prefill_failed", "refused")
-MAX_EARLY = 4096          # DONE/FAILED kept for unregistered transfers: a stranger cannot grow it further
 
 
 class Receiver:
@@ -63,9 +63,7 @@ class Receiver:
         # entries not settled yet: counted, not walked, since the metrics snapshot reads it on every
         # outcome (walking thousands of entries there took ~40 % of a busy D's loop)
         self._unsettled = 0
-        # (transfer id, token, sender) -> (DONE/FAILED, expiry): keyed by token too, so a stranger's
-        # early DONE cannot take the place of the real one, and by sender, so k senders are all kept
-        self._early: dict[tuple[str, str, str], tuple[m.Done | m.Failed, float]] = {}
+        self._early = EarlyWords(timeouts.receive)      # DONE/FAILED for transfers not registered yet
         self._settled = SettledTable(timeouts.receive)   # their late words and their ids are refused
         self.lookups = WaitingLookups()                 # lookups held until their transfer is registered
         self._on_outcome: Callable[[], None] | None = None
@@ -109,10 +107,12 @@ class Receiver:
         entry.forget = forget
         self._entries[transfer_id] = entry
         self._unsettled += 1   # every entry settles once (``_settle``) or goes with ``close``
-        # D waits for P at most Timeouts.receive: then it fences and fails the transfer
-        entry.timer = asyncio.get_running_loop().call_later(self.timeouts.receive, self._expire, transfer_id)
-        if self._early:
-            self._apply_early(entry)
+        # D waits for P at most Timeouts.receive: then it fences and fails the transfer; P's writes end by
+        # then too (the window each writer is granted: docs/fencing.md, rule 8)
+        loop = asyncio.get_running_loop()
+        entry.write_end = loop.time() + self.timeouts.receive
+        entry.timer = loop.call_later(self.timeouts.receive, self._expire, transfer_id)
+        self._apply_early(entry)
         self.lookups.registered(transfer_id)   # after the early words: a lookup then sees the transfer as it is
 
     def authorize(self, transfer_id: str, token: str, what: str) -> Entry:
@@ -156,7 +156,7 @@ class Receiver:
         if tid not in self._entries:
             settled = self._settled.word(tid)
             if settled is None:
-                self._keep_early(msg)
+                self._early.keep(msg)
                 return m.Ack(detail=AckDetail.KEPT)
             if not m.same_token(msg.token, settled[0]):
                 log.info("transfer %s: late %s refused: wrong token", tid, type(msg).__name__)
@@ -214,6 +214,11 @@ class Receiver:
         if entry is None or entry.state.state is not State.REGISTERED or not m.same_token(token, entry.token):
             return None
         return entry.block_ids, entry.early
+
+    def window(self, transfer_id: str) -> float:
+        """Seconds left for the writes of a transfer a writer was just granted (its ``LayoutReply.window``)."""
+        entry = self._entries[transfer_id]
+        return max(0.0, entry.write_end - asyncio.get_running_loop().time())
 
     def early_check_of(self, msg: m.EarlyCheck) -> tuple[list[int], EarlyChecks]:
         """Where a writer's early check may read (``auth``, ``ended``, ``sender`` otherwise); admits no writer."""
@@ -292,21 +297,11 @@ class Receiver:
 
     # --- internals -----------------------------------------------------------------------------
 
-    def _keep_early(self, msg: m.Done | m.Failed) -> None:
-        now = time.monotonic()
-        self._early = {key: word for key, word in self._early.items() if word[1] >= now}   # the expired go
-        if len(self._early) >= MAX_EARLY:
-            raise ControlRejected(NackCode.BUSY, f"{MAX_EARLY} messages already wait for their registration")
-        key = (msg.transfer_id, msg.token, msg.sender)
-        if key not in self._early:  # first word wins, like on a registered transfer
-            self._early[key] = (msg, now + self.timeouts.receive)
-
     def _apply_early(self, entry: Entry) -> None:
         """On registration: apply the early word with the right token; drop (and count) the others."""
         tid = entry.transfer_id
-        for key in [key for key in self._early if key[0] == tid]:
-            msg, _ = self._early.pop(key)
-            if m.same_token(key[1], entry.token):
+        for token, msg in self._early.take(tid):
+            if m.same_token(token, entry.token):
                 try:
                     self.handle(msg)
                 except ControlRejected as exc:   # e.g. a second sender of a one-sender transfer
@@ -371,8 +366,8 @@ class Receiver:
             except Exception:   # P's state is unknown: the grace decides (CancelledError is no Exception)
                 log.exception("transfer %s: asking P to stop failed; fencing for the whole grace", entry.transfer_id)
                 quiet = False
-            if not quiet:
-                await asyncio.sleep(max(0.0, end - loop.time()))
+            if not quiet:   # a writer cut off from our Abort still writes until its window ends (rule 8)
+                await asyncio.sleep(max(0.0, max(end, entry.write_end + self.timeouts.fence_grace) - loop.time()))
                 self.fences_unconfirmed += 1
         except asyncio.CancelledError:
             cancelled = True

@@ -10,6 +10,9 @@ fetch per D would skip that check for all but the first transfer.
 A layout from another incarnation than the one a transfer was allocated on is refused
 (``StaleLayout``): a restarted D never receives writes at its old addresses.
 
+D's answer also says how long the transfer's writes may go on (its window: docs/fencing.md, rule 8);
+the layout a transfer gets carries the end, counted from when we asked (``RemoteLayout.write_by``).
+
 The fetches one pass of the loop starts for one D (a step's transfers) go as ONE ``LayoutBatch``
 frame (up to ``MAX_LAYOUT_BATCH`` each): D still authorizes every transfer, answers each item as
 if it came alone and sends the layout once. A fetch alone in its pass goes as a plain
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from typing import Any, Coroutine, Union
 
 from ... import compat
@@ -138,6 +142,7 @@ class LayoutCache:
 
     async def _batch(self, endpoint: str, items: list[_Item], deadline: float) -> None:
         batch = m.LayoutBatch(items=[self._request(credentials) for credentials, _ in items])
+        asked = time.monotonic()
         try:
             reply = await self._call(endpoint, batch, deadline, len(items))
         except MetadataError as exc:
@@ -152,21 +157,26 @@ class LayoutCache:
         else:
             granted = isinstance(reply, m.LayoutReplies) and any(isinstance(a, m.Ack) for a in reply.items)
             if (not isinstance(reply, m.LayoutReplies) or len(reply.items) != len(items)
-                    or granted != isinstance(reply.layout, m.LayoutReply)):
+                    or granted != isinstance(reply.layout, m.LayoutReply)
+                    or len(reply.windows) not in (0, len(items))):
                 raise MetadataError(f"{endpoint} answered {len(items)} batched layout requests with "
                                     f"{type(reply).__name__}")
             self.batches += 1
             self.batched += len(items)
         layout = RemoteLayout.from_reply(endpoint, reply.layout) if reply.layout is not None else None
+        windows: list[float | None] = list(reply.windows) or [None] * len(items)   # []: an older D
         again: list[Coroutine[Any, Any, None]] = []
-        for item, answer in zip(items, reply.items):
+        for item, answer, window in zip(items, reply.items, windows):
             if answer is None:
                 again.append(self._alone(endpoint, item, deadline))
             elif isinstance(answer, m.Nack):   # as a Nack to a LayoutRequest alone reads
                 cause = ControlRejected(answer.code, answer.reason)
                 settle_future(item[1], exc=MetadataError(f"layout of {endpoint} unavailable: {cause}"))
-            else:
-                settle_future(item[1], result=layout)
+            elif layout is not None:
+                try:
+                    settle_future(item[1], result=layout.granted(window, asked))
+                except MetadataError as exc:
+                    settle_future(item[1], exc=exc)
         if again:
             await asyncio.gather(*again)
 
@@ -174,10 +184,11 @@ class LayoutCache:
         credentials, fut = item
         try:
             request = self._request(credentials)
+            asked = time.monotonic()
             reply = await self._call(endpoint, request, deadline, 1)
             if not isinstance(reply, m.LayoutReply):
                 raise MetadataError(f"{endpoint} answered a layout request with {type(reply).__name__}")
-            settle_future(fut, result=RemoteLayout.from_reply(endpoint, reply))
+            settle_future(fut, result=RemoteLayout.from_reply(endpoint, reply).granted(reply.window, asked))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the item's own error, as its transfer reports it
@@ -193,6 +204,7 @@ class LayoutCache:
                                   writers=writers[0] if writers else 0)
         limit = self.timeouts.lookup_call
         self.lookups[endpoint] += 1
+        asked = time.monotonic()
         try:
             async with compat.timeout(limit):
                 client = await self.peers.get(endpoint)
@@ -206,7 +218,7 @@ class LayoutCache:
                 or not isinstance(reply.layout, m.LayoutReply) or reply.layout.incarnation != reply.incarnation):
             raise MetadataError(f"{endpoint} answered the lookup of {tid} with {type(reply).__name__} "
                                 "without its blocks and layout")
-        return reply, RemoteLayout.from_reply(endpoint, reply.layout)
+        return reply, RemoteLayout.from_reply(endpoint, reply.layout).granted(reply.layout.window, asked)
 
     def _request(self, credentials: Credentials) -> m.LayoutRequest:
         tid, token, *writers = credentials

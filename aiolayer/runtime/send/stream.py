@@ -5,6 +5,9 @@ fence) and this module the data path. Errors here are typed (``errors.TransferSt
 ``LayerWriteFailed``); the backend's own are mapped once, at the write.
 The sender turns them into the outcome's reason where it publishes it.
 
+No write is submitted once D's window for the transfer ended (``RemoteLayout.write_by``): D may free
+the blocks after it without P's word.
+
 The writes of one transfer run in a TaskGroup and never raise there: a failed layer is recorded as
 its ``LayerWriteFailed`` value, so its siblings already submitted run to their end (each may still
 land: cancelling it would not stop the bytes, only our knowledge of them).
@@ -169,7 +172,7 @@ class LayerStreamer:
                 # every layer, and a coroutine or a full loop turn per layer showed in the profile
                 items = req.take_layers(left)
                 if not items:
-                    item = await self._next_layer(req)
+                    item = await self._next_layer(req, sink)
                     if item is None:
                         reason = req.aborted
                         break
@@ -187,6 +190,11 @@ class LayerStreamer:
                     left -= 1
                     if each:
                         self._submit(group, sink, held)
+                if req.aborted or sink.failed:
+                    break  # stopped, or a write failed already: submit no more layers
+                # with start_write, the layers ready together go as one write once no more is ready
+                if held and (not left or (layerwise and not req.layer_ready)):
+                    self._submit(group, sink, held)
             except DeadlineExceeded as exc:   # first: it is a TimeoutError too (wait_event's layer_event)
                 self.deadlines[exc.phase] += 1
                 reason = str(exc)
@@ -195,11 +203,6 @@ class LayerStreamer:
                 self.deadlines["layer_gap"] += 1
                 reason = f"layer_gap: no next layer within {self.timeouts.layer_gap:g}s"
                 break
-            if req.aborted or sink.failed:
-                break  # stopped, or a write failed already: submit no more layers
-            # with start_write, the layers ready together go as one write once no more is ready
-            if held and (not left or (layerwise and not req.layer_ready)):
-                self._submit(group, sink, held)
         if not left and not reason and not sink.failed:
             self.submitted(req, [], True)
         return reason
@@ -224,7 +227,10 @@ class LayerStreamer:
         return ""
 
     def _submit(self, group: compat.TaskGroup, sink: "_Sink", held: _Held) -> None:
-        """The held layers into writes (one, with ``start_write``; else one task per layer); clears ``held``."""
+        """The held layers into writes (one, with ``start_write``; else one task per layer); clears ``held``.
+        ``DeadlineExceeded`` (``write_window``), submitting nothing, once D's window for them ended."""
+        if time.monotonic() > sink.layout.write_by:
+            raise _window_ended(sink.req, sink.layout, len(held))
         batches = [list(held)] if self._start is not None else [[h] for h in held]
         self.submitted(sink.req, [layer for layer, _ in held], False)
         held.clear()
@@ -252,13 +258,19 @@ class LayerStreamer:
         sink.add(settled, _Landed(self, sink, layers, submitted, nbytes, order))
         return True
 
-    async def _next_layer(self, req: Request) -> LayerItem | None:
+    async def _next_layer(self, req: Request, sink: "_Sink") -> LayerItem | None:
         """The next layer to be handed over (call with none ready: ``take_layers`` took those), None
-        once stopped; ``layer_gap`` bounds the wait."""
+        once stopped; ``layer_gap`` bounds the wait, and D's window for the writes (``DeadlineExceeded``)."""
         if req.aborted:
             return None
-        async with compat.timeout(self.timeouts.layer_gap):
-            await req.next_arrival()
+        gap, window_left = self.timeouts.layer_gap, sink.layout.write_by - time.monotonic()
+        try:
+            async with compat.timeout(max(0.0, min(gap, window_left))):
+                await req.next_arrival()
+        except TimeoutError:
+            if window_left < gap:
+                raise _window_ended(req, sink.layout, 0) from None
+            raise
         return None if req.aborted else req.take_layer()
 
     async def _written(self, sink: "_Sink", layers: _Held, order: int) -> None:
@@ -290,6 +302,11 @@ class LayerStreamer:
         elif not isinstance(cause, AiolayerError):
             log.error("transfer %s: layer %d write raised", req.spec.transfer_id, layer, exc_info=cause)
         return exc
+
+
+def _window_ended(req: Request, layout: RemoteLayout, held: int) -> DeadlineExceeded:
+    return DeadlineExceeded("write_window", layout.window, f"D at {layout.endpoint} takes no writes of "
+                            f"{req.spec.transfer_id} after it ({held} layer(s) ready, not written)")
 
 
 class _Sink:

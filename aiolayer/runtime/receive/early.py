@@ -1,0 +1,47 @@
+"""D's DONE/FAILED words that came before their transfer's registration, kept ``Timeouts.receive`` seconds.
+
+P may finish before D registered (late binding, or D slow to publish): its word is kept and applied
+when the registration comes. Keyed by (transfer id, token, sender): a stranger's early DONE cannot
+take the place of the real one, and every sender of a head-sliced transfer is kept. Bounded: beyond
+``MAX_EARLY`` words a new one is refused (``busy``), so a stranger cannot grow it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ...bounded import drop_expired
+from ...errors import ControlRejected
+from ...protocol import messages as m
+from ...protocol.codes import NackCode
+
+MAX_EARLY = 4096
+Word = m.Done | m.Failed
+
+
+class EarlyWords:
+    def __init__(self, lifetime_s: float, capacity: int = MAX_EARLY) -> None:
+        self.lifetime_s, self.capacity = lifetime_s, capacity
+        self._words: dict[tuple[str, str, str], tuple[Word, float]] = {}   # in expiry order
+
+    def __len__(self) -> int:
+        return len(self._words)
+
+    def keep(self, msg: Word) -> None:
+        """Keep ``msg`` until its transfer registers (the first word per sender wins); ``busy`` when full."""
+        now = time.monotonic()
+        drop_expired(self._words, now, lambda word: word[1])
+        if len(self._words) >= self.capacity:
+            raise ControlRejected(NackCode.BUSY, f"{self.capacity} messages already wait for their registration")
+        key = (msg.transfer_id, msg.token, msg.sender)
+        if key not in self._words:
+            self._words[key] = (msg, now + self.lifetime_s)
+
+    def take(self, transfer_id: str) -> list[tuple[str, Word]]:
+        """(token, word) of every word kept for ``transfer_id``, removed from the table."""
+        if not self._words:
+            return []
+        return [(key[1], self._words.pop(key)[0]) for key in [k for k in self._words if k[0] == transfer_id]]
+
+    def clear(self) -> None:
+        self._words.clear()
