@@ -78,8 +78,8 @@ class LayoutReply(_Msg, tag="layout", frozen=True):
     kv_interior: str = ""      # what a head's bytes hold token by token (HeadGeometry.interior)
     # Integrity digests D can verify besides "crc32" (LayerCheck.digest); [] from an older D: crc32 only.
     digests: list[str] = []
-    # Seconds left, when D answered, for the writes of the transfer it answered (docs/fencing.md, rule 8):
-    # P submits none after it. None: not said (an older D, or a layout shared by a batch's items).
+    # Seconds from when D got the request to the end of the answered transfer's writes (docs/fencing.md,
+    # rule 8): P, counting from its send, submits none after. None: not said (an older D, or a batch's layout).
     window: Union[float, None] = None
 
 

@@ -11,6 +11,7 @@ are checksummed (``VerifyRequest``) when it fails the transfer and after P ended
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import secrets
 import time
@@ -119,3 +120,25 @@ def test_a_window_d_did_not_send_is_none_and_a_bad_one_is_refused():
     for bad in (-1.0, math.nan):
         with pytest.raises(MetadataError, match="write window"):
             layout.granted(bad, 100.0)
+
+
+def test_a_lookup_held_for_the_registration_counts_its_window_from_before_it_waited(memory_runtime,
+                                                                                    memory_decode_node):
+    """A late P asks before D registered; D counts the window from when the lookup came, so the wait
+    does not shorten P's writes (P counts from its send, which came first)."""
+    d = memory_decode_node(SHAPE, engine_id="d-held", timeouts=D_LIMITS)
+    p = memory_runtime("p-held")
+    token = secrets.token_hex(16)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        asked = time.monotonic()
+        held = pool.submit(p.request, d.control_endpoint, m.LookupRequest(
+            transfer_id="held", token=token, wait=True, requester="p-held", control=p.control_endpoint,
+            incarnation=p.incarnation), timeout=5)
+        time.sleep(0.6)
+        before = time.monotonic()
+        alloc(p, d.control_endpoint, "held", 1, token=token)   # D registers: its writes end `receive` later
+        after = time.monotonic()
+        reply = held.result(10)
+    p_end = asked + reply.layout.window
+    # the wait did not shorten P's window, and P's end is no later than D's
+    assert before + D_LIMITS.receive - 0.3 < p_end <= after + D_LIMITS.receive

@@ -57,7 +57,7 @@ class ReceiverPort(Protocol):
 
     def admit_writer(self, msg: m.LayoutRequest) -> None: ...
 
-    def window(self, transfer_id: str) -> float: ...
+    def window(self, transfer_id: str, since: float | None = None) -> float: ...
 
     def to_verify(self, transfer_id: str, token: str) -> tuple[list[int], EarlyChecks] | None: ...
 
@@ -129,15 +129,17 @@ def _grant_layout(rt: Host, msg: m.LayoutRequest) -> m.Ack:
     return m.Ack()
 
 
-def _granted_layout(rt: Host, transfer_id: str) -> m.LayoutReply:
-    """The layout as one granted transfer's answer: with the seconds left for its writes (its window)."""
-    return msgspec.structs.replace(_published_layout(rt), window=rt.receiver.window(transfer_id))
+def _granted_layout(rt: Host, transfer_id: str, since: float | None = None) -> m.LayoutReply:
+    """The layout as one granted transfer's answer: with the seconds left for its writes (its window),
+    counted from ``since`` (the loop time the request came: a lookup held for the registration), else now."""
+    return msgspec.structs.replace(_published_layout(rt), window=rt.receiver.window(transfer_id, since))
 
 
 async def _lookup(rt: Host, msg: m.LookupRequest) -> m.AllocReply:
     """A transfer's registration; a waiting lookup is held until D registered it (``lookup_wait``). A
     writer's lookup (late binding) is a layout grant too: the P rank is admitted as a writer, by the
     same rules, before the reply tells it where to write."""
+    came = asyncio.get_running_loop().time()   # P counts its window from its send, before this
     if msg.wait:
         await rt.receiver.wait_registered(msg.transfer_id, msg.token, rt.timeouts.lookup_wait)
     block_ids, first = rt.receiver.registration(msg.transfer_id, msg.token)
@@ -145,7 +147,7 @@ async def _lookup(rt: Host, msg: m.LookupRequest) -> m.AllocReply:
     if msg.requester:
         _grant_layout(rt, m.LayoutRequest(requester=msg.requester, transfer_id=msg.transfer_id, token=msg.token,
                                           control=msg.control, incarnation=msg.incarnation, writers=msg.writers))
-        layout = _granted_layout(rt, msg.transfer_id)
+        layout = _granted_layout(rt, msg.transfer_id, came)
     return m.AllocReply(transfer_id=msg.transfer_id, block_ids=block_ids, incarnation=rt.incarnation,
                         first_block=first, token=msg.token, layout=layout)
 

@@ -215,10 +215,11 @@ class Receiver:
             return None
         return entry.block_ids, entry.early
 
-    def window(self, transfer_id: str) -> float:
-        """Seconds left for the writes of a transfer a writer was just granted (its ``LayoutReply.window``)."""
+    def window(self, transfer_id: str, since: float | None = None) -> float:
+        """Seconds from ``since`` (loop time; None: now) to the end of the writes of a transfer a writer was
+        just granted (its ``LayoutReply.window``). P counts them from its request's send, which came first."""
         entry = self._entries[transfer_id]
-        return max(0.0, entry.write_end - asyncio.get_running_loop().time())
+        return max(0.0, entry.write_end - (asyncio.get_running_loop().time() if since is None else since))
 
     def early_check_of(self, msg: m.EarlyCheck) -> tuple[list[int], EarlyChecks]:
         """Where a writer's early check may read (``auth``, ``ended``, ``sender`` otherwise); admits no writer."""
