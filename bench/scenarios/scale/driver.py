@@ -10,7 +10,7 @@ every D rank first, then hands each P rank its plan (``protocol.plan.map_ranks``
 which D rank and where). Each P rank begins ONE step with all its transfers, marks every layer
 ready at once and waits for every outcome. Where several P ranks write disjoint head slices of one
 D transfer (P_tp > D_tp), D registers it with ``senders=k`` and ends it once all k said DONE; its
-fence then has no single P to ask and waits ``fence_grace`` instead. Every transfer is verified at
+fence asks each of the k ranks that fetched the layout (docs/fencing.md). Every transfer is verified at
 its D rank (per-layer CRC32 of K and V against the global KV). Then every P rank pushes the same
 spans again with Mooncake alone (``raw.py``: the baseline, timed the same way, reported as
 ``raw_gbps`` and ``raw_ratio``), and the transfers are released.
