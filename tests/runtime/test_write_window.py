@@ -27,6 +27,7 @@ from aiolayer.runtime.control.hooks import install_hooks
 from aiolayer.runtime.spec import RemoteLayout
 
 from test_regressions_sender import SHAPE, alloc, d_state, spec_for
+from test_writer_fence import crcs, wait_state
 
 pytestmark = pytest.mark.timeout(60)
 D_LIMITS = Timeouts(receive=2.0, fence_grace=0.5)
@@ -49,11 +50,6 @@ def cut_off_p():
         yield rt, cache
     finally:
         rt.stop()
-
-
-def crcs(p, d, tid: str) -> tuple:
-    reply = p.request(d.control_endpoint, m.VerifyRequest(transfer_id=tid), timeout=5)
-    return reply.crc_k, reply.crc_v
 
 
 def until(what, limit: float, why: str):
@@ -90,7 +86,7 @@ def test_a_p_cut_off_from_ds_abort_writes_nothing_after_d_freed_the_blocks(cut_o
     registered = time.monotonic()
     tokens = start_transfers(p, d, binding, src)
     for tid in tokens:   # layer 0 landed: P bound the transfer and wrote it
-        until(lambda: crcs(p, d, tid)[0][0] == ck[0] and crcs(p, d, tid)[1][0] == cv[0], 5, "layer 0 never landed")
+        until(lambda: [c[0] for c in crcs(p, d.control_endpoint, tid)] == [ck[0], cv[0]], 5, "layer 0 never landed")
     for tid, token in tokens.items():
         p.request(d.control_endpoint, m.AbortRequest(transfer_id=tid, reason="client gone", token=token))
         assert d_state(p, d.control_endpoint, tid) == "aborting"
@@ -98,15 +94,15 @@ def test_a_p_cut_off_from_ds_abort_writes_nothing_after_d_freed_the_blocks(cut_o
     p.sender.layer_ready(0, 1)                # P never heard the abort: its forward goes on
     at_fail = {}
     for tid in tokens:
-        until(lambda: d_state(p, d.control_endpoint, tid) == "failed", 10, f"{tid} never failed at D")
-        at_fail[tid] = crcs(p, d, tid)
+        wait_state(p, d.control_endpoint, tid, "failed", 10)
+        at_fail[tid] = crcs(p, d.control_endpoint, tid)
     failed_after = time.monotonic() - registered
     for layer in range(2, SHAPE.num_layers):
         p.sender.layer_ready(0, layer)
     p.sender.end_step(0)
     for tid in tokens:
         out = p.sender.wait(tid, 10)
-        assert crcs(p, d, tid) == at_fail[tid], f"{tid}: a write landed after D freed the blocks"
+        assert crcs(p, d.control_endpoint, tid) == at_fail[tid], f"{tid}: a write landed after D freed the blocks"
         assert not out.ok and "write_window" in out.reason, out
         assert [t.layer for t in out.layers] == [0, 1]        # the layer before the window ended, none after
     assert p.sender.deadlines["write_window"] == len(tokens)
