@@ -217,10 +217,15 @@ class VllmServer:
         self._log_file.write(("$ " + " ".join(self.command()) + "\n").encode())
         env = {**self.environment(), **scratch.tree_env(self.tmp_dir)}   # also under a subclass's environment()
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            self.command(), stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
-            env=env, start_new_session=True, cwd=str(log_dir), preexec_fn=self._preexec(),
-        )
+        try:
+            self.proc = subprocess.Popen(
+                self.command(), stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
+                env=env, start_new_session=True, cwd=str(log_dir), preexec_fn=self._preexec(),
+            )
+        except BaseException:   # no process: stop() will not run, so its log file and TMPDIR go now
+            self._log_file.close()
+            scratch.remove(self.tmp_dir)
+            raise
         _LIVE.add(self)
         self._spawned_at, self._healthy = t0, False
         return self

@@ -216,6 +216,22 @@ def test_a_server_trees_private_tmpdir_keeps_inductors_cache_where_torch_puts_it
     assert env["TMPDIR"] == "/nonexistent"
 
 
+def test_a_server_that_cannot_be_spawned_leaves_no_open_log_or_tmpdir(tmp_path):
+    """stop() never runs for a process that was never made: spawn itself lets go of what it made."""
+    from aiolayer.harness.vllm_server import VllmServer
+
+    class Missing(VllmServer):
+        def command(self) -> list[str]:
+            return [str(tmp_path / "no-such-server")]
+
+    server = Missing(model=tmp_path, port=1, log_dir=tmp_path)
+    with pytest.raises(FileNotFoundError):
+        server.spawn()
+    assert server.proc is None and server._log_file.closed
+    assert server.tmp_dir is not None and not server.tmp_dir.exists()
+    assert server.log_path.read_text().startswith("$ ")
+
+
 def test_child_process_first_line_has_a_deadline_and_carries_stderr():
     from aiolayer.harness.child import ChildProcess, ChildStartError
 
