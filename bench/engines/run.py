@@ -80,8 +80,6 @@ def prompts(args: argparse.Namespace) -> dict[str, list[str]]:
             "alone_warmup": [long_prompt(words, seed=9_999)]}
 
 
-
-
 def via_url(url: str, model: Path, headers: dict[str, str] | None = None):
     """The completion call of a system that takes the request on one URL (an engine, a proxy)."""
     async def complete(text: str, max_tokens: int):

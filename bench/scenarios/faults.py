@@ -340,7 +340,6 @@ SCENARIOS = [scenario_kill, scenario_freeze, scenario_refuse, scenario_slow, sce
              scenario_done_first, scenario_garbage]
 
 
-
 def run_faults(args) -> int:
     rows = []
     with FaultHarness() as h:

@@ -17,8 +17,6 @@ from aiolayer.runtime.control.plane import open_sockets
 pytestmark = pytest.mark.timeout(60)
 
 
-
-
 @pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "scattered"])
 @pytest.mark.parametrize("src_kind", ["contiguous", "scattered"])
 def test_transfer_lands_intact(pd, small_shape, contiguous, src_kind):

@@ -222,7 +222,6 @@ def test_chunked_prefill_sends_every_block_in_the_last_chunk(engines):
         assert (d.kv_blocks(name)[reg.block_ids] == 9.0).all()
 
 
-
 class _Registrations:
     """A stand-in for the proxy's registration endpoint: records POSTs, answers with ``status``."""
 

@@ -64,20 +64,6 @@ def _engine(name: str, control_port: int, role: str, env: dict | None = None, dr
                       startup_timeout_s=600, **kw)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def _drafted(server: VllmServer) -> float:
     return total(server, "vllm:spec_decode_num_draft_tokens_total")
 

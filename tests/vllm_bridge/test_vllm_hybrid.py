@@ -83,18 +83,6 @@ def _engine(name: str, control_port: int, role: str, env: dict | None = None, **
                       startup_timeout_s=500)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 @pytest.fixture(scope="module")
 def hybrid():
     p_port, d_port, a_port = free_ports(1), free_ports(1), free_ports(1)

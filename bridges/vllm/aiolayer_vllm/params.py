@@ -238,7 +238,6 @@ def read(params: Any) -> RecvParams | SendParams | None:
         raise InvalidParams(_safe(f"kv_transfer_params[{KEY!r}] invalid for {kind.__name__}: {exc}")) from None
 
 
-
 def read_registration(body: Any) -> DecodeRegistration:
     """A registration POSTed to the proxy, validated whole; ``InvalidParams`` (safe to log) otherwise."""
     try:
