@@ -1,6 +1,6 @@
 """Command line: ``aiolayer node`` (a standalone D node), ``aiolayer doctor`` (checks a P and a D across
 hosts) and the subcommands other packages register
-(``bench``, the benchmark; ``proxy``, the vLLM bridge's D-first proxy) through ``aiolayer.commands``."""
+(``bench``, the benchmark; ``proxy``, the vLLM bridge's P/D proxy) through ``aiolayer.commands``."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from .transport import PROTOCOLS, Transport
 HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter
 # Subcommands other packages add (the benchmark, the vLLM bridge's proxy): the core names none of them.
 COMMAND_GROUP = "aiolayer.commands"
-ELSEWHERE = {"proxy": "the D-first proxy comes with the vLLM bridge, aiolayer-vllm: from a checkout, "
+ELSEWHERE = {"proxy": "the P/D proxy comes with the vLLM bridge, aiolayer-vllm: from a checkout, "
                      "pip install . ./bridges/vllm (README: Install)"}
 
 

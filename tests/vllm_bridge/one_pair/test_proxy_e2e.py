@@ -1,4 +1,4 @@
-"""The D-first proxy in front of real vLLM CPU engines, end to end.
+"""The P/D proxy in front of real vLLM CPU engines, end to end.
 
 One P, one D (vLLM with AiolayerConnector) and ``aiolayer proxy`` as a real process (the folder's shared
 pair, conftest.py). Requests through the proxy must give the same tokens as the aggregated engine (P

@@ -1,1 +1,1 @@
-"""The D-first proxy: an OpenAI-compatible front end that owns the P->D request flow."""
+"""The P/D proxy: an OpenAI-compatible front end that owns the P->D request flow."""

@@ -1,4 +1,4 @@
-"""The proxy's FastAPI app: OpenAI routes through the D-first flow, registration, health, metrics.
+"""The proxy's FastAPI app: OpenAI routes through the P/D flow (late-bound or D-first), registration, health, metrics.
 
 The app owns its tasks (health watcher, each decode call) and closes them at shutdown. Each OpenAI
 request is one ASGI call that owns its exchange from the pick to the last byte relayed, so its
@@ -351,7 +351,7 @@ def create_app(pool: Pool, public_url: str, timeouts: ProxyTimeouts | None = Non
         finally:
             await state.stop()
 
-    app = FastAPI(title="aiolayer D-first proxy", lifespan=lifespan)
+    app = FastAPI(title="aiolayer P/D proxy", lifespan=lifespan)
     app.state.proxy = state
 
     for path in ("/v1/completions", "/v1/chat/completions"):

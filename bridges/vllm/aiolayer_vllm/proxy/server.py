@@ -134,4 +134,4 @@ async def _learn(pool: Pool, wait_s: float) -> list[str]:
         await peers.close()
 
 
-COMMAND = Command("the D-first proxy in front of vLLM P and D servers", add_proxy_args, run_proxy)
+COMMAND = Command("the P/D proxy in front of vLLM P and D servers", add_proxy_args, run_proxy)
