@@ -269,7 +269,7 @@ class MooncakeBackend:
         handshake that blocks, e.g. while the peer is stopped). Past ``timeout`` the thread still
         runs and its submit may still happen: ``TransferTimeout`` hands a future that settles when
         that submit was refused or its batch ended."""
-        submit = loop.run_in_executor(None, self._submit, target, *run)
+        submit = loop.run_in_executor(None, self._open, target, *run)
         self._openers[target] = submit   # concurrent writes to the target wait for it (_wait_opened)
 
         def opened(fut: asyncio.Future) -> None:   # before any waiter resumes: the target is usable
@@ -331,6 +331,11 @@ class MooncakeBackend:
 
         submit.add_done_callback(adopt)
         return settled
+
+    def _open(self, target: str, src: int, dst: int, length: int) -> int:
+        """``_submit`` in an opening's thread, holding the submit thread's gate across the handshake."""
+        with self._thread.gate:
+            return self._submit(target, src, dst, length)
 
     def _submit(self, target: str, src: int, dst: int, length: int) -> int:
         bid = self._engine.transfer_submit_write(target, src, dst, length)

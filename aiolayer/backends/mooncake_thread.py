@@ -7,15 +7,21 @@ and with it every deadline of the process (docs/mooncake.md), so ``mooncake`` ha
 this one thread (one, so that they reach each target in the order they were made). A job still
 running at its write's deadline is abandoned: it submits nothing more, and the runs it did submit are
 handed back as one future that settles once they all have (``late``), for the caller's fence.
+"Nothing more" holds because a job never waits inside Mooncake's lock: an opening holds ``gate``
+across its handshake, and a job takes the gate before each submit, in short waits that look at
+``abandoned`` in between. A submit blocked in the lock would go out whenever the handshake ended,
+however long after its deadline, and D may free the blocks on time alone by then (docs/fencing.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 INVALID_IDS = (0, -1, (1 << 64) - 1)
+GATE_WAIT_S = 0.01   # how often a job waiting for an opening to end looks whether it was abandoned
 
 
 class Job:
@@ -29,12 +35,18 @@ class Job:
         self.refused: tuple[int, int] | None = None   # (length, id returned) of the submit refused
         self.abandoned = False                         # set on the loop: the write gave up on this job
 
-    def run(self, submit) -> None:
+    def run(self, submit, gate: threading.Lock) -> None:
         srcs, dsts, lens = self.runs
         for i in range(self.first, self.stop):
-            if self.abandoned:   # the write already failed: submit nothing more of it
-                return
-            bid = submit(self.target, srcs[i], dsts[i], lens[i])
+            while not gate.acquire(timeout=GATE_WAIT_S):   # a segment is being opened
+                if self.abandoned:
+                    return
+            try:
+                if self.abandoned:   # the write already failed: submit nothing more of it
+                    return
+                bid = submit(self.target, srcs[i], dsts[i], lens[i])
+            finally:
+                gate.release()
             if bid in INVALID_IDS:
                 self.refused = (lens[i], bid)
                 return
@@ -55,6 +67,8 @@ class SubmitThread:
         self._reserved: collections.Counter[str] = collections.Counter()   # runs a job may submit
         self._cut: collections.Counter[str] = collections.Counter()        # jobs that left a backlog
         self.late: set[asyncio.Future] = set()   # of abandoned jobs still in the thread
+        self.gate = threading.Lock()   # held by an opening's thread across its handshake (``Job.run``)
+        self._jobs: set[Job] = set()   # queued or running
 
     def room(self, target: str, room: int) -> int:
         """Of ``room`` (the poller's), what a new job to ``target`` may submit: none while an earlier
@@ -72,10 +86,12 @@ class SubmitThread:
         self._reserved[target] += count
         self._cut[target] += cut
         self.busy += 1
-        ran = loop.run_in_executor(self._pool, job.run, submit)
+        self._jobs.add(job)
+        ran = loop.run_in_executor(self._pool, job.run, submit, self.gate)
 
         def ended(fut: asyncio.Future) -> None:
             self.busy -= 1
+            self._jobs.discard(job)
             for counter, n in ((self._reserved, count), (self._cut, cut)):
                 counter[target] -= n
                 if not counter[target]:
@@ -124,7 +140,10 @@ class SubmitThread:
         return settled
 
     def close(self) -> None:
-        """The backend closes: a job blocked in Mooncake still ends there, but none starts."""
+        """The backend closes: a job blocked in Mooncake still ends there, but none starts, and one
+        waiting for an opening submits nothing."""
+        for job in self._jobs:
+            job.abandoned = True
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

@@ -18,16 +18,17 @@ import time
 import numpy as np
 import pytest
 
-from helpers_node import SMALL_SHAPE, apply_mc_env, freeze, mooncake_p, stoppable_node, until_streaming
+from helpers_node import SMALL_SHAPE, apply_mc_env, freeze, mooncake_p, spawn_node, stoppable_node, until_streaming
 
 apply_mc_env()  # before any Mooncake engine exists in this process
 
 from aiolayer import NodeConfig, Runtime, Timeouts, TransferSpec
 from aiolayer.backends.mooncake import MooncakeBackend
-from aiolayer.errors import DeadlineExceeded, TransferTimeout
+from aiolayer.errors import DeadlineExceeded, FrameDropped, TransferTimeout
 from aiolayer.kvcache import PagedKVCache
 from aiolayer.kvcache import checksums
 from aiolayer.protocol import messages as m
+from aiolayer.runtime.control.hooks import install_hooks
 
 SHAPE = SMALL_SHAPE
 DEADLINE_S = 1.0      # the deadline of the writes that must fail in time
@@ -248,3 +249,57 @@ def test_a_transfer_to_an_open_peer_ends_at_its_deadline_while_another_peer_is_o
         finally:
             p.stop()
 
+
+
+def _drop_aborts(msg: m.Message) -> None:
+    if isinstance(msg, m.Abort):
+        raise FrameDropped("the control path from D to P is cut")
+
+
+@pytest.mark.timeout(80)
+def test_a_write_held_while_a_segment_opens_is_never_submitted_after_ds_window():
+    """A backend may hold a write back until its deadline (here: submits wait while B's segment opens),
+    so P's check before the write is not enough: with ``layer_write`` (10 s) longer than D's window
+    (A's ``--receive-timeout``), the write to A went out once B ran again, after A had freed the
+    blocks on its time-only fence (P never hears A's Abort). The write's deadline ends with the window."""
+    p = install_hooks(Runtime(NodeConfig(engine_id="p-window-held", backend="mooncake")), inbound_filter=_drop_aborts)
+    with spawn_node("--receive-timeout", "2", "--fence-grace", "0.5", shape=SHAPE) as a, \
+            stoppable_node(SHAPE) as b:
+        p.start()
+        try:
+            cache = PagedKVCache(SHAPE)
+            cache.buffer[:] = np.random.default_rng(9).integers(1, 256, cache.buffer.size, dtype=np.uint8)
+            p.register_kv_memory(cache.k_base, cache.v_base, SHAPE.block_bytes, SHAPE.num_blocks)
+            _step(p, 0, _spec(p, a, "warm-a", 4))   # A's segment is open
+            assert p.sender.wait("warm-a", 10).ok
+            spec_b = _spec(p, b, "to-b", 4)
+            p.sender.begin_step(1, [spec_b])
+            until_streaming(p, "to-b")   # P has B's layout: its first write will open B's segment
+            freeze(b.pid)
+            try:
+                _step_layers(p, 1)
+                time.sleep(0.2)   # B's handshake is under way: writes to A wait for it
+                _step(p, 2, _spec(p, a, "to-a", 4))
+                end = time.monotonic() + 10
+                while (state := d_state(p, a, "to-a")) != "failed":   # A's deadline, then its fence
+                    assert time.monotonic() < end, f"to-a still {state!r} at A"
+                    time.sleep(0.05)
+                at_fail = crcs(p, a, "to-a")
+                time.sleep(1.0)   # A freed the blocks (fence_grace after the window) before B runs again
+            finally:
+                os.kill(b.pid, signal.SIGCONT)
+            out_a = p.sender.wait("to-a", 15)
+            assert p.sender.wait("to-b", 15).ok
+            assert crcs(p, a, "to-a") == at_fail, "a write to A landed after A freed the blocks"
+            assert not out_a.ok and "TransferTimeout" in out_a.reason, out_a
+        finally:
+            p.stop()
+
+
+def d_state(p, node, tid: str) -> str:
+    return p.request(node.control, m.StatusRequest(transfer_id=tid), timeout=5).state
+
+
+def crcs(p, node, tid: str) -> tuple:
+    reply = p.request(node.control, m.VerifyRequest(transfer_id=tid), timeout=5)
+    return reply.crc_k, reply.crc_v

@@ -6,7 +6,9 @@ fence) and this module the data path. Errors here are typed (``errors.TransferSt
 The sender turns them into the outcome's reason where it publishes it.
 
 No write is submitted once D's window for the transfer ended (``RemoteLayout.write_by``): D may free
-the blocks after it without P's word.
+the blocks after it without P's word. A write's deadline is cut to that end too, because a backend may
+hold runs back until their deadline (a target's cap on runs in flight, a segment being opened): held
+past the window, they would still go out after it.
 
 The writes of one transfer run in a TaskGroup and never raise there: a failed layer is recorded as
 its ``LayerWriteFailed`` value, so its siblings already submitted run to their end (each may still
@@ -249,7 +251,7 @@ class LayerStreamer:
         try:
             src, dst, lengths, nbytes = sink.plan.rows([layer for layer, _ in layers])
             submitted = time.perf_counter()
-            settled = self._start(sink.layout.session, src, dst, lengths, self.timeouts.layer_write)
+            settled = self._start(sink.layout.session, src, dst, lengths, self._write_timeout(sink))
         except Exception as cause:  # noqa: BLE001 - mapped, not swallowed
             sink.failed.append((order, self._failed(sink.req, layers[0][0], cause)))
             return True
@@ -287,10 +289,14 @@ class LayerStreamer:
         try:
             src, dst, lengths, nbytes = sink.plan.rows([layer for layer, _ in layers])
             submitted = time.perf_counter()
-            await self.backend.write(sink.layout.session, src, dst, lengths, self.timeouts.layer_write)
+            await self.backend.write(sink.layout.session, src, dst, lengths, self._write_timeout(sink))
         except Exception as cause:  # mapped, not swallowed; cancellation passes through
             raise self._failed(sink.req, layers[0][0], cause) from cause
         sink.landed(layers, submitted, nbytes)
+
+    def _write_timeout(self, sink: "_Sink") -> float:
+        """``layer_write``, or less: what is left of D's window (the backend submits nothing after it)."""
+        return min(self.timeouts.layer_write, max(0.0, sink.layout.write_by - time.monotonic()))
 
     def _failed(self, req: Request, layer: int, cause: BaseException) -> LayerWriteFailed:
         """A layer's write failed: its runs that may still land go to the fence; counted, logged if a bug."""
