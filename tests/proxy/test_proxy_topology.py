@@ -12,8 +12,11 @@ at start, naming it; a backend whose control socket stops answering leaves rotat
 from __future__ import annotations
 
 import asyncio
+import collections
+import socket
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -24,10 +27,11 @@ import httpx
 from aiolayer import ControlPeers, Timeouts
 from aiolayer.protocol import messages as m
 from aiolayer.runtime.control.plane import ControlServer
+from aiolayer_vllm.proxy.flow import binds_late
 from aiolayer_vllm.proxy.pool import Backend, Pool
 from aiolayer_vllm.proxy.topology import learn_pool, recheck
 from aiolayer.harness.pd import ProxyProcess
-from aiolayer.harness.procs import free_port
+from aiolayer.harness.procs import free_port, free_ports
 from helpers_proxy import FakeEngine, Hub, StandInRanks, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -203,3 +207,60 @@ async def test_a_health_check_takes_out_a_backend_whose_model_changed(engines):
         assert "model fingerprint 'other/cccccccccccc'" in problem and repr(p_ranks.model) in problem, problem
     finally:
         await peers.close()
+
+
+async def test_one_refused_connection_where_ds_second_dp_engine_listened_keeps_it_d_first(engines):
+    """A dense model's DP ranks are engines of their own, each saying dp 1 of 1: the port after D's tells
+    whether D has a second one. That engine restarting refuses one health check's connection; bound
+    late then, a request vLLM gives it would never be registered. A restart of all D's ranks looks anew."""
+    d_ranks = StandInRanks("d", "consumer")
+    d_ranks.base = free_ports(2)
+    d_ranks.control = f"tcp://127.0.0.1:{d_ranks.base}"
+    engines(lambda: d_ranks)
+    second = socket.create_server(("127.0.0.1", d_ranks.base + 1))   # D's second DP engine
+    pool = Pool([], [Backend.parse("decode", f"{NOWHERE},{d_ranks.control}")])
+    peers = ControlPeers(Timeouts(), asyncio.get_running_loop().create_task)
+    try:
+        assert await learn_pool(pool, peers, 5.0, 1.0) == []
+        assert not pool.decode[0].topology.one_dp_rank
+        second.close()   # restarting
+        assert await recheck(pool.decode[0], peers, 1.0, pool.model) == ""
+        d = pool.decode[0].topology
+        assert not d.one_dp_rank
+        assert not binds_late("auto", replace(d, role="producer", late_binding=True), d)
+        await asyncio.to_thread(d_ranks.stop)
+        await asyncio.to_thread(d_ranks.start)   # every rank new, nothing on the next port
+        assert await recheck(pool.decode[0], peers, 1.0, pool.model) == ""
+        assert pool.decode[0].topology.one_dp_rank
+    finally:
+        second.close()
+        await peers.close()
+
+
+async def test_an_unexpected_error_in_a_health_check_takes_that_backend_out_and_the_checks_go_on(caplog):
+    """httpcore has raised AttributeError for an engine dying mid-connect; injected here at the HTTP
+    client's transport, where such a bug comes from. Raised into the watcher, it ended every check."""
+    calls: collections.Counter[int] = collections.Counter()
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        calls[request.url.port] += 1
+        if request.url.port == 8101 and calls[8101] == 1:
+            raise AttributeError("'NoneType' object has no attribute 'read'")
+        return httpx.Response(503 if request.url.port == 8101 else 200)
+
+    pool = Pool([Backend.parse("prefill", "http://127.0.0.1:8101,tcp://127.0.0.1:5601")],
+                [Backend.parse("decode", "http://127.0.0.1:8201,tcp://127.0.0.1:5701")], health_interval_s=0.01)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        watcher = asyncio.ensure_future(pool.watch_health(client))
+        try:
+            async with asyncio.timeout(5):
+                while calls[8101] < 3:
+                    assert not watcher.done(), f"the health checks ended: {watcher.exception()!r}"
+                    await asyncio.sleep(0.01)
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+    p, d = pool.prefill[0], pool.decode[0]
+    assert not p.healthy and p.problem == "HTTP /health answered 503", p.problem
+    assert d.healthy and calls[8201] >= 3
+    assert "health check failed unexpectedly: AttributeError" in caplog.text

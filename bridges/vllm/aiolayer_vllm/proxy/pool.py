@@ -122,6 +122,21 @@ class Pool:
             await asyncio.sleep(self.health_interval_s)
 
     async def _probe(self, client: httpx.AsyncClient, peers: ControlPeers | None, backend: Backend) -> None:
+        """One backend's check. An error it did not expect (httpcore has raised AttributeError for an
+        engine dying mid-connect) takes that backend out of rotation: raised, it would end the watcher,
+        and every backend would keep its last verdict for good."""
+        try:
+            problem = await self._problem(client, peers, backend)
+        except Exception as exc:  # noqa: BLE001 - the backend's failure, and logged below with the reason
+            problem = f"health check failed unexpectedly: {type(exc).__name__}: {exc}"
+        if problem != backend.problem:
+            if problem:
+                log.warning("%s is out of rotation: %s", backend.name, problem)
+            else:
+                log.warning("%s is back in rotation", backend.name)
+        backend.problem, backend.healthy = problem, not problem
+
+    async def _problem(self, client: httpx.AsyncClient, peers: ControlPeers | None, backend: Backend) -> str:
         async def http() -> str:
             try:
                 reply = await client.get(f"{backend.url}/health", timeout=self.health_timeout_s)
@@ -135,9 +150,4 @@ class Pool:
         problem = await http()
         if not problem and peers is not None:
             problem = await recheck(backend, peers, self.control_timeout_s, self.model)
-        if problem != backend.problem:
-            if problem:
-                log.warning("%s is out of rotation: %s", backend.name, problem)
-            else:
-                log.warning("%s is back in rotation", backend.name)
-        backend.problem, backend.healthy = problem, not problem
+        return problem

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiolayer import ControlPeers
 from aiolayer.errors import ControlError, ControlRejected, ControlTimeout, ProtocolError
@@ -199,5 +199,9 @@ async def recheck(backend, peers: ControlPeers, timeout: float, model: str) -> s
             return (f"ranks {kept} kept their incarnation while ranks "
                     f"{[i for i in range(len(now.incarnations)) if i not in kept]} restarted: out until all did")
         log.warning("%s restarted (every rank is new): tp %d, dp %d", backend.name, now.tp, now.dp)
+    elif before is not None and now.one_dp_rank and not before.one_dp_rank:
+        # one refused connection where a second data-parallel engine listened (restarting, say) does not
+        # make the engine alone: bound late to such a D, a request vLLM gives that rank is never registered
+        now = replace(now, one_dp_rank=False)
     backend.adopt(now)
     return ""
