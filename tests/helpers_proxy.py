@@ -153,6 +153,8 @@ class FakeEngine:
     async def _serve(self, request):
         body = await request.json()
         self.requests.append(body)
+        if body.get("max_tokens") is not None and body.get("min_tokens", 0) > body["max_tokens"]:   # vLLM's check
+            return JSONResponse({"error": {"message": "min_tokens must be less than or equal to max_tokens"}}, 400)
         fake = body.get("fake", {})
         if self.role == "decode" and body.get("kv_transfer_params") is None:   # no P: D prefills it itself
             await asyncio.sleep(fake.get("local_prefill_s", 0))

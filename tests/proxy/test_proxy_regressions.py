@@ -23,7 +23,7 @@ import httpx
 from aiolayer.harness.pd import ProxyProcess
 from aiolayer.harness.servers import metric_value, parse_metrics
 from helpers_node import freeze
-from helpers_proxy import FakeEngine, Hub, wait_for as _wait_for
+from helpers_proxy import FakeEngine, Hub, proxied_pair, wait_for as _wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -172,6 +172,23 @@ def test_d_failing_mid_stream_ends_in_an_error_event_and_an_abort(stack):
     assert tid in _decode_of(stack, tid).aborts
 
 
+def test_a_stream_ends_at_the_request_timeout_with_an_error_event_and_an_abort():
+    """--request-timeout bounds D's whole answer, not only its first byte or each read."""
+    with proxied_pair("--request-timeout", "2", "--health-interval", "0.5") as pair:
+        body = {"prompt": "endless", "stream": True, "fake": {"chunks": 40, "interval_s": 0.25}}
+        started = time.monotonic()
+        with _client() as client, client.stream("POST", pair["proxy"].url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        took = time.monotonic() - started
+        error = json.loads(events[-1][len("data: "):])["error"]
+        assert error["type"] == "decode_timeout" and error["code"] == 504, events[-3:]
+        assert 2.0 <= took < 3.5 and 3 <= len(events) < 12, (took, len(events))
+        tid = _last_transfer(pair["p"])
+        _wait_for(lambda: tid in pair["d"].aborts and pair["d"].streams.get(tid) == "closed", 10,
+                  f"D told to abort and its stream closed: {pair['d'].streams}")
+
+
 def test_ds_stream_is_closed_when_the_exchange_fails_after_its_status_line(stack):
     """D answered its status line but never registered: the 504 closes D's call (vLLM then aborts it)."""
     proxy = stack["proxy"]
@@ -250,6 +267,19 @@ def test_authorization_and_request_id_reach_both_engines(stack):
         assert seen.get("authorization") == "Bearer sk-test-key", (engine.name, seen)
         assert seen.get("x-request-id") == "client-req-7", (engine.name, seen)
     assert "cookie" not in p.headers[tid]        # only the two named headers go on
+
+
+def test_a_request_with_min_tokens_is_served_though_p_makes_one_token(stack):
+    """vLLM refuses min_tokens above max_tokens; P's part of a request is one token."""
+    proxy, p = stack["proxy"], stack["p"]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    with _client() as client:
+        reply = client.post(proxy.url + "/v1/completions", json={"prompt": "min", "max_tokens": 4, "min_tokens": 3})
+    assert reply.status_code == 200, reply.text
+    tid = _last_transfer(p)
+    assert "min_tokens" not in p.requests[-1]
+    assert _decode_of(stack, tid).requests[-1]["min_tokens"] == 3   # D makes the answer: the client's bound holds
+    _wait_for(proxy.idle, 10, "every lease released")
 
 
 def test_a_requested_transfer_mode_reaches_p_and_a_bad_one_is_a_400(stack):

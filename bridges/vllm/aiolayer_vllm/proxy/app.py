@@ -21,10 +21,10 @@ from starlette.requests import ClientDisconnect
 
 from aiolayer.config import Timeouts
 from aiolayer.protocol import messages as m
-from aiolayer import ControlPeers, RuntimeStateError
+from aiolayer import ControlPeers, RuntimeStateError, compat
 
 from ..params import InvalidParams, read_registration
-from .failures import ExchangeError, answered_error, call_failed, error_event
+from .failures import ExchangeError, answered_error, call_failed, error_event, failed_stage
 from .admit import check_body, forwarded_headers, requested_mode
 from .flow import BINDINGS, Exchange, ProxyTimeouts
 from .metrics import CONTENT_TYPE, ProxyMetrics
@@ -34,6 +34,7 @@ from .tracing import Tracing
 
 log = logging.getLogger(__name__)
 REGISTER_PATH = "/internal/aiolayer/registered"
+TAIL_S = 5.0   # a stream's last event to the client, after which it is taken for gone
 
 
 class ClientGone(Exception):
@@ -43,16 +44,6 @@ class ClientGone(Exception):
 def error_response(status: int, kind: str, message: str) -> JSONResponse:
     """An error the proxy itself answers, in OpenAI's shape."""
     return JSONResponse(ExchangeError(status, kind, message).body(), status)
-
-
-def _stage(kind: str, relaying: bool) -> str:
-    """Where a request failed, by its error type: the proxy's checks, the pick, or a backend's part."""
-    if relaying:
-        return "relay"
-    for prefix in ("registration", "prefill", "decode"):
-        if kind.startswith(prefix):
-            return prefix
-    return {"no_backend": "pick", "invalid_request": "request"}.get(kind, "proxy")
 
 
 class ProxyState:
@@ -205,7 +196,7 @@ class ProxyState:
                 if outcome != "ok":
                     await exchange.abort_decode(outcome)
                 return None
-            content = await d_resp.aread()
+            content = await self._read_whole(exchange, d_resp)
             if d_resp.status_code != 200:   # e.g. its KV never arrived (5xx), or the request's fault (4xx)
                 raise answered_error("D", exchange.decode.url, d_resp.status_code, content,
                                      d_resp.headers.get("content-type", "application/json"))
@@ -255,29 +246,43 @@ class ProxyState:
             exchange.relaying = True
             relayed = time.perf_counter()
             tail, outcome = b"", "ok"
-            try:
-                chunk = first
-                while chunk is not None:
-                    if b"data: [DONE]" in chunk:
-                        exchange.outcome = "ok"   # the client may close as soon as it has the end marker
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    chunk = await anext(chunks, None)
-            except OSError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - P failed while D streamed (D was told to abort), D or a bug
+            try:   # the whole answer within --request-timeout, a client that stops reading too
+                async with compat.timeout(self._left(exchange)):
+                    chunk = first
+                    while chunk is not None:
+                        if b"data: [DONE]" in chunk:
+                            exchange.outcome = "ok"   # the client may close as soon as it has the end marker
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        chunk = await anext(chunks, None)
+            except Exception as exc:   # P failed while D streamed (D was told to abort), D, our deadline or a bug
+                if isinstance(exc, OSError) and not isinstance(exc, TimeoutError):
+                    raise   # the client's socket (TimeoutError is an OSError too: the request's deadline)
                 error = self._stream_error(exchange, exc)
                 outcome, tail = error.kind, b"data: " + error.payload() + b"\n\n"   # what vLLM sends mid-stream
-            await send({"type": "http.response.body", "body": tail, "more_body": False})
+            async with compat.timeout(TAIL_S):   # a client that reads nothing more: gone
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
             self.metrics.relay.observe(time.perf_counter() - relayed)
             return outcome
-        except OSError:   # the server could not write to the client: it is gone
+        except OSError:   # the server could not write to the client (or the tail within TAIL_S): it is gone
             raise ClientGone() from None
+
+    def _left(self, exchange: Exchange) -> float:
+        """What is left of the exchange's ``request_s`` (from its start)."""
+        return max(0.0, self.timeouts.request_s - (time.perf_counter() - exchange.started))
+
+    async def _read_whole(self, exchange: Exchange, d_resp: httpx.Response) -> bytes:
+        """D's whole body (a non-200 stream's error) within what is left of ``request_s``."""
+        try:
+            async with compat.timeout(self._left(exchange)):
+                return await d_resp.aread()
+        except (httpx.HTTPError, TimeoutError) as exc:
+            raise call_failed(exc, "D", exchange.decode.url, self.timeouts.request_s) from None
 
     def _stream_error(self, exchange: Exchange, exc: Exception) -> ExchangeError:
         """A failure after the first token: the error the stream's last event carries, logged."""
         if isinstance(exc, ExchangeError):
             error = exc
-        elif isinstance(exc, httpx.HTTPError):
+        elif isinstance(exc, (httpx.HTTPError, TimeoutError)):   # TimeoutError: the request's own deadline
             error = call_failed(exc, "D", exchange.decode.url, self.timeouts.request_s)
             error.message = f"D's stream failed: {error.message}"
         else:
@@ -317,7 +322,7 @@ class ProxyState:
         """The client's answer to a failed request (counted and logged): a backend's 4xx as it was, or the
         proxy's OpenAI-shaped error."""
         self.metrics.requests.labels(exc.kind).inc()
-        self._log_failure(exc, request_id or "-", _stage(exc.kind, False))
+        self._log_failure(exc, request_id or "-", failed_stage(exc.kind))
         return Response(exc.payload(), status_code=exc.status, media_type=exc.media_type)
 
     @staticmethod

@@ -76,3 +76,12 @@ def error_event(chunk: bytes | None) -> tuple[int, bytes] | None:
         return None
     code = error.get("code")
     return (code if isinstance(code, int) and 400 <= code < 600 else 500), data
+
+
+def failed_stage(kind: str) -> str:
+    """Where a request that failed before its relay failed, by its error type: the proxy's checks, the
+    pick, or a backend's part."""
+    for prefix in ("registration", "prefill", "decode"):
+        if kind.startswith(prefix):
+            return prefix
+    return {"no_backend": "pick", "invalid_request": "request"}.get(kind, "proxy")

@@ -122,7 +122,9 @@ class Exchange:
         return ""
 
     def p_body(self, regs: list[DecodeRegistration] | None) -> dict:
-        body = {k: v for k, v in self.body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
+        # min_tokens: vLLM refuses one above max_tokens, and P makes only the one token
+        body = {k: v for k, v in self.body.items()
+                if k not in ("stream", "stream_options", "max_completion_tokens", "min_tokens")}
         body["max_tokens"] = 1
         # prefill_tp: the P ranks D was told of; P checks its own TP size against it
         if regs is None:   # late: D's ranks by endpoint; each P transfer asks its D rank for the blocks
