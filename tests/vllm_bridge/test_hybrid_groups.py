@@ -12,7 +12,7 @@ import torch
 
 from aiolayer_vllm.layout import describe
 from aiolayer_vllm.scheduler import pair_groups
-from vllm_sched import LAYERS, engines_fixture, lookup, send_params, steps_until, tok
+from vllm_sched import FAST, LAYERS, engines_fixture, lookup, send_params, steps_until, tok
 
 NULL = 0
 WINDOW = 32     # one block
@@ -108,3 +108,20 @@ def test_a_d_with_other_kv_cache_groups_gets_failed_not_a_wrong_cache(engines, c
     finished = d.finished("d-o")
     assert finished and "error" in str(finished[-1].finish_reason).lower(), finished
     assert "P and D do not agree on the KV cache groups" in caplog.text
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_failed_receive_on_a_hybrid_d_fails_or_recomputes_the_request_not_the_engine(engines, policy):
+    """With several KV cache groups vLLM refuses block-level load errors (block ids repeat across
+    groups): reported, they raised in its scheduler and ended the engine core on the first receive that
+    failed (here D's deadline: no P ever comes). A failed receive goes by request only (failed_recving)."""
+    d = engines("kv_consumer", f"d-hybrid-{policy}", window=WINDOW, policy=policy,
+                extra={"timeouts": {**FAST, "receive": 1.0}})
+    d.add("d-h", list(range(3, 153)), 3, {"aiolayer": {"transfer_id": f"th-{policy}", "token": tok(f"th-{policy}"),
+                                                       "prefill_controls": ["tcp://127.0.0.1:9"]}})
+    d.step()
+    steps_until(lambda: "d-h" not in d.scheduler.requests, d)
+    reason = str(d.finished("d-h")[-1].finish_reason).lower()
+    assert ("error" in reason) == (policy == "fail"), reason   # recompute: D prefilled it itself
+    pool = d.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1   # every block back

@@ -181,12 +181,12 @@ class AiolayerConnector(KVConnectorBase_V1, SupportsHMA):
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # a failed receive goes by request only (failed_recving), never also as block ids
+        # (get_block_ids_with_load_errors): with several KV cache groups, where block ids repeat from group
+        # to group, vLLM's scheduler raises on those, and the engine core dies
         sending, recving, failed = self._worker_side.transfer_results(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker_side.load_errors()
 
     def shutdown(self) -> None:
         if self._worker is not None:

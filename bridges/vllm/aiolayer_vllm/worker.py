@@ -64,7 +64,6 @@ class WorkerSide:
         # D: (transfer id, reason, (request id, blocks) or None = look up the transfer id), any thread
         self._recv_failures: collections.deque = collections.deque()
         self._sends = SendBook(self.topology, lambda: self._rt)   # P: its sends' requests, their blocks' release
-        self._load_errors: set[int] = set()
         self._reported: dict[str, float] = {}             # the totals of the last stats report
         self._publisher = RegistrationPublisher(self.topology)   # D: one HTTP client for every registration
         self._timings = Observations()                    # timings (and refusals) since then
@@ -270,7 +269,6 @@ class WorkerSide:
         recving.add(req_id)   # failed receives are reported as finished too (vLLM's contract)
         if not ok:
             failed.add(req_id)
-            self._load_errors.update(blocks)
             log.warning("aiolayer receive %s (request %s) failed: %s", tid, req_id, reason)
         elif self.config.debug_zero_received:
             zero_blocks(self._views, blocks)
@@ -294,10 +292,6 @@ class WorkerSide:
         stats = AiolayerStats(data=self._timings.into(delta(current, self._reported)))
         self._reported = current
         return None if stats.is_empty() else stats
-
-    def load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
 
     def shutdown(self) -> None:
         if self.runtime is not None:
