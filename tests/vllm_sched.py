@@ -92,11 +92,11 @@ class Engine:
     def runtime(self):
         return self.worker._worker.runtime
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int, params: dict | None):
+    def add(self, req_id: str, prompt: list[int], max_tokens: int, params: dict | None, **sampling):
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
         sp.update_from_generation_config({}, 2)
         req = Request(request_id=req_id, prompt_token_ids=prompt, sampling_params=sp, pooling_params=None)
         req.kv_transfer_params = params

@@ -282,6 +282,21 @@ def test_a_request_with_min_tokens_is_served_though_p_makes_one_token(stack):
     _wait_for(proxy.idle, 10, "every lease released")
 
 
+def test_a_request_d_must_prefill_itself_goes_to_d_alone(stack):
+    """vLLM reads no transferred KV for a request that asks its prompt's logprobs (or gives embeddings):
+    sent to P too, P's transfer would wait for a registration D never makes (D-first: the client a 504)."""
+    proxy, p = stack["proxy"], stack["p"]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    seen = len(p.requests)
+    with _client() as client:
+        for extra in ({"prompt_logprobs": 1}, {"prompt_embeds": "AAAA"}):
+            body = {"prompt": f"whole prompt {extra}", "max_tokens": 2, **extra}
+            reply = client.post(proxy.url + "/v1/completions", json=body)
+            assert reply.status_code == 200 and reply.json()["choices"][0]["text"].endswith(": local"), reply.text
+    assert len(p.requests) == seen, "P was sent a request D prefills itself"
+    _wait_for(proxy.idle, 10, "every lease released")
+
+
 def test_a_requested_transfer_mode_reaches_p_and_a_bad_one_is_a_400(stack):
     proxy, p = stack["proxy"], stack["p"]
     _wait_for(proxy.idle, 10, "the proxy is idle")

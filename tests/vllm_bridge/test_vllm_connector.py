@@ -155,6 +155,19 @@ def test_failed_receive_ends_in_failed_recving_not_a_stuck_request(engines):
     assert failed.data["receives_finished"] == failed.data["receives_failed_deadline"] == 0
 
 
+def test_a_request_vllm_reads_no_kv_for_is_prefilled_at_d_and_said_so(engines, caplog):
+    """vLLM takes no transferred KV for a request that asks its prompt's logprobs: D prefills it, and
+    says so (P's send waits for a registration that never comes)."""
+    d = engines("kv_consumer", "d-prompt-logprobs")
+    d.add("d-lp", list(range(10, 74)), 3, {"aiolayer": {"transfer_id": "t-lp", "token": tok("t-lp"),
+                                                        "prefill_controls": ["tcp://127.0.0.1:9"]}},
+          prompt_logprobs=1)
+    _steps_until(d, lambda: "d-lp" not in d.scheduler.requests)
+    finished = d.finished("d-lp")
+    assert finished and "error" not in str(finished[-1].finish_reason).lower(), finished
+    assert "vLLM reads no transferred KV for it" in caplog.text and "t-lp" in caplog.text, caplog.text
+
+
 @pytest.mark.parametrize("writer", ["acks", "silent", "none"])
 def test_abort_while_waiting_keeps_blocks_until_the_fence(engines, writer):
     """D frees an aborted request's blocks once the P rank that reached the transfer confirmed it

@@ -146,6 +146,10 @@ class SchedulerSide:
             parked = self._parked.pop(req_id, None)
             if parked is not None:
                 self._consumed.add(req_id)    # from its first allocation on, the parameters are spent
+            if parked is not None and num_external_tokens == 0:   # vLLM took none of the KV we offered
+                log.warning("request %s: vLLM reads no transferred KV for it (prompt_logprobs, for one): D "
+                            "prefills it itself and never registers transfer %s; P's send of it fails at its "
+                            "deadline", req_id, parked[0].transfer_id)
             if parked is not None and num_external_tokens > 0:
                 recv, computed = parked
                 first = computed // self.block_size

@@ -61,3 +61,11 @@ def check_body(body) -> None:
                                 f"{key} > 1 is not supported through the disaggregated proxy: send {value} requests")
     if body.get("use_beam_search"):
         raise ExchangeError(400, "invalid_request", "beam search is not supported through the disaggregated proxy")
+
+
+def prefilled_at_d(body: dict) -> bool:
+    """Whether D computes the whole prompt itself whatever KV it is sent: vLLM reads no transferred (or
+    cached) KV for a request that asks the prompt's logprobs, and a prompt of embeddings has no token
+    ids to match. Such a request goes to D alone; sent to P as well, P's transfer would wait for a
+    registration D never makes."""
+    return body.get("prompt_logprobs") is not None or body.get("prompt_embeds") is not None

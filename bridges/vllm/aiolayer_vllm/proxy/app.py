@@ -25,7 +25,7 @@ from aiolayer import ControlPeers, RuntimeStateError, compat
 
 from ..params import InvalidParams, read_registration
 from .failures import ExchangeError, answered_error, call_failed, error_event, failed_stage
-from .admit import check_body, forwarded_headers, requested_mode
+from .admit import check_body, forwarded_headers, prefilled_at_d, requested_mode
 from .flow import BINDINGS, Exchange, ProxyTimeouts
 from .metrics import CONTENT_TYPE, ProxyMetrics
 from .pool import Backend, NoBackend, Pool
@@ -145,7 +145,7 @@ class ProxyState:
             decode = self.pool.pick("decode")
             tokens, text_bytes = self.router.prompt_size(path, body)
             route, size = self.router.choose(tokens, bool(mode), body.get("stream") is True)
-            prefill = self._pick_prefill(tokens, bool(mode)) if route == "remote" else None
+            prefill = self._pick_prefill(tokens, bool(mode)) if route == "remote" and not prefilled_at_d(body) else None
             route = "remote" if prefill is not None else "local"
         except (ExchangeError, NoBackend) as exc:
             failed = exc if isinstance(exc, ExchangeError) else ExchangeError(503, "no_backend", str(exc))
