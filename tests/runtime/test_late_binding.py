@@ -212,3 +212,38 @@ def test_d_fences_against_the_writer_its_lookup_admitted(memory_runtime, memory_
     after = p.request(d.control_endpoint, m.VerifyRequest(transfer_id="fenced"), timeout=5)
     assert (after.crc_k, after.crc_v) == (at_fail.crc_k, at_fail.crc_v), "a layer landed after D failed it"
     assert d.runtime.receiver.fences_unconfirmed == 0 and rep.block_ids
+
+
+def test_lookups_waiting_for_made_up_ids_do_not_stop_the_control_port():
+    """A waiting lookup held one of the control server's 1,024 slots for all of ``lookup_wait``: that
+    many (a stranger's made-up ids, or a busy D's late transfers) stopped every other frame, DONEs and
+    Aborts included. Waits give their slot back; their own table bounds them (``busy`` beyond)."""
+    import zmq
+
+    from aiolayer import NodeConfig, Runtime
+
+    d = Runtime(NodeConfig(engine_id="d-flooded", backend="memory"), Timeouts(lookup_wait=5.0)).start()
+    ctx = zmq.Context()
+    flood, asker = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for sock in (flood, asker):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(d.control_endpoint)
+        for i in range(1100):
+            junk = m.LookupRequest(transfer_id=f"junk-{i}", wait=True)
+            flood.send_multipart([m.pack_request_id(i + 1), m.encode(junk)])
+        end = time.monotonic() + 5
+        while d.receiver.lookups.count < 1024:
+            assert time.monotonic() < end, f"only {d.receiver.lookups.count} lookups wait"
+            time.sleep(0.01)
+        asked = time.monotonic()
+        asker.send_multipart([m.pack_request_id(1), m.encode(m.TopologyRequest())])
+        assert asker.poll(2000), "the control port answered nothing while lookups waited"
+        assert isinstance(m.decode(asker.recv_multipart()[1]), m.TopologyReply)
+        assert time.monotonic() - asked < 1.0
+        assert d.receiver.lookups.count == 1100
+    finally:
+        flood.close(0)
+        asker.close(0)
+        ctx.term()
+        d.stop()

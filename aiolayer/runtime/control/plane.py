@@ -8,12 +8,18 @@ the next one. One ZMQ context per process; every socket is closed with linger 0.
 
 A peer endpoint comes from the network or a request: it is checked (``check_endpoint``) before a
 socket exists, and any failure to connect closes the socket and raises ``ControlError``.
+
+At most ``max_concurrent`` frames are worked on at once (past that the server reads no more). A
+handler about to wait long (a lookup held for its registration) gives its slot back first
+(``release_slot``): held, a thousand lookups of made-up ids would stop every other frame, DONEs and
+Aborts included, for the whole wait. Such waits are bounded by their own table instead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import itertools
 import logging
 import random
@@ -36,9 +42,17 @@ log = logging.getLogger(__name__)
 Handler = Callable[[m.Message], Awaitable[m.Message]]
 
 _context: zmq.asyncio.Context | None = None
+_SLOT: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("control_slot", default=None)
 _BAD_RID = m.pack_request_id(0)
 _JITTER = random.Random()   # retry jitter: its own generator, never the process's shared one
 MAX_ENDPOINT_CHARS = 256
+
+
+def release_slot() -> None:
+    """From a handler the control server runs: give its slot to the next frame before a long wait."""
+    release = _SLOT.get()
+    if release is not None:
+        release()
 
 
 def check_endpoint(endpoint: object) -> str:
@@ -141,7 +155,14 @@ class ControlServer:
                 await asyncio.wait(pending, timeout=1.0)
 
     async def _answer(self, sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
-        """Reply to one frame on ``sock``, the socket it came in on."""
+        """Reply to one frame on ``sock``, the socket it came in on; its slot is released once."""
+        held = [True]
+
+        def release() -> None:
+            if held[0]:
+                held[0] = False
+                self._slots.release()
+        _SLOT.set(release)   # this task's own context: seen by its handler only
         try:
             # A REQ peer's frames carry an empty delimiter after the identity; its reply must too.
             envelope = frames[:2] if len(frames) >= 2 and frames[1] == b"" else frames[:1]
@@ -169,7 +190,7 @@ class ControlServer:
                 self.send_errors += 1
                 log.debug("control reply to a departed peer dropped: %s", exc)
         finally:
-            self._slots.release()
+            release()
 
     async def _dispatch(self, payload: bytes) -> m.Message | None:
         if len(payload) > self.max_frame_bytes:

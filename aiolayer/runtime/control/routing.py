@@ -24,6 +24,7 @@ from ...protocol import messages as m
 from ...protocol.codes import AckDetail, NackCode
 from ..integrity import MAX_EARLY_CHECKS, EarlyChecks, early_result, plan_verify, read_check, verify_early
 from .hooks import Hooks
+from .plane import release_slot
 
 if TYPE_CHECKING:
     from ...backends.base import TransferBackend
@@ -141,6 +142,7 @@ async def _lookup(rt: Host, msg: m.LookupRequest) -> m.AllocReply:
     same rules, before the reply tells it where to write."""
     came = asyncio.get_running_loop().time()   # P counts its window from its send, before this
     if msg.wait:
+        release_slot()   # a wait of up to lookup_wait, bounded by the waiting lookups' own table
         await rt.receiver.wait_registered(msg.transfer_id, msg.token, rt.timeouts.lookup_wait)
     block_ids, first = rt.receiver.registration(msg.transfer_id, msg.token)
     layout = None
