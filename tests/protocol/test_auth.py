@@ -26,7 +26,7 @@ from aiolayer.config import Timeouts
 from aiolayer.errors import ConfigError, ControlRejected
 from aiolayer.kvcache import PagedKVCache, checksums
 from aiolayer.protocol import messages as m
-from aiolayer.runtime.receive.early import MAX_EARLY
+from aiolayer.runtime.receive.early import MAX_EARLY, MAX_ID_CHARS, MAX_REASON_CHARS
 from aiolayer.runtime.receive.receiver import Receiver
 
 BLOCKS = 4
@@ -156,6 +156,21 @@ def test_early_messages_from_strangers_cannot_grow_without_bound():
     with pytest.raises(ControlRejected) as exc:
         receiver.handle(m.Done(transfer_id="one-more", sender="s", token=WRONG))
     assert exc.value.code == "busy"
+
+
+def test_early_messages_from_strangers_are_kept_small():
+    """Each kept word was a whole frame (up to 1 MiB): 4,096 of them, kept for ``receive``, gigabytes."""
+    receiver = Receiver(Timeouts())
+    check = m.LayerCheck(layers=[0], offsets=[0], lengths=[1], crc_k=list(range(100_000)))
+    with pytest.raises(ControlRejected) as exc:   # no P writes, so none has a check, before D registered
+        receiver.handle(m.Done(transfer_id="checked", sender="s", token=WRONG, check=check))
+    assert exc.value.code == "not_registered"
+    with pytest.raises(ControlRejected) as exc:
+        receiver.handle(m.Done(transfer_id="t" * (MAX_ID_CHARS + 1), sender="s", token=WRONG))
+    assert exc.value.code == "decode"
+    receiver.handle(m.Failed(transfer_id="long-reason", sender="s", reason="x" * 500_000, token=WRONG))
+    ((_, kept),) = receiver._early.take("long-reason")   # what the table holds
+    assert len(kept.reason) == MAX_REASON_CHARS
 
 
 async def test_proxy_takes_a_registration_only_with_the_transfers_token():

@@ -3,12 +3,17 @@
 P may finish before D registered (late binding, or D slow to publish): its word is kept and applied
 when the registration comes. Keyed by (transfer id, token, sender): a stranger's early DONE cannot
 take the place of the real one, and every sender of a head-sliced transfer is kept. Bounded: beyond
-``MAX_EARLY`` words a new one is refused (``busy``), so a stranger cannot grow it.
+``MAX_EARLY`` words a new one is refused (``busy``), and each word is small (ids of at most
+``MAX_ID_CHARS``, a FAILED's reason cut to ``MAX_REASON_CHARS``, no DONE with a check: a P writes only
+once D registered, so it has none to send first), so a stranger cannot grow it: a frame may be 1 MiB,
+and 4,096 of those kept for ``receive`` would be gigabytes.
 """
 
 from __future__ import annotations
 
 import time
+
+import msgspec
 
 from ...bounded import drop_expired
 from ...errors import ControlRejected
@@ -16,6 +21,8 @@ from ...protocol import messages as m
 from ...protocol.codes import NackCode
 
 MAX_EARLY = 4096
+MAX_ID_CHARS = 1024      # a transfer id, a sender, a token (real ones are tens of characters)
+MAX_REASON_CHARS = 1000
 Word = m.Done | m.Failed
 
 
@@ -29,6 +36,13 @@ class EarlyWords:
 
     def keep(self, msg: Word) -> None:
         """Keep ``msg`` until its transfer registers (the first word per sender wins); ``busy`` when full."""
+        if isinstance(msg, m.Done) and msg.check is not None:   # also never applied unverified
+            raise ControlRejected(NackCode.NOT_REGISTERED, f"DONE with a check for {msg.transfer_id[:MAX_ID_CHARS]}, "
+                                  "which D has not registered: no P writes before that")
+        if max(len(msg.transfer_id), len(msg.sender), len(msg.token)) > MAX_ID_CHARS:
+            raise ControlRejected(NackCode.DECODE, f"transfer id, sender or token longer than {MAX_ID_CHARS}")
+        if isinstance(msg, m.Failed) and len(msg.reason) > MAX_REASON_CHARS:
+            msg = msgspec.structs.replace(msg, reason=msg.reason[:MAX_REASON_CHARS])
         now = time.monotonic()
         drop_expired(self._words, now, lambda word: word[1])
         if len(self._words) >= self.capacity:
