@@ -60,7 +60,7 @@ class StepLayers:
         while len(inbox):
             entry = inbox.popleft()
             taken += 1
-            if isinstance(entry, int):
+            if not isinstance(entry, tuple):   # a layer number (an int, a numpy integer; checked by the stream)
                 observe(now - since)
                 self.items.append((entry, READY, now))
             else:

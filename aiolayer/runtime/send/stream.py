@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import operator
 import time
 from typing import Any, Callable
 
@@ -165,6 +166,7 @@ class LayerStreamer:
 
     async def _feed(self, req: Request, left: int, sink: "_Sink", group: compat.TaskGroup) -> str:
         held: _Held = []   # layers ready but not yet submitted
+        seen = bytearray(left)   # each layer once: a repeat or a stray number would end in DONE over a hole
         reason = ""
         layerwise = req.spec.layerwise
         each = layerwise and self._start is None   # no start_write: every layer its own write (task)
@@ -181,7 +183,10 @@ class LayerStreamer:
                     if sink.failed:
                         break   # a write failed while we waited: submit no more layers
                     items = [item]
-                for layer, event, handed in items:
+                for entry, event, handed in items:
+                    layer, reason = _checked_layer(entry, seen)
+                    if reason:
+                        break
                     if not event.query():
                         if held and layerwise:   # what is ready goes before we wait
                             self._submit(group, sink, held)
@@ -192,8 +197,8 @@ class LayerStreamer:
                     left -= 1
                     if each:
                         self._submit(group, sink, held)
-                if req.aborted or sink.failed:
-                    break  # stopped, or a write failed already: submit no more layers
+                if reason or req.aborted or sink.failed:
+                    break  # a bad layer, stopped, or a write failed already: submit no more layers
                 # with start_write, the layers ready together go as one write once no more is ready
                 if held and (not left or (layerwise and not req.layer_ready)):
                     self._submit(group, sink, held)
@@ -308,6 +313,20 @@ class LayerStreamer:
         elif not isinstance(cause, AiolayerError):
             log.error("transfer %s: layer %d write raised", req.spec.transfer_id, layer, exc_info=cause)
         return exc
+
+
+def _checked_layer(entry: object, seen: bytearray) -> tuple[int, str]:
+    """The layer number the forward handed over, marked seen; or why it is none the transfer can take."""
+    try:
+        layer = operator.index(entry)   # type: ignore[arg-type]  # an int, a numpy integer
+    except TypeError:
+        return -1, f"layer {entry!r} handed over: not a layer number"
+    if not 0 <= layer < len(seen):
+        return -1, f"layer {layer} handed over: the model has layers 0 to {len(seen) - 1}"
+    if seen[layer]:
+        return -1, f"layer {layer} handed over twice"
+    seen[layer] = 1
+    return layer, ""
 
 
 def _window_ended(req: Request, layout: RemoteLayout, held: int) -> DeadlineExceeded:
