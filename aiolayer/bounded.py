@@ -10,6 +10,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 K = TypeVar("K")
+# the longest transfer id, sender or token a table fed by strangers keeps (real ones: tens of characters);
+# a frame may be 1 MiB, and thousands of those kept for minutes would be gigabytes
+MAX_KEY_CHARS = 1024
 V = TypeVar("V")
 
 

@@ -26,6 +26,7 @@ from aiolayer.config import Timeouts
 from aiolayer.errors import ConfigError, ControlRejected
 from aiolayer.kvcache import PagedKVCache, checksums
 from aiolayer.protocol import messages as m
+from aiolayer.bounded import MAX_KEY_CHARS
 from aiolayer.runtime.receive.early import MAX_EARLY, MAX_ID_CHARS, MAX_REASON_CHARS
 from aiolayer.runtime.receive.receiver import Receiver
 
@@ -171,6 +172,21 @@ def test_early_messages_from_strangers_are_kept_small():
     receiver.handle(m.Failed(transfer_id="long-reason", sender="s", reason="x" * 500_000, token=WRONG))
     ((_, kept),) = receiver._early.take("long-reason")   # what the table holds
     assert len(kept.reason) == MAX_REASON_CHARS
+
+
+def test_p_keeps_no_strangers_abort_with_an_overlong_id():
+    """P remembers an Abort for a transfer it does not know (id, token) for ``receive``: kept whole, a
+    stranger's 1 MiB ids would be gigabytes in its 4,096 entries."""
+    p = Runtime(NodeConfig(engine_id="p-abort-size", backend="memory")).start()
+    stranger = Stranger()
+    try:
+        reply = stranger.call(p.control_endpoint, m.Abort(transfer_id="t" * (MAX_KEY_CHARS + 1), token=WRONG))
+        assert isinstance(reply, m.Nack) and reply.code == "decode", reply
+        reply = stranger.call(p.control_endpoint, m.Abort(transfer_id="t", token=WRONG))
+        assert isinstance(reply, m.Ack) and reply.detail == "stopped", reply
+    finally:
+        stranger.close()
+        p.stop()
 
 
 async def test_proxy_takes_a_registration_only_with_the_transfers_token():

@@ -15,13 +15,12 @@ import time
 
 import msgspec
 
-from ...bounded import drop_expired
+from ...bounded import MAX_KEY_CHARS as MAX_ID_CHARS, drop_expired
 from ...errors import ControlRejected
 from ...protocol import messages as m
 from ...protocol.codes import NackCode
 
 MAX_EARLY = 4096
-MAX_ID_CHARS = 1024      # a transfer id, a sender, a token (real ones are tens of characters)
 MAX_REASON_CHARS = 1000
 Word = m.Done | m.Failed
 

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ...backends.base import TransferBackend
+from ...bounded import MAX_KEY_CHARS
 from ...config import Timeouts
 from ...errors import AiolayerError, ControlRejected, MetadataError, RuntimeStateError, TransferStopped
 from ...protocol import messages as m
@@ -305,6 +306,8 @@ class Sender(TransferEnding):
         """
         req = self._live.get(transfer_id)
         if req is None:   # not started yet, or already quiet: make sure it never starts
+            if max(len(transfer_id), len(token)) > MAX_KEY_CHARS:   # kept for minutes: a stranger's can be huge
+                raise ControlRejected(NackCode.DECODE, f"abort: transfer id or token longer than {MAX_KEY_CHARS}")
             now = time.monotonic()
             self._aborted_early.add((transfer_id, token), now + self.timeouts.receive, now)
             return AckDetail.STOPPED
