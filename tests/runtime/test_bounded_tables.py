@@ -62,3 +62,21 @@ def test_write_pace_remembers_the_targets_written_to_last():
     assert pace.takes(probe) == 0.0 and pace.due(probe) is None
     probe.target = "d1"
     assert pace.takes(probe) > 0
+
+
+def test_outcomes_nobody_pops_keep_the_newest_and_every_wait_is_still_answered(caplog):
+    """An embedder that only waits never pops: each outcome (with its per-layer timings) stayed forever."""
+    from types import SimpleNamespace
+
+    from aiolayer.runtime.send.results import Results
+    from aiolayer.runtime.spec import Outcome
+
+    results = Results(max_outcomes=3)
+    ids = [f"t{i}" for i in range(5)]
+    results.expect([SimpleNamespace(transfer_id=tid) for tid in ids])
+    for tid in ids:
+        results.publish(Outcome(transfer_id=tid, ok=True))   # no loop running here: visible at once
+    assert [o.transfer_id for o in results.outcomes] == ids[2:] and results.outcomes_dropped == 2
+    assert "never popped" in caplog.text
+    assert [results.wait(tid, 1).transfer_id for tid in ids] == ids
+    assert not results.waiters

@@ -10,6 +10,10 @@ takes the slot from under its waiter (the waiter would sleep to its timeout, the
 What the loop publishes is staged and made visible together once per pass of the loop (a
 ``call_soon``): ``on_change`` (the runtime's metrics snapshot) runs once for all of them, not once
 per outcome and once per release.
+
+Outcomes nobody pops (an embedder that only calls ``wait``) are kept up to ``max_outcomes``, the oldest
+dropped beyond (counted, warned once): each holds its per-layer timings, and they piled up forever.
+Released ids are never dropped: they are how the source blocks come back.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import logging
 import time
 from collections.abc import Container, Sequence
 from typing import Callable, TypeVar
@@ -25,15 +30,18 @@ from ...errors import DeadlineExceeded, UnknownTransfer
 from ..spec import Outcome
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
+MAX_QUEUED_OUTCOMES = 4096
 
 
 class Results:
-    def __init__(self, on_change: Callable[[], None] | None = None) -> None:
+    def __init__(self, on_change: Callable[[], None] | None = None, max_outcomes: int = MAX_QUEUED_OUTCOMES) -> None:
         # called on the loop before an outcome or a release becomes visible to other threads, so
         # what they read alongside it (the published metrics) already counts it
         self.on_change = on_change
         self.waiters: dict[str, concurrent.futures.Future[Outcome]] = {}
-        self.outcomes: collections.deque[Outcome] = collections.deque()
+        self.outcomes: collections.deque[Outcome] = collections.deque(maxlen=max_outcomes)
+        self.outcomes_dropped = 0   # never popped, and pushed out by newer ones
         self.released: collections.deque[str] = collections.deque()
         self._staged: list[tuple[str, Outcome | str]] = []   # ("publish" | "resolve", Outcome), ("release", id)
 
@@ -81,7 +89,15 @@ class Results:
             else:                             # publish or resolve
                 self._answer(item)            # first: once appended, another thread may pop it
                 if kind == "publish":
-                    self.outcomes.append(item)
+                    self._queue(item)
+
+    def _queue(self, outcome: Outcome) -> None:
+        if len(self.outcomes) == self.outcomes.maxlen:   # the append drops the oldest
+            if not self.outcomes_dropped:
+                log.warning("%d outcomes were never popped (pop_outcomes): the oldest are dropped from now on",
+                            len(self.outcomes))
+            self.outcomes_dropped += 1
+        self.outcomes.append(outcome)
 
     def _answer(self, outcome: Outcome) -> None:
         waiter = self.waiters.get(outcome.transfer_id)
