@@ -185,6 +185,20 @@ def _spec(p, node, tid: str, n: int) -> TransferSpec:
                         dst_incarnation=rep.incarnation, token=rep.token)
 
 
+def _streaming_to_b(p, a, b, seed: int) -> tuple[PagedKVCache, TransferSpec]:
+    """P's seeded KV cache registered, A's segment open, and P's step 1 waiting for its layers to B (its
+    first write will open B's segment); returns the cache (P reads it: keep it alive) and a transfer to A."""
+    cache = PagedKVCache(SHAPE)
+    cache.buffer[:] = np.random.default_rng(seed).integers(1, 256, cache.buffer.size, dtype=np.uint8)
+    p.register_kv_memory(cache.k_base, cache.v_base, SHAPE.block_bytes, SHAPE.num_blocks)
+    _step(p, 0, _spec(p, a, "warm-a", 4))   # A's segment is open
+    assert p.sender.wait("warm-a", 10).ok
+    spec_a = _spec(p, a, "to-a", 4)
+    p.sender.begin_step(1, [_spec(p, b, "to-b", 4)])
+    until_streaming(p, "to-b")
+    return cache, spec_a
+
+
 def _step(p, step: int, spec: TransferSpec) -> float:
     p.sender.begin_step(step, [spec])
     return _step_layers(p, step)
@@ -216,14 +230,7 @@ def test_a_transfer_to_an_open_peer_ends_at_its_deadline_while_another_peer_is_o
     with stoppable_node(SHAPE) as a, stoppable_node(SHAPE) as b:
         p = Runtime(NodeConfig(engine_id="p-open-stream", backend="mooncake"), timeouts).start()
         try:
-            cache = PagedKVCache(SHAPE)
-            cache.buffer[:] = np.random.default_rng(7).integers(1, 256, cache.buffer.size, dtype=np.uint8)
-            p.register_kv_memory(cache.k_base, cache.v_base, SHAPE.block_bytes, SHAPE.num_blocks)
-            _step(p, 0, _spec(p, a, "warm-a", 4))   # A's segment is open
-            assert p.sender.wait("warm-a", 10).ok
-            spec_a, spec_b = _spec(p, a, "to-a", 4), _spec(p, b, "to-b", 4)
-            p.sender.begin_step(1, [spec_b])
-            until_streaming(p, "to-b")   # P has B's layout: its first write will open B's segment
+            cache, spec_a = _streaming_to_b(p, a, b, 7)
             freeze(b.pid)
             try:
                 t_b = _step_layers(p, 1)
@@ -267,19 +274,12 @@ def test_a_write_held_while_a_segment_opens_is_never_submitted_after_ds_window()
             stoppable_node(SHAPE) as b:
         p.start()
         try:
-            cache = PagedKVCache(SHAPE)
-            cache.buffer[:] = np.random.default_rng(9).integers(1, 256, cache.buffer.size, dtype=np.uint8)
-            p.register_kv_memory(cache.k_base, cache.v_base, SHAPE.block_bytes, SHAPE.num_blocks)
-            _step(p, 0, _spec(p, a, "warm-a", 4))   # A's segment is open
-            assert p.sender.wait("warm-a", 10).ok
-            spec_b = _spec(p, b, "to-b", 4)
-            p.sender.begin_step(1, [spec_b])
-            until_streaming(p, "to-b")   # P has B's layout: its first write will open B's segment
+            cache, spec_a = _streaming_to_b(p, a, b, 9)
             freeze(b.pid)
             try:
                 _step_layers(p, 1)
                 time.sleep(0.2)   # B's handshake is under way: writes to A wait for it
-                _step(p, 2, _spec(p, a, "to-a", 4))
+                _step(p, 2, spec_a)
                 end = time.monotonic() + 10
                 while (state := d_state(p, a, "to-a")) != "failed":   # A's deadline, then its fence
                     assert time.monotonic() < end, f"to-a still {state!r} at A"

@@ -77,3 +77,20 @@ def test_numpy_layer_numbers_are_layer_numbers(pair):
     assert _landed(p, d, cache, "np", [1, 2])
     _hand_over(p, _spec(p, d, "after-np", [3]), range(SHAPE.num_layers))
     assert p.wait_outcome("after-np", 10).ok
+
+
+def test_a_step_never_ended_leaves_the_sender_once_its_transfers_ended(pair):
+    """The loop looked into an open step's inbox every tick: a step the forward forgot to end kept the
+    loop from ever going idle."""
+    p, d, cache = pair
+    step = p.begin_step([_spec(p, d, "unended", [1])])
+    for layer in range(SHAPE.num_layers):
+        step.layer_ready(layer)
+    assert p.wait_outcome("unended", 10).ok
+    end = time.monotonic() + 5
+    while p.debug_tables()["sender_steps"]:
+        assert time.monotonic() < end, p.debug_tables()
+        time.sleep(0.01)
+    step.end()   # late: nothing to end any more, and nothing breaks
+    _hand_over(p, _spec(p, d, "after-unended", [3]), range(SHAPE.num_layers))
+    assert p.wait_outcome("after-unended", 10).ok

@@ -37,13 +37,14 @@ class StepLayers:
     with its own cursor, so a layer costs one append however many transfers there are, and only the
     transfers already waiting for it are woken."""
 
-    __slots__ = ("items", "waiting", "inbox", "looked")
+    __slots__ = ("items", "waiting", "inbox", "looked", "readers")
 
     def __init__(self, inbox: collections.deque[InboxEntry] | None = None, begun: float = 0.0) -> None:
         self.items: list[LayerItem] = []      # in hand-over order
         self.waiting: list[Request] = []      # transfers that read every item and wait for the next
         self.inbox = inbox                    # the forward's own deque for this step (``Sender.begin_step``)
         self.looked = begun                   # the loop's last look into the inbox (first: the step's begin)
+        self.readers = 0                      # transfers started on it whose stream has not ended
 
     def add(self, item: LayerItem) -> None:
         self.items.append(item)

@@ -231,6 +231,7 @@ class Sender(TransferEnding):
             feed = self._steps[step] = StepLayers(inbox, begun)
             for spec in specs:
                 self._start_request(spec, feed)
+            self._unless_read(step, feed)   # every spec refused: nothing to look at
         elif kind == "end":
             feed = self._steps.pop(item[1], None)
             if feed is not None:   # every layer of the step was appended before its end was put
@@ -242,6 +243,15 @@ class Sender(TransferEnding):
                 log.error("transfer %s: refused while live; the refusal is ignored", item[1].transfer_id)
             else:
                 self._refuse(item[1], item[2])
+
+    def _unless_read(self, step: int | None, feed: StepLayers) -> None:
+        """A step no transfer reads any more leaves the table before its end: one never ended (an
+        embedder that forgot ``end``) was looked into every tick for good, the loop never idle."""
+        if feed.readers:
+            return
+        for key in [step] if step is not None else [k for k, f in self._steps.items() if f is feed]:
+            if self._steps.get(key) is feed:
+                del self._steps[key]
 
     def _start_request(self, spec: TransferSpec, feed: StepLayers) -> None:
         """Start one transfer, reading its layers from ``feed``. Never raises: whatever is wrong with
@@ -271,6 +281,7 @@ class Sender(TransferEnding):
             self._refuse(spec, f"layout prefetch failed: {type(exc).__name__}: {exc}")
             return
         self._live[tid] = req
+        feed.readers += 1
         self.active += 1
         self._spawn(self._run_request(req), name=f"send {tid}")
 
@@ -348,6 +359,8 @@ class Sender(TransferEnding):
             reason = f"internal error {type(exc).__name__}: {exc}"
         finally:
             self.active -= 1
+            req.feed.readers -= 1
+            self._unless_read(None, req.feed)
         if reason and not req.aborted:
             self.layouts.invalidate(req.spec.peer)  # the peer may have restarted: fetch afresh next time
         await self._finish(req, reason, settled)

@@ -320,7 +320,7 @@ def _checked_layer(entry: object, seen: bytearray) -> tuple[int, str]:
     try:
         layer = operator.index(entry)   # type: ignore[arg-type]  # an int, a numpy integer
     except TypeError:
-        return -1, f"layer {entry!r} handed over: not a layer number"
+        return -1, f"layer {entry!r:.100} handed over: not a layer number"
     if not 0 <= layer < len(seen):
         return -1, f"layer {layer} handed over: the model has layers 0 to {len(seen) - 1}"
     if seen[layer]:
