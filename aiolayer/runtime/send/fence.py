@@ -16,7 +16,9 @@ import functools
 import logging
 from typing import Any, Awaitable, Callable, Concatenate, Coroutine, ParamSpec, Protocol, TypeVar
 
-from ...bounded import drop_expired, put_newest
+from ...bounded import MAX_KEY_CHARS, drop_expired, put_newest
+from ...errors import ControlRejected
+from ...protocol.codes import NackCode
 from ...protocol.plan import BlockRuns, Spans
 from ...protocol.state import sender_transfer
 from .checking import SourceCheck
@@ -37,14 +39,16 @@ class StepLayers:
     with its own cursor, so a layer costs one append however many transfers there are, and only the
     transfers already waiting for it are woken."""
 
-    __slots__ = ("items", "waiting", "inbox", "looked", "readers")
+    __slots__ = ("items", "waiting", "inbox", "looked", "readers", "step")
 
-    def __init__(self, inbox: collections.deque[InboxEntry] | None = None, begun: float = 0.0) -> None:
+    def __init__(self, inbox: collections.deque[InboxEntry] | None = None, begun: float = 0.0,
+                 step: int | None = None) -> None:
         self.items: list[LayerItem] = []      # in hand-over order
         self.waiting: list[Request] = []      # transfers that read every item and wait for the next
         self.inbox = inbox                    # the forward's own deque for this step (``Sender.begin_step``)
         self.looked = begun                   # the loop's last look into the inbox (first: the step's begin)
         self.readers = 0                      # transfers started on it whose stream has not ended
+        self.step = step                      # its id in the sender's table of open steps
 
     def add(self, item: LayerItem) -> None:
         self.items.append(item)
@@ -165,6 +169,9 @@ class EarlyAborts:
         return len(self._entries)
 
     def add(self, key: tuple[str, str], expiry: float, now: float) -> None:
+        """Remember ``key`` (a stranger's may be 1 MiB: ids or tokens past ``MAX_KEY_CHARS`` are refused)."""
+        if max(map(len, key)) > MAX_KEY_CHARS:
+            raise ControlRejected(NackCode.DECODE, f"abort: transfer id or token longer than {MAX_KEY_CHARS}")
         entries = self._entries
         entries.pop(key, None)   # a repeat moves to the end: insertion order stays expiry order
         drop_expired(entries, now, float)

@@ -36,7 +36,6 @@ from typing import Any, Callable
 import numpy as np
 
 from ...backends.base import TransferBackend
-from ...bounded import MAX_KEY_CHARS
 from ...config import Timeouts
 from ...errors import AiolayerError, ControlRejected, MetadataError, RuntimeStateError, TransferStopped
 from ...protocol import messages as m
@@ -228,10 +227,10 @@ class Sender(TransferEnding):
                 feed.add((layer, event, handed))
         elif kind == "step":
             _, step, specs, begun, inbox = item
-            feed = self._steps[step] = StepLayers(inbox, begun)
+            feed = self._steps[step] = StepLayers(inbox, begun, step)
             for spec in specs:
                 self._start_request(spec, feed)
-            self._unless_read(step, feed)   # every spec refused: nothing to look at
+            self._unless_read(feed)   # every spec refused: nothing to look at
         elif kind == "end":
             feed = self._steps.pop(item[1], None)
             if feed is not None:   # every layer of the step was appended before its end was put
@@ -244,14 +243,11 @@ class Sender(TransferEnding):
             else:
                 self._refuse(item[1], item[2])
 
-    def _unless_read(self, step: int | None, feed: StepLayers) -> None:
-        """A step no transfer reads any more leaves the table before its end: one never ended (an
-        embedder that forgot ``end``) was looked into every tick for good, the loop never idle."""
-        if feed.readers:
-            return
-        for key in [step] if step is not None else [k for k, f in self._steps.items() if f is feed]:
-            if self._steps.get(key) is feed:
-                del self._steps[key]
+    def _unless_read(self, feed: StepLayers, ended: int = 0) -> None:
+        """A step nobody reads any more (``ended``: one just stopped) leaves: one never ended was ticked for good."""
+        feed.readers -= ended
+        if not feed.readers and feed.step is not None and self._steps.get(feed.step) is feed:
+            del self._steps[feed.step]
 
     def _start_request(self, spec: TransferSpec, feed: StepLayers) -> None:
         """Start one transfer, reading its layers from ``feed``. Never raises: whatever is wrong with
@@ -317,8 +313,6 @@ class Sender(TransferEnding):
         """
         req = self._live.get(transfer_id)
         if req is None:   # not started yet, or already quiet: make sure it never starts
-            if max(len(transfer_id), len(token)) > MAX_KEY_CHARS:   # kept for minutes: a stranger's can be huge
-                raise ControlRejected(NackCode.DECODE, f"abort: transfer id or token longer than {MAX_KEY_CHARS}")
             now = time.monotonic()
             self._aborted_early.add((transfer_id, token), now + self.timeouts.receive, now)
             return AckDetail.STOPPED
@@ -359,8 +353,7 @@ class Sender(TransferEnding):
             reason = f"internal error {type(exc).__name__}: {exc}"
         finally:
             self.active -= 1
-            req.feed.readers -= 1
-            self._unless_read(None, req.feed)
+            self._unless_read(req.feed, ended=1)
         if reason and not req.aborted:
             self.layouts.invalidate(req.spec.peer)  # the peer may have restarted: fetch afresh next time
         await self._finish(req, reason, settled)
