@@ -9,11 +9,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
+from .errors import ControlRejected
+from .protocol.codes import NackCode
+
 K = TypeVar("K")
 # the longest transfer id, sender or token a table fed by strangers keeps (real ones: tens of characters);
 # a frame may be 1 MiB, and thousands of those kept for minutes would be gigabytes
 MAX_KEY_CHARS = 1024
 V = TypeVar("V")
+
+
+def refuse_long_keys(what: str, *keys: str) -> None:
+    """Refuse (``decode``) a stranger's ``what`` whose id, sender or token is past ``MAX_KEY_CHARS``."""
+    if max(map(len, keys)) > MAX_KEY_CHARS:
+        raise ControlRejected(NackCode.DECODE, f"{what}: transfer id, sender or token longer than {MAX_KEY_CHARS}")
 
 
 def put_newest(table: dict[K, V], key: K, value: V, capacity: int) -> int:

@@ -132,6 +132,25 @@ def remove_orphan_shm(ours: set[str]) -> list[str]:
     return removed
 
 
+def process_titles(pids: set[int]) -> dict[int, str]:
+    """pid -> process title (vLLM's ``VLLM::EngineCore``) or the first words of its command line."""
+    out: dict[int, str] = {}
+    for pid in sorted(pids) if psutil is not None else ():
+        with contextlib.suppress(psutil.Error):
+            cmd = psutil.Process(pid).cmdline()
+            out[pid] = cmd[0] if cmd and cmd[0].startswith("VLLM::") else " ".join(cmd[:4])
+    return out
+
+
+def rss_of(pids: set[int]) -> dict[int, int]:
+    """pid -> resident set size of each of ``pids`` still alive."""
+    out: dict[int, int] = {}
+    for pid in sorted(pids) if psutil is not None else ():
+        with contextlib.suppress(psutil.Error):
+            out[pid] = psutil.Process(pid).memory_info().rss
+    return out
+
+
 def signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)

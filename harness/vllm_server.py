@@ -52,8 +52,8 @@ from typing import Any
 import httpx
 
 from . import scratch
-from .procs import (ServerError, die_with_parent, free_port, log_tail, pid_alive, psutil, remove_orphan_shm,
-                    shm_in_use, signal_group, signal_pid)
+from .procs import (ServerError, die_with_parent, free_port, log_tail, pid_alive, process_titles, psutil,
+                    remove_orphan_shm, rss_of, shm_in_use, signal_group, signal_pid)
 
 DEFAULT_STARTUP_TIMEOUT_S = 240.0   # ~30 s on an idle 2-core box; far more when the box is loaded
 DEFAULT_STOP_TIMEOUT_S = 20.0
@@ -281,25 +281,11 @@ class VllmServer:
 
     def processes(self) -> dict[int, str]:
         """pid -> process name/title of the live tree, e.g. {..: 'VLLM::EngineCore'}."""
-        out = {}
-        if psutil is None:
-            return out
-        for pid in sorted(self.pids()):
-            with contextlib.suppress(psutil.Error):
-                p = psutil.Process(pid)
-                cmd = p.cmdline()
-                out[pid] = cmd[0] if cmd and cmd[0].startswith("VLLM::") else " ".join(cmd[:4])
-        return out
+        return process_titles(self.pids())
 
     def rss_bytes(self) -> dict[int, int]:
         """pid -> resident set size of each live process of the tree."""
-        out = {}
-        if psutil is None:
-            return out
-        for pid in sorted(self.pids()):
-            with contextlib.suppress(psutil.Error):
-                out[pid] = psutil.Process(pid).memory_info().rss
-        return out
+        return rss_of(self.pids())
 
     def stop(self, timeout_s: float | None = None) -> None:
         """SIGTERM the process group, wait, then SIGKILL it; raise ServerError if anything survives."""

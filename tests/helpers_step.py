@@ -1,5 +1,5 @@
-"""Shared by the batching tests (DONEs, layout requests): a memory-backend P with a seeded KV cache,
-and one step of many one-block transfers to one D with every layer ready at once; and a device
+"""Shared by the runtime tests: a memory-backend P with a seeded KV cache, D's state and checksums
+asked over its control port, one step of many one-block transfers to one D with every layer ready at once; and a device
 event that completes at a set time (what a GPU's does; on CPU every event is ready at once)."""
 
 from __future__ import annotations
@@ -42,7 +42,14 @@ def one_step(p, d_control: str, count: int, drop: frozenset[str] = frozenset()) 
 
 
 def d_state(p, d_control: str, tid: str) -> str:
+    """D's state for ``tid``, asked over its control port by the runtime ``p``."""
     return p.request(d_control, m.StatusRequest(transfer_id=tid), timeout=5).state
+
+
+def d_crcs(p, d_control: str, tid: str) -> tuple:
+    """D's per-layer checksums of ``tid``'s blocks (K, V): they change when any write lands."""
+    reply = p.request(d_control, m.VerifyRequest(transfer_id=tid), timeout=5)
+    return reply.crc_k, reply.crc_v
 
 
 class TimedEvent:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from helpers_node import SMALL_SHAPE, apply_mc_env, freeze, mooncake_p, spawn_node, stoppable_node, until_streaming
+from helpers_step import d_crcs, d_state
 
 apply_mc_env()  # before any Mooncake engine exists in this process
 
@@ -281,25 +282,16 @@ def test_a_write_held_while_a_segment_opens_is_never_submitted_after_ds_window()
                 time.sleep(0.2)   # B's handshake is under way: writes to A wait for it
                 _step(p, 2, spec_a)
                 end = time.monotonic() + 10
-                while (state := d_state(p, a, "to-a")) != "failed":   # A's deadline, then its fence
+                while (state := d_state(p, a.control, "to-a")) != "failed":   # A's deadline, then its fence
                     assert time.monotonic() < end, f"to-a still {state!r} at A"
                     time.sleep(0.05)
-                at_fail = crcs(p, a, "to-a")
+                at_fail = d_crcs(p, a.control, "to-a")
                 time.sleep(1.0)   # A freed the blocks (fence_grace after the window) before B runs again
             finally:
                 os.kill(b.pid, signal.SIGCONT)
             out_a = p.sender.wait("to-a", 15)
             assert p.sender.wait("to-b", 15).ok
-            assert crcs(p, a, "to-a") == at_fail, "a write to A landed after A freed the blocks"
+            assert d_crcs(p, a.control, "to-a") == at_fail, "a write to A landed after A freed the blocks"
             assert not out_a.ok and "TransferTimeout" in out_a.reason, out_a
         finally:
             p.stop()
-
-
-def d_state(p, node, tid: str) -> str:
-    return p.request(node.control, m.StatusRequest(transfer_id=tid), timeout=5).state
-
-
-def crcs(p, node, tid: str) -> tuple:
-    reply = p.request(node.control, m.VerifyRequest(transfer_id=tid), timeout=5)
-    return reply.crc_k, reply.crc_v

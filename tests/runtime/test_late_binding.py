@@ -21,7 +21,8 @@ from aiolayer.errors import ControlRejected
 from aiolayer.kvcache import checksums
 from aiolayer.protocol import messages as m
 
-from test_regressions_sender import SHAPE, alloc, d_state, p_runtime, run_step
+from helpers_step import d_state
+from test_regressions_sender import SHAPE, alloc, p_runtime, run_step
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from helpers_node import SMALL_SHAPE, apply_mc_env, freeze, stoppable_node, until_streaming
+from helpers_step import d_state
 
 apply_mc_env()  # before any Mooncake engine exists in this process
 
@@ -56,10 +57,6 @@ def run_step(p, step: int, specs, layers: int = SHAPE.num_layers) -> None:
     for layer in range(layers):
         p.sender.layer_ready(step, layer)
     p.sender.end_step(step)
-
-
-def d_state(p, endpoint: str, tid: str) -> str:
-    return p.request(endpoint, m.StatusRequest(transfer_id=tid), timeout=5).state
 
 
 def abort_at_p(p, tid: str, token: str) -> str:

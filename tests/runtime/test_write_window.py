@@ -26,8 +26,9 @@ from aiolayer.protocol import messages as m
 from aiolayer.runtime.control.hooks import install_hooks
 from aiolayer.runtime.spec import RemoteLayout
 
-from test_regressions_sender import SHAPE, alloc, d_state, spec_for
-from test_writer_fence import crcs, wait_state
+from helpers_step import d_crcs as crcs, d_state
+from test_regressions_sender import SHAPE, alloc, spec_for
+from test_writer_fence import wait_state
 
 pytestmark = pytest.mark.timeout(60)
 D_LIMITS = Timeouts(receive=2.0, fence_grace=0.5)

@@ -20,14 +20,10 @@ from aiolayer import Timeouts
 from aiolayer.errors import ControlRejected
 from aiolayer.protocol import messages as m
 
-from test_regressions_sender import SHAPE, alloc, d_state, p_runtime, spec_for
+from helpers_step import d_crcs as crcs, d_state
+from test_regressions_sender import SHAPE, alloc, p_runtime, spec_for
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def crcs(p, endpoint: str, tid: str) -> tuple:
-    reply = p.request(endpoint, m.VerifyRequest(transfer_id=tid), timeout=5)
-    return reply.crc_k, reply.crc_v
 
 
 def wait_state(p, endpoint: str, tid: str, want: str, limit: float) -> float:

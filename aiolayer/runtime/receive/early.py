@@ -15,7 +15,7 @@ import time
 
 import msgspec
 
-from ...bounded import MAX_KEY_CHARS as MAX_ID_CHARS, drop_expired
+from ...bounded import MAX_KEY_CHARS as MAX_ID_CHARS, drop_expired, refuse_long_keys
 from ...errors import ControlRejected
 from ...protocol import messages as m
 from ...protocol.codes import NackCode
@@ -38,8 +38,7 @@ class EarlyWords:
         if isinstance(msg, m.Done) and msg.check is not None:   # also never applied unverified
             raise ControlRejected(NackCode.NOT_REGISTERED, f"DONE with a check for {msg.transfer_id[:MAX_ID_CHARS]}, "
                                   "which D has not registered: no P writes before that")
-        if max(len(msg.transfer_id), len(msg.sender), len(msg.token)) > MAX_ID_CHARS:
-            raise ControlRejected(NackCode.DECODE, f"transfer id, sender or token longer than {MAX_ID_CHARS}")
+        refuse_long_keys(type(msg).__name__, msg.transfer_id, msg.sender, msg.token)
         if isinstance(msg, m.Failed) and len(msg.reason) > MAX_REASON_CHARS:
             msg = msgspec.structs.replace(msg, reason=msg.reason[:MAX_REASON_CHARS])
         now = time.monotonic()

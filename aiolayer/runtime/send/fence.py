@@ -16,9 +16,7 @@ import functools
 import logging
 from typing import Any, Awaitable, Callable, Concatenate, Coroutine, ParamSpec, Protocol, TypeVar
 
-from ...bounded import MAX_KEY_CHARS, drop_expired, put_newest
-from ...errors import ControlRejected
-from ...protocol.codes import NackCode
+from ...bounded import drop_expired, put_newest, refuse_long_keys
 from ...protocol.plan import BlockRuns, Spans
 from ...protocol.state import sender_transfer
 from .checking import SourceCheck
@@ -170,8 +168,7 @@ class EarlyAborts:
 
     def add(self, key: tuple[str, str], expiry: float, now: float) -> None:
         """Remember ``key`` (a stranger's may be 1 MiB: ids or tokens past ``MAX_KEY_CHARS`` are refused)."""
-        if max(map(len, key)) > MAX_KEY_CHARS:
-            raise ControlRejected(NackCode.DECODE, f"abort: transfer id or token longer than {MAX_KEY_CHARS}")
+        refuse_long_keys("abort", *key)
         entries = self._entries
         entries.pop(key, None)   # a repeat moves to the end: insertion order stays expiry order
         drop_expired(entries, now, float)
