@@ -8,8 +8,10 @@ is observed, not assumed. The proxy's state is read only from its ``/metrics`` a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
 import signal
 import socket
 import time
@@ -251,6 +253,48 @@ def test_bad_bodies_are_a_400_and_affect_nothing_else(stack):
     ok = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x", "stream": False}, timeout=30, trust_env=False)
     assert ok.status_code == 200, ok.text
     _wait_for(proxy.idle, 10, "every lease released")
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read(stack):
+    """Content-Length past the proxy's cap: answered at once, with only the headers and one byte sent
+    (the proxy would otherwise wait for, and hold, all 300 MB); no engine sees it, the next request runs."""
+    proxy = stack["proxy"]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    seen = [len(e.requests) for e in (stack["p"], stack["d1"], stack["d2"])]
+    host, port = proxy.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 300000000\r\n\r\n{")
+        answer = b""
+        while b"limit" not in answer and (chunk := sock.recv(65536)):   # head and body may come apart
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert b"over the proxy's limit" in answer, answer
+    assert [len(e.requests) for e in (stack["p"], stack["d1"], stack["d2"])] == seen
+    ok = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x", "stream": False}, timeout=30, trust_env=False)
+    assert ok.status_code == 200, ok.text
+    _wait_for(proxy.idle, 10, "every lease released")
+
+
+def test_a_chunked_body_is_refused_once_it_passes_the_limit(stack):
+    """No Content-Length: the proxy counts what arrives and answers 413 as soon as it passes the cap,
+    while the client is still sending (it would otherwise read, and hold, all of it)."""
+    proxy = stack["proxy"]
+    _wait_for(proxy.idle, 10, "the proxy is idle")
+    host, port = proxy.url.removeprefix("http://").rsplit(":", 1)
+    chunk = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
+    sent, answer = 0, b""
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        with contextlib.suppress(OSError):   # the proxy closes the connection after its answer
+            while sent < 400 and not select.select([sock], [], [], 0)[0]:
+                sock.sendall(chunk)
+                sent += 1
+        while b"limit" not in answer and (part := sock.recv(65536)):
+            answer += part
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert 256 <= sent < 400, f"answered after {sent} MiB"
 
 
 def test_authorization_and_request_id_reach_both_engines(stack):

@@ -5,6 +5,10 @@ fails a check is a 400 (``ExchangeError``) and nothing is sent.
 
 from __future__ import annotations
 
+import json
+
+from starlette.requests import ClientDisconnect
+
 from ..params import REQUESTED_MODES, RequestedMode
 from .failures import ExchangeError
 
@@ -14,6 +18,40 @@ FORWARDED_HEADERS = ("authorization", "x-request-id", "traceparent", "tracestate
 # How P sends this request's KV, where the client wants a fixed mode rather than P's ``transfer_mode``
 # (a benchmark comparing the modes on one pair of engines, a request known to be short or long)
 MODE_HEADER = "x-aiolayer-transfer-mode"
+# The largest body the proxy reads (413 past it, the rest never read): the whole body is held while the
+# request runs, so without a cap one client's upload could take the proxy's memory from every other. The
+# largest legitimate bodies are prompt embeddings (4 bytes x hidden size x tokens, base64: 8k tokens of
+# 4,096 floats is ~180 MB); a 128k-token prompt as text or token ids is about 1 MB.
+MAX_BODY_BYTES = 256 << 20
+
+
+async def read_json_body(scope, receive, limit: int = MAX_BODY_BYTES):
+    """The request's body parsed as JSON, reading at most ``limit`` bytes: a 413 once it is past that (by
+    its Content-Length or as it arrives), a 400 when it is not JSON; ``ClientDisconnect`` when the
+    client leaves first."""
+    declared = next((value for name, value in scope["headers"] if name.lower() == b"content-length"), b"")
+    if declared.strip().isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError:   # not JSON, not UTF-8
+        raise ExchangeError(400, "invalid_request", "body is not JSON") from None
+
+
+def _too_large(size: int, limit: int) -> ExchangeError:
+    return ExchangeError(413, "invalid_request", f"body of {size:,}+ bytes is over the proxy's limit of {limit:,}")
 
 
 def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:

@@ -25,7 +25,7 @@ from aiolayer import ControlPeers, RuntimeStateError, compat
 
 from ..params import InvalidParams, read_registration
 from .failures import ExchangeError, answered_error, call_failed, error_event, failed_stage
-from .admit import check_body, forwarded_headers, prefilled_at_d, requested_mode
+from .admit import check_body, forwarded_headers, prefilled_at_d, read_json_body, requested_mode
 from .flow import BINDINGS, Exchange, ProxyTimeouts
 from .metrics import CONTENT_TYPE, ProxyMetrics
 from .pool import Backend, NoBackend, Pool
@@ -35,6 +35,7 @@ from .tracing import Tracing
 log = logging.getLogger(__name__)
 REGISTER_PATH = "/internal/aiolayer/registered"
 TAIL_S = 5.0   # a stream's last event to the client, after which it is taken for gone
+REGISTRATION_MAX_BYTES = 16 << 20   # D's POST: a 128k-token prompt's block ids in 16-token blocks is ~50 kB
 
 
 class ClientGone(Exception):
@@ -132,13 +133,12 @@ class ProxyState:
     async def _serve(self, scope, receive, send, path: str) -> None:
         headers = forwarded_headers(scope["headers"])
         try:
-            body = await Request(scope, receive).json()
+            body = await read_json_body(scope, receive)
         except ClientDisconnect:
             self.metrics.requests.labels("client_disconnect").inc()
             return
-        except ValueError:   # not JSON, not UTF-8
-            error = self._error(ExchangeError(400, "invalid_request", "body is not JSON"), headers.get("x-request-id"))
-            return await self._answer(error, scope, receive, send)
+        except ExchangeError as exc:   # not JSON, too large
+            return await self._answer(self._error(exc, headers.get("x-request-id")), scope, receive, send)
         try:
             check_body(body)
             mode = requested_mode(scope["headers"])
@@ -365,10 +365,10 @@ def create_app(pool: Pool, public_url: str, timeouts: ProxyTimeouts | None = Non
 
     @app.post(REGISTER_PATH)
     async def registered(request: Request) -> JSONResponse:
-        try:
-            body = await request.json()
-        except ValueError:
-            return error_response(400, "invalid_request", "body is not JSON")
+        try:   # D's registration: its block ids, a few kB
+            body = await read_json_body(request.scope, request.receive, REGISTRATION_MAX_BYTES)
+        except ExchangeError as exc:
+            return JSONResponse(exc.body(), exc.status)
         return state.registered(body)
 
     @app.get("/v1/models")
