@@ -105,6 +105,30 @@ def test_failed_and_stopped_only_once_no_write_can_land(memory_runtime, memory_d
     assert d_state(p, d.control_endpoint, "landing") == "registered"   # D's own deadline and fence take over
 
 
+def test_an_id_started_again_after_its_outcome_is_out_gets_a_failure_of_its_own(memory_runtime,
+                                                                              memory_decode_node):
+    """The id's transfer has its outcome out but still runs (a write timed out and may land: the source
+    stays held). Starting the id again is ignored, and its ``wait`` answers at once with a failure (it
+    would sleep to its timeout); it is popped like any outcome and leaves no slot behind."""
+    d = memory_decode_node(SHAPE, engine_id="d-again")
+    p, _ = p_runtime(memory_runtime, "p-again", Timeouts(layer_write=0.3, quarantine=0.5, cleanup=0.3,
+                                                         done_delivery=1.0, control_call=0.5))
+    spec = spec_for(d.control_endpoint, "again", [4, 5], alloc(p, d.control_endpoint, "again", 2))
+    d.runtime.backend.faults.stall_s = 3.0
+    run_step(p, 0, [spec])
+    first = p.sender.wait("again", 5)
+    assert not first.ok and not first.source_released, first
+    assert [o.reason for o in p.sender.pop_outcomes()] == [first.reason]
+    for step, again in ((1, lambda: run_step(p, 1, [spec])), (2, lambda: p.sender.refuse(spec, "no room"))):
+        again()
+        t0 = time.monotonic()
+        second = p.sender.wait("again", 5)
+        assert time.monotonic() - t0 < 1 and not second.ok and "again while" in second.reason, (step, second)
+        assert [o.reason for o in p.sender.pop_outcomes()] == [second.reason]
+    assert p.sender.table_sizes()["waiters"] == 0 and p.sender.outcome_counts["duplicate"] == 2
+    assert released_within(p, "again", 5) is not None   # the first one's source, once its write ended
+
+
 def test_sender_stop_does_not_declare_live_writes_quiet(memory_runtime, memory_decode_node):
     """The sender's loop ends (its bridge closed) with writes still in flight: the transfers must
     stay not-quiet (abort: ``settling``, no FAILED) until those writes ended; FAILED after that."""

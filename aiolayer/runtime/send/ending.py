@@ -180,6 +180,19 @@ class TransferEnding:
         else:
             self._release(req)
 
+    def _repeated(self, live: Request, what: str) -> None:
+        """A start or refusal of an id whose transfer still runs: ignored (the source and its release are
+        the live one's). Before the live one's outcome is out the repeat shares its ``wait`` slot and
+        outcome; after it, ``begin_step`` made the repeat a slot of its own, which gets a failed outcome
+        here (else its waiter would sleep to its timeout and the slot stay forever)."""
+        tid = live.spec.transfer_id
+        log.error("transfer %s: %s again while live; ignored", tid, what)
+        self.outcome_counts["duplicate"] += 1
+        if live.state.terminal:
+            self.results.publish(Outcome(transfer_id=tid, ok=False, finished_s=time.perf_counter(),
+                                         reason=f"{what} again while its earlier transfer still ran: ignored",
+                                         source_released=False))
+
     def _publish_safely(self, req: Request, reason: str) -> None:
         try:
             self._publish(req, reason, None)

@@ -238,8 +238,9 @@ class Sender(TransferEnding):
         elif kind == "cancel":
             self._cancel(item[1], item[2])
         elif kind == "refuse":
-            if getattr(item[1], "transfer_id", None) in self._live:   # its outcome belongs to the live one
-                log.error("transfer %s: refused while live; the refusal is ignored", item[1].transfer_id)
+            live = self._live.get(getattr(item[1], "transfer_id", None))   # type: ignore[arg-type]
+            if live is not None:
+                self._repeated(live, "refused")
             else:
                 self._refuse(item[1], item[2])
 
@@ -254,9 +255,7 @@ class Sender(TransferEnding):
         this spec fails this transfer only, with a visible outcome, and the step's others go on."""
         tid = getattr(spec, "transfer_id", None)
         if isinstance(tid, str) and tid in self._live:
-            # its outcome and release belong to the live one: nothing may be published under its id
-            log.error("transfer %s: started again while live; the second start is ignored", tid)
-            self.outcome_counts["duplicate"] += 1
+            self._repeated(self._live[tid], "started")
             return
         try:
             check_spec(spec)
