@@ -217,7 +217,8 @@ class FakeEngine:
                 if i == fake.get("error_at"):   # vLLM's end of a request that failed (e.g. its KV never came)
                     yield f"data: {json.dumps({'error': VLLM_STREAM_ERROR})}\n\n"
                     break
-                yield f"data: {json.dumps({'choices': [{'text': f'{self.name}-{i}'}]})}\n\n"
+                text = f"{self.name}-{i}" + "x" * fake.get("pad", 0)   # pad: a token's text as long as asked
+                yield f"data: {json.dumps({'choices': [{'text': text}]})}\n\n"
                 await asyncio.sleep(fake.get("interval_s", 0))
             yield "data: [DONE]\n\n"
             self.streams[transfer_id] = "completed"

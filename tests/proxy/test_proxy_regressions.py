@@ -191,6 +191,35 @@ def test_a_stream_ends_at_the_request_timeout_with_an_error_event_and_an_abort()
                   f"D told to abort and its stream closed: {pair['d'].streams}")
 
 
+def test_a_client_that_stops_reading_is_let_go_at_the_request_timeout():
+    """The client reads the status line, then nothing: the proxy's writes block once the socket's buffers
+    are full. At --request-timeout the proxy gives the stream up (its last event within a few seconds
+    more), tells D to abort, closes D's stream and releases its leases, with the client still connected."""
+    with proxied_pair("--request-timeout", "2", "--health-interval", "0.5") as pair:
+        proxy, d = pair["proxy"], pair["d"]
+        body = {"prompt": "unread", "stream": True, "fake": {"chunks": 100_000, "pad": 4096}}
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # before connect: a small window
+        try:
+            sock.settimeout(10)
+            sock.connect(("127.0.0.1", proxy.port))
+            data = json.dumps(body).encode()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+            assert sock.recv(12) == b"HTTP/1.1 200"
+            started = time.monotonic()
+            _wait_for(lambda: d.streams and all(v == "closed" for v in d.streams.values()), 15,
+                      f"D's stream closed while the client reads nothing: {d.streams}")
+            took = time.monotonic() - started
+            tid = _last_transfer(pair["p"])
+            assert tid in d.aborts and took < 2 + 5 + 3, (took, d.aborts)   # request timeout + TAIL_S + slack
+            _wait_for(lambda: metric_value(parse_metrics(httpx.get(proxy.url + "/metrics", timeout=5,
+                                                                   trust_env=False).text),
+                                           "aiolayer_proxy_pending_transfers") == 0, 10, "the request table empty")
+        finally:
+            sock.close()
+
+
 def test_ds_stream_is_closed_when_the_exchange_fails_after_its_status_line(stack):
     """D answered its status line but never registered: the 504 closes D's call (vLLM then aborts it)."""
     proxy = stack["proxy"]
