@@ -14,6 +14,9 @@ from .transport import Transport
 
 DEFAULT_INTEGRITY_SAMPLE = 0.01   # share of transfers checked end to end: a digest pass over 1 % of the bytes
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1, "uint8": 1}
+# The longest any one named deadline may be: every wait ends (no infinity), and a deadline's sums and
+# the clocks it is added to stay far inside what ``threading`` and ``time`` accept (1e10 s overflows them).
+MAX_DEADLINE_S = 86_400.0
 
 
 class Timeouts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -45,8 +48,8 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             if name == "control_retries":
                 if value < 1:
                     raise ConfigError("control_retries must be >= 1")
-            elif not value > 0:
-                raise ConfigError(f"timeout {name} must be > 0, got {value!r}")
+            elif not 0 < value <= MAX_DEADLINE_S:   # NaN fails too
+                raise ConfigError(f"timeout {name} must be > 0 and at most {MAX_DEADLINE_S:g} s, got {value!r}")
         for name, parts in COMPOSED.items():
             values = [getattr(self, part) for part in parts]
             total = getattr(self, name)

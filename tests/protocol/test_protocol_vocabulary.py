@@ -12,7 +12,7 @@ import pathlib
 import msgspec
 import pytest
 
-from aiolayer.config import COMPOSED, Timeouts
+from aiolayer.config import COMPOSED, MAX_DEADLINE_S, Timeouts
 from aiolayer.errors import ConfigError
 from aiolayer.protocol import messages as m
 from aiolayer.protocol.codes import AckDetail, NackCode
@@ -111,5 +111,7 @@ def test_composed_deadlines_are_the_sums_they_name():
     for name, parts in COMPOSED.items():
         assert getattr(t, name) == sum(getattr(t, part) for part in parts), name
     assert t.quarantine_wait == 7.5 and t.abort_call == 1.75 and t.abort_ask == 2.25 and t.abort_settle == 2.0
-    with pytest.raises(ConfigError, match="quarantine_wait"):
-        Timeouts(quarantine=1e308, cleanup=1e308)
+    for endless in (float("inf"), 1e10, float("nan")):   # every wait ends, and its clock sums do not overflow
+        with pytest.raises(ConfigError, match="quarantine must be > 0 and at most 86400 s"):
+            Timeouts(quarantine=endless)
+    assert Timeouts(receive=MAX_DEADLINE_S).receive == MAX_DEADLINE_S
