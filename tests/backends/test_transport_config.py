@@ -92,3 +92,40 @@ def test_a_wildcard_proxy_host_needs_a_public_url():
     assert public_url("0.0.0.0", 8000, "http://10.0.0.5:8000/") == "http://10.0.0.5:8000"
     assert public_url("10.0.0.5", 8000, "") == "http://10.0.0.5:8000"
     assert public_url("::1", 8000, "") == "http://[::1]:8000"
+    for wrong in ("10.0.0.5:8000", "http://0.0.0.0:8000", "ftp://10.0.0.5"):   # D could not dial these
+        with pytest.raises(ValueError, match="--public-url"):
+            public_url("10.0.0.5", 8000, wrong)
+
+
+PAIR = ["--prefill", "http://127.0.0.1:8100,tcp://127.0.0.1:5600", "--decode", "http://127.0.0.1:8200,tcp://127.0.0.1:5700"]
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--port", "70000"], "--port must be in 1..65535"),
+    (["--port", "0"], "--port must be in 1..65535"),
+    (["--health-interval", "0"], "--health-interval must be > 0"),
+    (["--request-timeout", "-1"], "--request-timeout must be > 0"),
+    (["--registration-timeout", "inf"], "--registration-timeout must be > 0 and at most"),
+    (["--prefill-timeout", "nan"], "--prefill-timeout must be > 0"),
+    (["--control-wait-s", "0"], "--control-wait-s must be > 0"),
+    (["--public-url", "http://0.0.0.0:8000"], "names every interface"),
+    (["--decode", "http://127.0.0.1:8200,tcp://127.0.0.1:5700", "http://127.0.0.1:8200,tcp://127.0.0.1:5700"],
+     "--decode lists a server twice"),
+    (["--decode", "http://127.0.0.1:8100,tcp://127.0.0.1:5700"], "is given with both"),   # P's URL, D's control
+    (["--decode", "http://127.0.0.1:8200,tcp://127.0.0.1:5600"], "is given with both"),   # D's URL, P's control
+])
+def test_the_proxy_refuses_arguments_that_would_only_fail_later(extra, needle, capsys):
+    """Exit 2 with the reason before any backend is asked: a port the OS would take modulo 65536, a
+    deadline of 0 or less (every request a 504) or a health interval of 0 (the loop spins), a public URL
+    D cannot dial, a server listed twice or a URL and control socket that do not pair up."""
+    pytest.importorskip("vllm", reason="the proxy's package imports the connector's")
+    import argparse
+
+    from aiolayer_vllm.proxy.server import add_proxy_args, run_proxy
+
+    parser = argparse.ArgumentParser()
+    add_proxy_args(parser)
+    args = parser.parse_args(PAIR + extra)
+    assert run_proxy(args) == 2
+    assert needle in capsys.readouterr().err
+

@@ -36,6 +36,7 @@ from helpers_proxy import FakeEngine, Hub, StandInRanks, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 NOWHERE = "http://127.0.0.1:9"   # refusals at start come before any HTTP call
+NOWHERE_D = "http://127.0.0.1:10"   # D's: one URL per server
 
 
 def _health(proxy: ProxyProcess) -> dict:
@@ -96,7 +97,7 @@ def test_the_proxy_given_only_url_and_control_plans_for_a_p_of_two_tp_ranks(engi
 def test_a_control_that_does_not_answer_is_refused_at_start_naming_it(engines):
     d_ranks = engines(StandInRanks, "d", "consumer")
     silent = f"tcp://127.0.0.1:{free_port()}"
-    err = _refused(f"{NOWHERE},{silent}", f"{NOWHERE},{d_ranks.control}", wait_s=1)
+    err = _refused(f"{NOWHERE},{silent}", f"{NOWHERE_D},{d_ranks.control}", wait_s=1)
     assert f"--prefill {NOWHERE} (control {silent})" in err and "did not answer" in err, err
     assert "--control-wait-s" in err, err
 
@@ -104,7 +105,7 @@ def test_a_control_that_does_not_answer_is_refused_at_start_naming_it(engines):
 def test_a_control_of_the_wrong_role_is_refused_at_start_naming_it(engines):
     d_ranks = engines(StandInRanks, "d", "consumer")
     other_d = engines(StandInRanks, "d2", "consumer")
-    err = _refused(f"{NOWHERE},{other_d.control}", f"{NOWHERE},{d_ranks.control}")
+    err = _refused(f"{NOWHERE},{other_d.control}", f"{NOWHERE_D},{d_ranks.control}")
     assert f"--prefill {NOWHERE} (control {other_d.control})" in err, err
     assert "role 'consumer'" in err and "producer or both" in err, err
 
@@ -113,7 +114,7 @@ def test_a_control_of_the_wrong_role_is_refused_at_start_naming_it(engines):
 def test_a_declared_tp_that_disagrees_with_the_engine_is_refused_at_start(engines, declared, actual):
     p_ranks = engines(StandInRanks, "p", "producer", tp=actual)
     d_ranks = engines(StandInRanks, "d", "consumer")
-    err = _refused(f"{NOWHERE},{p_ranks.control},tp={declared}", f"{NOWHERE},{d_ranks.control}")
+    err = _refused(f"{NOWHERE},{p_ranks.control},tp={declared}", f"{NOWHERE_D},{d_ranks.control}")
     assert f"--prefill {NOWHERE} (control {p_ranks.control})" in err, err
     assert f"declared tp={declared}, learned tp={actual}" in err, err
 
@@ -121,7 +122,7 @@ def test_a_declared_tp_that_disagrees_with_the_engine_is_refused_at_start(engine
 def test_p_and_d_running_different_models_are_refused_at_start(engines):
     p_ranks = engines(StandInRanks, "p", "producer", model="tiny/aaaaaaaaaaaa")
     d_ranks = engines(StandInRanks, "d", "consumer", model="tiny/bbbbbbbbbbbb")
-    err = _refused(f"{NOWHERE},{p_ranks.control}", f"{NOWHERE},{d_ranks.control}")
+    err = _refused(f"{NOWHERE},{p_ranks.control}", f"{NOWHERE_D},{d_ranks.control}")
     assert "model fingerprints differ" in err and "'tiny/aaaaaaaaaaaa'" in err and "'tiny/bbbbbbbbbbbb'" in err, err
 
 
@@ -129,7 +130,7 @@ def test_a_rank_missing_by_the_port_rule_is_refused_at_start(engines):
     p_ranks = engines(StandInRanks, "p", "producer", tp=2)
     d_ranks = engines(StandInRanks, "d", "consumer")
     p_ranks.stop(1)
-    err = _refused(f"{NOWHERE},{p_ranks.control}", f"{NOWHERE},{d_ranks.control}", wait_s=1)
+    err = _refused(f"{NOWHERE},{p_ranks.control}", f"{NOWHERE_D},{d_ranks.control}", wait_s=1)
     assert f"tcp://127.0.0.1:{p_ranks.base + 1} did not answer" in err, err
 
 
@@ -157,7 +158,7 @@ def test_an_engine_without_the_topology_query_is_refused_at_start_saying_so(engi
     thread.start()
     try:
         assert ready.wait(10)
-        err = _refused(f"{NOWHERE},{endpoint[0]}", f"{NOWHERE},{d_ranks.control}")
+        err = _refused(f"{NOWHERE},{endpoint[0]}", f"{NOWHERE_D},{d_ranks.control}")
     finally:
         stop.set()
         thread.join(10)
@@ -195,7 +196,7 @@ async def test_a_health_check_takes_out_a_backend_whose_model_changed(engines):
     p_ranks = engines(StandInRanks, "p", "producer")
     d_ranks = engines(StandInRanks, "d", "consumer")
     pool = Pool([Backend.parse("prefill", f"{NOWHERE},{p_ranks.control}")],
-                [Backend.parse("decode", f"{NOWHERE},{d_ranks.control}")])
+                [Backend.parse("decode", f"{NOWHERE_D},{d_ranks.control}")])
     peers = ControlPeers(Timeouts(), asyncio.get_running_loop().create_task)
     try:
         assert await learn_pool(pool, peers, 5.0, 1.0) == []
@@ -218,7 +219,7 @@ async def test_one_refused_connection_where_ds_second_dp_engine_listened_keeps_i
     d_ranks.control = f"tcp://127.0.0.1:{d_ranks.base}"
     engines(lambda: d_ranks)
     second = socket.create_server(("127.0.0.1", d_ranks.base + 1))   # D's second DP engine
-    pool = Pool([], [Backend.parse("decode", f"{NOWHERE},{d_ranks.control}")])
+    pool = Pool([], [Backend.parse("decode", f"{NOWHERE_D},{d_ranks.control}")])
     peers = ControlPeers(Timeouts(), asyncio.get_running_loop().create_task)
     try:
         assert await learn_pool(pool, peers, 5.0, 1.0) == []

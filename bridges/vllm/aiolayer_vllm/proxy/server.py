@@ -6,12 +6,15 @@ import argparse
 import asyncio
 import logging
 import sys
+from urllib.parse import urlsplit
 
 from aiolayer import ControlPeers, Timeouts
+from aiolayer.config import MAX_DEADLINE_S
 from aiolayer.cli import Command
 from aiolayer.transport import url_host
 
 from . import logs
+from ..params import check_url
 from .flow import BINDINGS, ProxyTimeouts
 from .pool import Backend, Pool
 from .topology import learn_pool
@@ -73,6 +76,10 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
 def public_url(host: str, port: int, given: str) -> str:
     """The URL D POSTs its registration to; a wildcard listen address is no address D can dial."""
     if given:
+        check_url(given, "--public-url")
+        if urlsplit(given).hostname in WILDCARDS:
+            raise ValueError(f"--public-url {given} names every interface, which D cannot dial: give an address "
+                             "D can reach")
         return given.rstrip("/")
     if host in WILDCARDS:
         raise ValueError(f"--host {host or repr(host)} listens on every interface, which D cannot dial: "
@@ -80,25 +87,57 @@ def public_url(host: str, port: int, given: str) -> str:
     return f"http://{url_host(host)}:{port}"
 
 
+SECONDS_FLAGS = ("control_wait_s", "control_timeout", "registration_timeout", "prefill_timeout", "request_timeout",
+                 "health_interval")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse (ValueError) what would only fail later: a port out of range (the OS would bind it modulo
+    65536), a deadline or interval that is not a positive number of seconds (0 spins the health loop)."""
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    for name in SECONDS_FLAGS:
+        value = getattr(args, name)
+        if not 0 < value <= MAX_DEADLINE_S:   # NaN fails too
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} must be > 0 and at most {MAX_DEADLINE_S:g} seconds, got {value}")
+    if args.local_prefill_max_tokens < 0:
+        raise ValueError("--local-prefill-max-tokens must be >= 0")
+
+
+def check_distinct(pool: Pool) -> None:
+    """Refuse a backend listed twice in one role, and a URL and a control socket that do not pair up the same
+    way everywhere (a typo in one port: prefills would go to one engine and its KV be asked of another).
+    One engine may be both P and D (``kv_both``) under the same URL,CONTROL."""
+    paired: dict[str, str] = {}
+    for role in (pool.prefill, pool.decode):
+        urls = [b.url for b in role]
+        if len(set(urls)) < len(urls):
+            raise ValueError(f"--{role[0].role} lists a server twice: {sorted({u for u in urls if urls.count(u) > 1})}")
+        for b in role:
+            for key, value in ((b.url, b.control), (b.control, b.url)):
+                if paired.setdefault(key, value) != value:
+                    raise ValueError(f"{key} is given with both {paired[key]} and {value}: each server has one "
+                                     "URL and one control socket")
+
+
 def run_proxy(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
 
-    logs.configure(args.log_level, args.log_format)
-    logger = logging.getLogger("aiolayer_vllm.proxy")
     try:
         pool = Pool([Backend.parse("prefill", s) for s in args.prefill],
                     [Backend.parse("decode", s) for s in args.decode], health_interval_s=args.health_interval,
                     control_timeout_s=args.control_timeout)
         url = public_url(args.host, args.port, args.public_url)
-        if not (args.control_wait_s > 0 and args.control_timeout > 0):
-            raise ValueError("--control-wait-s and --control-timeout must be > 0")
-        if args.local_prefill_max_tokens < 0:
-            raise ValueError("--local-prefill-max-tokens must be >= 0")
+        check_args(args)
+        check_distinct(pool)
     except ValueError as exc:
         print(f"aiolayer proxy: {exc}", file=sys.stderr)
         return 2
+    logs.configure(args.log_level, args.log_format)   # after the checks: a refused start changed no logger
+    logger = logging.getLogger("aiolayer_vllm.proxy")
     problems = asyncio.run(_learn(pool, args.control_wait_s))
     if problems:
         print("aiolayer proxy: refused to start:\n  " + "\n  ".join(problems), file=sys.stderr)
