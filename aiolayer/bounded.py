@@ -11,11 +11,9 @@ from typing import TypeVar
 
 from .errors import ControlRejected
 from .protocol.codes import NackCode
+from .protocol.messages import MAX_KEY_CHARS   # the longest id a message decodes with; a table keeps no longer
 
 K = TypeVar("K")
-# the longest transfer id, sender or token a table fed by strangers keeps (real ones: tens of characters);
-# a frame may be 1 MiB, and thousands of those kept for minutes would be gigabytes
-MAX_KEY_CHARS = 1024
 V = TypeVar("V")
 
 

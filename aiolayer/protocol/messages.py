@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hmac
 import struct
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 
@@ -25,6 +25,11 @@ from .codes import AckDetail, NackCode, is_tally
 
 PROTOCOL_VERSION = 1
 REQUEST_ID = struct.Struct("!Q")
+# The longest transfer id, token, engine id or endpoint a message may carry (real ones: tens of
+# characters). Refused when decoded (``decode``), before any table or reply holds it: a frame may be
+# 1 MiB, and a stranger's ids kept for a deadline, or quoted back in each refusal, would be gigabytes.
+MAX_KEY_CHARS = 1024
+Key = Annotated[str, msgspec.Meta(max_length=MAX_KEY_CHARS)]
 
 
 class _Msg(msgspec.Struct, tag_field="type", kw_only=True, frozen=True):
@@ -44,11 +49,11 @@ class LayoutRequest(_Msg, tag="layout_req", frozen=True):
     transfer's writers (``requester`` with its ``control`` endpoint and runtime ``incarnation``), and
     its fence later asks exactly those writers to stop (docs/fencing.md)."""
 
-    requester: str = ""        # the P rank's engine id: its DONE/FAILED carry the same ``sender``
-    transfer_id: str = ""      # a transfer D registered, and its token: D shows its layout only then
-    token: str = ""
-    control: str = ""          # the P rank's own control endpoint: where D's fence asks it to stop
-    incarnation: str = ""      # the P rank's runtime incarnation
+    requester: Key = ""        # the P rank's engine id: its DONE/FAILED carry the same ``sender``
+    transfer_id: Key = ""      # a transfer D registered, and its token: D shows its layout only then
+    token: Key = ""
+    control: Key = ""          # the P rank's own control endpoint: where D's fence asks it to stop
+    incarnation: Key = ""      # the P rank's runtime incarnation
     writers: int = 0           # how many P ranks write into this D's transfer, as P's plan says (0: not said)
 
 
@@ -63,9 +68,9 @@ class LayoutBatch(_Msg, tag="layout_batch", frozen=True):
 
 
 class LayoutReply(_Msg, tag="layout", frozen=True):
-    engine_id: str
-    incarnation: str           # new on every process start: stale cached layouts are refused
-    session: str               # transfer-engine target name, e.g. "127.0.0.1:15123"
+    engine_id: Key
+    incarnation: Key           # new on every process start: stale cached layouts are refused
+    session: Key               # transfer-engine target name, e.g. "127.0.0.1:15123"
     block_bytes: int
     num_blocks: int
     layers: list[LayerRegion]
@@ -107,12 +112,12 @@ class LayerCheck(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Done(_Msg, tag="done", frozen=True):
-    transfer_id: str
-    sender: str
-    incarnation: str = ""      # D's incarnation the data was written to
+    transfer_id: Key
+    sender: Key
+    incarnation: Key = ""      # D's incarnation the data was written to
     layers: int = 0
     bytes: int = 0
-    token: str = ""
+    token: Key = ""
     check: Union[LayerCheck, None] = None   # sampled transfers: D verifies what landed before it accepts
 
 
@@ -122,9 +127,9 @@ class EarlyCheck(_Msg, tag="early_check", frozen=True):
     that matched; the DONE still carries every sampled layer, and D verifies at DONE only those it did
     not match early. Changes no transfer state; only a known writer with the token is answered."""
 
-    transfer_id: str
-    sender: str
-    token: str
+    transfer_id: Key
+    sender: Key
+    token: Key
     check: LayerCheck
 
 
@@ -142,28 +147,28 @@ class DoneBatch(_Msg, tag="done_batch", frozen=True):
 class Failed(_Msg, tag="failed", frozen=True):
     """Sent by P only once none of its writes for the transfer can still be in flight."""
 
-    transfer_id: str
-    sender: str
+    transfer_id: Key
+    sender: Key
     reason: str
-    token: str = ""
+    token: Key = ""
 
 
 class Abort(_Msg, tag="abort", frozen=True):
     """D (or a proxy through D) asks P to stop; P acks once none of its writes is in flight."""
 
-    transfer_id: str
+    transfer_id: Key
     reason: str = ""
-    token: str = ""
+    token: Key = ""
 
 
 # --- node management (used by a proxy or the benchmark to drive a standalone D node) -----------
 
 class AllocRequest(_Msg, tag="alloc", frozen=True):
-    transfer_id: str
+    transfer_id: Key
     num_blocks: int
     contiguous: bool = True
-    sender_control: str = ""   # not used: D's fence asks the P ranks that fetched the layout (docs/fencing.md)
-    token: str = ""            # the transfer's secret; "" = the node mints one and returns it
+    sender_control: Key = ""   # not used: D's fence asks the P ranks that fetched the layout (docs/fencing.md)
+    token: Key = ""            # the transfer's secret; "" = the node mints one and returns it
     drop_done: bool = False    # fault injection (bench/tests): D never answers this transfer's DONE
     senders: int = 1           # P ranks writing disjoint head slices: D ends it once each said DONE/FAILED
 
@@ -171,19 +176,19 @@ class AllocRequest(_Msg, tag="alloc", frozen=True):
 class AbortRequest(_Msg, tag="abort_req", frozen=True):
     """To D: give up a transfer (client gone); D fences its blocks until P is quiet."""
 
-    transfer_id: str
+    transfer_id: Key
     reason: str = "aborted"
-    token: str = ""
+    token: Key = ""
 
 
 class AllocReply(_Msg, tag="alloc_ok", frozen=True):
     """D's registration of a transfer, as published to whoever dispatches P."""
 
-    transfer_id: str
+    transfer_id: Key
     block_ids: list[int]
-    incarnation: str
+    incarnation: Key
     first_block: int = 0       # blocks before this index of the request were already at D (prefix hit)
-    token: str = ""            # the transfer's secret, for whoever dispatches P
+    token: Key = ""            # the transfer's secret, for whoever dispatches P
     layout: Union[LayoutReply, None] = None   # to a writer's lookup (late binding): D's layout, as a LayoutRequest's
 
 
@@ -196,21 +201,21 @@ class LookupRequest(_Msg, tag="lookup", frozen=True):
     (``requester``, its ``control`` endpoint, ``incarnation``, ``writers``): D then records it as a
     writer before it answers, only while the transfer takes writes, and the reply carries D's layout."""
 
-    transfer_id: str
-    token: str = ""
+    transfer_id: Key
+    token: Key = ""
     wait: bool = False
-    requester: str = ""        # "" = not a writer (whoever dispatches P): no layout, no writer recorded
-    control: str = ""
-    incarnation: str = ""
+    requester: Key = ""        # "" = not a writer (whoever dispatches P): no layout, no writer recorded
+    control: Key = ""
+    incarnation: Key = ""
     writers: int = 0
 
 
 class VerifyRequest(_Msg, tag="verify", frozen=True):
-    transfer_id: str
+    transfer_id: Key
 
 
 class VerifyReply(_Msg, tag="verify_ok", frozen=True):
-    transfer_id: str
+    transfer_id: Key
     state: str
     reason: str
     crc_k: list[int]           # per layer, over the transfer's blocks in order
@@ -218,15 +223,15 @@ class VerifyReply(_Msg, tag="verify_ok", frozen=True):
 
 
 class ReleaseRequest(_Msg, tag="release", frozen=True):
-    transfer_id: str
+    transfer_id: Key
 
 
 class StatusRequest(_Msg, tag="status", frozen=True):
-    transfer_id: str
+    transfer_id: Key
 
 
 class StatusReply(_Msg, tag="status_ok", frozen=True):
-    transfer_id: str
+    transfer_id: Key
     state: str
     reason: str = ""
 
@@ -270,16 +275,16 @@ class TopologyRequest(_Msg, tag="topology_req", frozen=True):
     """To any runtime: who it is and where it sits in its engine. No token: the answer names no
     memory (the layout's summary only, never its addresses) and changes nothing."""
 
-    requester: str = ""
+    requester: Key = ""
 
 
 class TopologyReply(_Msg, tag="topology", frozen=True):
     """A runtime's identity as its embedder set it (``Runtime.set_identity``), and its KV layout's
     summary as its ``LayoutReply`` publishes it (0 / "" before the KV memory is registered)."""
 
-    engine_id: str
-    incarnation: str           # new on every process start
-    control: str               # its own control endpoint, as it advertises it
+    engine_id: Key
+    incarnation: Key           # new on every process start
+    control: Key               # its own control endpoint, as it advertises it
     role: str = ""             # "producer", "consumer", "both", or "" (the embedder did not say)
     tp_rank: int = 0
     tp_size: int = 1
@@ -296,7 +301,7 @@ class TopologyReply(_Msg, tag="topology", frozen=True):
     kv_interior: str = ""      # HeadGeometry.interior: blocks of other sizes copy token by token only if known
     # How it was started, so that ``aiolayer doctor`` can compare two hosts ("" / False from an older peer):
     version: str = ""          # its aiolayer version
-    session: str = ""          # its Mooncake segment name (host:port), where P's writes go
+    session: Key = ""          # its Mooncake segment name (host:port), where P's writes go
     protocol: str = ""         # its Mooncake transport as configured (Transport.protocol)
     device_name: str = ""      # its RDMA NIC(s) as configured ("" = Mooncake picks)
     force_tcp: bool = False    # MC_FORCE_TCP is set in its environment (Mooncake then uses TCP whatever protocol says)

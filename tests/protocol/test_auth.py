@@ -189,6 +189,31 @@ def test_p_keeps_no_strangers_abort_with_an_overlong_id():
         p.stop()
 
 
+def test_overlong_ids_are_refused_as_they_are_decoded_and_never_quoted_back():
+    """A stranger's ids of most of a frame: a waiting lookup held one for ``lookup_wait`` (4,096 at once:
+    gigabytes), and each refusal quoted it back into D's queue of replies nobody reads. Refused when the
+    frame is decoded: at once, in a short reply, nothing waiting."""
+    d = Runtime(NodeConfig(engine_id="d-long-ids", backend="memory"), Timeouts(lookup_wait=30)).start()
+    stranger = Stranger()
+    long = "t" * 1_000_000
+    try:
+        for msg in (m.LookupRequest(transfer_id=long, token=WRONG, wait=True),
+                    m.LookupRequest(transfer_id="t", token=WRONG, requester=long, wait=True),
+                    m.LayoutRequest(requester="s", transfer_id=long, token=WRONG),
+                    m.AbortRequest(transfer_id="t", token=long),
+                    m.Done(transfer_id="t", sender=long, token=WRONG)):
+            started = time.monotonic()
+            reply = stranger.call(d.control_endpoint, msg)
+            assert isinstance(reply, m.Nack) and reply.code == "decode", reply
+            assert time.monotonic() - started < 2 and len(m.encode(reply)) < 1000, (type(msg).__name__, reply)
+        assert d.receiver.lookups.count == 0
+        at_limit = stranger.call(d.control_endpoint, m.LookupRequest(transfer_id="t" * MAX_KEY_CHARS, token=WRONG))
+        assert isinstance(at_limit, m.Nack) and at_limit.code != "decode", at_limit   # decoded, then judged
+    finally:
+        stranger.close()
+        d.stop()
+
+
 async def test_proxy_takes_a_registration_only_with_the_transfers_token():
     """Only the D the proxy gave the token to can tell it where P must write."""
     pytest.importorskip("fastapi")
