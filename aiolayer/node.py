@@ -68,8 +68,9 @@ class DecodeNode:
     async def _handle(self, msg: m.Message) -> m.Message:
         receiver = self.runtime.receiver
         if isinstance(msg, m.AllocRequest):
-            if msg.senders < 1:
-                raise ControlRejected(NackCode.BAD_REQUEST, f"senders must be >= 1, got {msg.senders}")
+            if msg.senders < 1 or msg.num_blocks < 1:   # -1 took all but one block, 0 an empty transfer
+                raise ControlRejected(NackCode.BAD_REQUEST, f"num_blocks and senders must be >= 1, got "
+                                      f"{msg.num_blocks} and {msg.senders}")
             ids = self.allocator.allocate(msg.num_blocks, msg.contiguous)
             if ids is None:
                 raise ControlRejected(NackCode.NO_SPACE, f"{msg.num_blocks} blocks asked, {self.allocator.free} free")

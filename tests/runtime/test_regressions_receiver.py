@@ -372,3 +372,18 @@ def test_settled_transfer_leaves_no_fence_task(runtimes):
     p.request(d.control_endpoint, m.Failed(transfer_id="t12", sender="p12", reason="stopped", token=TOKEN))
     assert not wait_result(d, "t12", limit=2.0)[0].ok
     assert fence_tasks_after_settling(d, "t12") == 0, "the fence task sleeps on after its transfer settled"
+
+
+def test_an_allocation_of_no_blocks_or_fewer_is_refused_and_takes_nothing(memory_decode_node, memory_runtime):
+    """``num_blocks=-1`` took all blocks but one, 0 registered an empty transfer: both are bad_request."""
+    d = memory_decode_node(engine_id="d-alloc-bounds")
+    p = memory_runtime("p-alloc-bounds", Timeouts())
+    free = d.allocator.free
+    for num_blocks, contiguous in ((-1, False), (-1, True), (0, False)):
+        with pytest.raises(ControlRejected) as exc:
+            p.request(d.control_endpoint, m.AllocRequest(transfer_id=f"n{num_blocks}{contiguous}",
+                                                         num_blocks=num_blocks, contiguous=contiguous), timeout=5)
+        assert exc.value.code == "bad_request" and "num_blocks" in str(exc.value), exc.value
+    assert d.allocator.free == free
+    assert isinstance(p.request(d.control_endpoint, m.AllocRequest(transfer_id="one", num_blocks=1), timeout=5),
+                      m.AllocReply)
