@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 
 from aiolayer import Timeouts
@@ -106,6 +107,12 @@ def test_a_p_rank_beyond_the_registered_writers_is_refused_the_layout(memory_run
         second.request(d.control_endpoint, m.LayoutRequest(requester="p-first", transfer_id="x", token=rep.token,
                                                            control=second.control_endpoint))
     assert info.value.code == "sender"
+    with pytest.raises(ControlRejected) as info:          # ... also one naming no control (no fence could ask it)
+        second.request(d.control_endpoint, m.LayoutRequest(requester="p-first", transfer_id="x", token=rep.token))
+    assert info.value.code == "sender"
+    again = first.request(d.control_endpoint, m.LayoutRequest(requester="p-first", transfer_id="x", token=rep.token,
+                                                              control=first.control_endpoint))
+    assert isinstance(again, m.LayoutReply)               # the writer itself may ask again
     assert d_state(first, d.control_endpoint, "x") == "registered"
 
 
@@ -146,3 +153,21 @@ def test_a_fence_that_ends_on_the_grace_alone_is_counted(memory_runtime, memory_
     assert limits.receive + limits.fence_grace - 0.1 < took < limits.receive + limits.fence_grace + 3, took
     assert d.runtime.receiver.fences_unconfirmed == 1
     assert "aiolayer_fences_unconfirmed_total 1.0" in d.runtime.metrics_text()
+
+
+def test_a_done_for_another_process_of_d_finishes_nothing(memory_runtime, memory_decode_node):
+    """The DONE names the incarnation of D its writes went to: one for an earlier process of this D (the
+    same id and token registered again after a restart) vouches for blocks nobody wrote here. Refused,
+    alone or in a batch; the transfer waits for its own writer's DONE."""
+    d = memory_decode_node(SHAPE, engine_id="d-inc")
+    p = memory_runtime("p-inc")
+    rep = alloc(p, d.control_endpoint, "inc", 2)
+    stale = m.Done(transfer_id="inc", sender="p-inc", token=rep.token, incarnation="an-earlier-d", layers=1, bytes=1)
+    with pytest.raises(ControlRejected) as info:
+        p.request(d.control_endpoint, stale)
+    assert info.value.code == "sender" and "another process" in info.value.reason
+    (item,) = p.request(d.control_endpoint, m.DoneBatch(items=[stale]), timeout=5).items
+    assert isinstance(item, m.Nack) and item.code == "sender", item
+    assert d_state(p, d.control_endpoint, "inc") == "registered"
+    done = msgspec.structs.replace(stale, incarnation=rep.incarnation)
+    assert p.request(d.control_endpoint, done, timeout=5).detail == "finished"

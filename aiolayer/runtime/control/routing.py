@@ -9,6 +9,7 @@ test's ``Hooks`` come as an argument (fixed once the runtime started).
 from __future__ import annotations
 
 import asyncio
+import functools
 import collections
 import logging
 import os
@@ -199,7 +200,7 @@ async def _verified(rt: Host, done: m.Done | m.Failed) -> m.Done | m.Failed:
     not vouched for, so the transfer fails, visibly). A retry of a DONE whose check still runs gets
     that check's verdict: a check slower than P's call is not read again per attempt. A DONE D would
     refuse or keep anyway (unknown, wrong token, already given up) goes on unchecked."""
-    if not isinstance(done, m.Done) or done.check is None:
+    if not isinstance(done, m.Done) or done.check is None or _elsewhere(rt, done):
         return done
     target = rt.receiver.to_verify(done.transfer_id, done.token)
     if target is None:
@@ -209,6 +210,20 @@ async def _verified(rt: Host, done: m.Done | m.Failed) -> m.Done | m.Failed:
     if not problem:
         return done
     return m.Failed(transfer_id=done.transfer_id, sender=done.sender, reason=problem, token=done.token)
+
+
+def _elsewhere(rt: Host, done: m.Done) -> bool:
+    """A DONE for writes P made to another process of this D (the incarnation its layout named)."""
+    return bool(done.incarnation) and done.incarnation != rt.incarnation
+
+
+def _taken(rt: Host, word: m.Done | m.Failed) -> m.Ack:
+    """D applies P's word; a DONE for another process of this D vouches for nothing here (rule 2's check
+    at D): refused, and the transfer waits for its own writer, or its deadline."""
+    if isinstance(word, m.Done) and _elsewhere(rt, word):
+        raise ControlRejected(NackCode.SENDER, f"DONE for {word.transfer_id} is for D's incarnation "
+                              f"{word.incarnation}; this D is {rt.incarnation}: the writes went to another process")
+    return rt.receiver.handle(word)
 
 
 async def _checked(rt: Host, done: m.Done, check: m.LayerCheck, blocks: list[int],
@@ -287,13 +302,13 @@ async def handle(rt: Host, hooks: Hooks, msg: m.Message) -> m.Message:
     if hooks.inbound_filter is not None:
         hooks.inbound_filter(msg)
     if isinstance(msg, (m.Done, m.Failed)):
-        return rt.receiver.handle(await _verified(rt, msg))
+        return _taken(rt, await _verified(rt, msg))
     if isinstance(msg, m.DoneBatch):
         _check_batch(msg.items, m.MAX_DONE_BATCH, "DONEs")
         items: Sequence[m.Done | m.Failed] = msg.items
         if any(getattr(done, "check", None) is not None for done in items):   # else answered in this pass
             items = await asyncio.gather(*(_verified(rt, done) for done in msg.items))
-        return m.Replies(items=[_batched_item(hooks, done, rt.receiver.handle) for done in items])
+        return m.Replies(items=[_batched_item(hooks, done, functools.partial(_taken, rt)) for done in items])
     if isinstance(msg, m.EarlyCheck):
         return await _early_check(rt, msg)
     if isinstance(msg, m.Abort):

@@ -148,7 +148,7 @@ class Receiver:
             log.error("transfer %s: %s", tid, reason)
             self.abort(tid, reason)
             raise ControlRejected(NackCode.WRITERS, reason)
-        entry.writers.admit(tid, msg.requester, msg.control, msg.incarnation)
+        entry.writers.admit(tid, msg.requester, (msg.control, msg.incarnation))
 
     def handle(self, msg: m.Done | m.Failed) -> m.Ack:
         """Apply a Done or Failed from P; always returns the reply to send."""

@@ -29,11 +29,12 @@ ASK_PAUSE_S = (0.05, 1.0)  # first and longest pause before asking a settling P 
 
 
 class Writer:
-    __slots__ = ("sender", "control", "incarnation", "quiet")
+    __slots__ = ("sender", "control", "incarnation", "quiet", "granted")
 
-    def __init__(self, sender: str, control: str, incarnation: str) -> None:
+    def __init__(self, sender: str, control: str, incarnation: str, granted: bool) -> None:
         self.sender, self.control, self.incarnation = sender, control, incarnation
         self.quiet = False      # its DONE/FAILED came, or it answered our Abort ``stopped``
+        self.granted = granted  # shown the layout: (control, incarnation) say which process that was
 
 
 class Writers:
@@ -48,21 +49,24 @@ class Writers:
     def __len__(self) -> int:
         return len(self._by_sender)
 
-    def admit(self, transfer_id: str, sender: str, control: str = "", incarnation: str = "") -> Writer:
+    def admit(self, transfer_id: str, sender: str, grant: tuple[str, str] | None = None) -> Writer:
         """Record ``sender`` as a writer (idempotent); ``ControlRejected`` (``sender``) for a rank beyond
-        the expected ones, or for another process under a known writer's id."""
+        the expected ones, or for another process under a known writer's id. ``grant``: the (control,
+        incarnation) of a rank about to be shown the layout; None for a DONE/FAILED, which grants nothing."""
         known = self._by_sender.get(sender)
         if known is not None:
-            if control and known.control and (control, incarnation) != (known.control, known.incarnation):
+            if grant is not None and known.granted and grant != (known.control, known.incarnation):
+                # an empty control too: the fence could not ask the process it would admit
                 raise ControlRejected(NackCode.SENDER, f"transfer {transfer_id}: writer {sender!r} is another "
                                       f"process ({known.control}, incarnation {known.incarnation})")
-            if control and not known.control:   # known from its DONE/FAILED first: now reachable
-                known.control, known.incarnation = control, incarnation
+            if grant is not None and not known.granted:   # known from its DONE/FAILED first: now reachable
+                (known.control, known.incarnation), known.granted = grant, True
             return known
         if len(self._by_sender) >= self.expected:
             raise ControlRejected(NackCode.SENDER, f"transfer {transfer_id} already has its {self.expected} "
                                   f"writer(s) ({', '.join(sorted(self._by_sender))}); {sender!r} is not one")
-        writer = self._by_sender[sender] = Writer(sender, control, incarnation)
+        control, incarnation = grant or ("", "")
+        writer = self._by_sender[sender] = Writer(sender, control, incarnation, grant is not None)
         return writer
 
     def knows(self, sender: str) -> bool:
