@@ -373,16 +373,19 @@ def test_a_check_that_does_not_end_fails_the_transfer_at_its_deadline(pair, neve
 
 @pytest.mark.parametrize("pair", [Timeouts(receive=20, fence_grace=2.0, control_call=0.5, done_delivery=5.0)],
                          indirect=True)
-def test_a_retried_done_joins_the_check_still_running_instead_of_reading_again(pair, monkeypatch):
+@pytest.mark.parametrize("check_s", [1.2, 2.5])
+def test_a_retried_done_joins_the_check_still_running_instead_of_reading_again(pair, monkeypatch, check_s):
     """D's read at DONE takes longer than P's call (1.2 s against 0.5): P retries the DONE, and each
     retry waits for the first attempt's verdict. Reading again per attempt would add a read of the
-    same bytes per retry on a D already too slow, and the last attempt would time out too."""
+    same bytes per retry on a D already too slow, and the last attempt would time out too. A read
+    longer than all of P's attempts of ``control_call`` (2.5 s against 3 x 0.5) but within
+    ``done_delivery`` still ends in one verdict at P and D: P's last attempt waits out the deadline."""
     p, d, corrupter = pair
     reads = []
 
     def slow_read(*args):
         reads.append(time.monotonic())
-        time.sleep(1.2)
+        time.sleep(check_s)
         return read_check(*args)
 
     monkeypatch.setattr("aiolayer.runtime.control.routing.read_check", slow_read)

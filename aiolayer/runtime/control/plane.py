@@ -297,7 +297,9 @@ class ControlClient:
         self.last_ok = up
 
     async def call_with_retries(self, msg: m.Message, deadline_s: float) -> m.Message:
-        """For idempotent requests: retry on timeout with jittered back-off, all within ``deadline_s``."""
+        """For idempotent requests: retry on timeout with jittered back-off, all within ``deadline_s``.
+        The last attempt waits for whatever is left of it: a peer that is slow, not gone (D checking a
+        DONE takes up to ``done_delivery``), still answers within the deadline the caller gave."""
         loop = asyncio.get_running_loop()
         end = loop.time() + deadline_s
         attempts = self.timeouts.control_retries
@@ -305,10 +307,11 @@ class ControlClient:
             left = end - loop.time()
             if left <= 0:
                 break
+            last = attempt == attempts
             try:
-                return await self.call(msg, timeout=min(self.timeouts.control_call, left))
+                return await self.call(msg, timeout=left if last else min(self.timeouts.control_call, left))
             except ControlTimeout:
-                if attempt == attempts:
+                if last:
                     raise
             await asyncio.sleep(min(max(0.0, end - loop.time()), _JITTER.uniform(0.01, 0.05) * attempt))
         raise ControlTimeout("control_call", deadline_s,
