@@ -69,6 +69,25 @@ async def test_concurrent_new_peers_while_evicting_neither_fail_nor_duplicate(se
     assert all(clients[i] is clients[i + 4] for i in range(4))  # one client per endpoint
 
 
+async def test_a_caller_cancelled_while_idle_clients_close_leaks_no_socket_or_reader(spawn, closer):
+    """The caller that evicts may be cancelled at its first await (a fence's deadline, a lookup given up):
+    the stale clients are out of the table by then, so each must be shut before that await or never."""
+    peers = ControlPeers(Timeouts(peer_idle=0.01), spawn)
+    closer(peers)
+    before = open_sockets()
+    for _ in range(3):
+        await peers.get(f"tcp://127.0.0.1:{free_port()}")
+    await asyncio.sleep(0.05)                                   # all three idle past peer_idle
+    evicting = asyncio.ensure_future(peers.get(f"tcp://127.0.0.1:{free_port()}"))
+    await asyncio.sleep(0)                                      # now at the eviction's first await
+    evicting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await evicting
+    await asyncio.sleep(0.05)
+    assert peers.evicted == 3 and open_sockets() == before
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("control-client") and not t.done()]
+
+
 async def test_everything_closed_leaves_no_socket(spawn):
     handler = EchoHandler()
     srv = ControlServer("127.0.0.1", 0, handler)

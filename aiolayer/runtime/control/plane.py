@@ -252,10 +252,16 @@ class ControlClient:
         self._reader = spawn(self._read(), name=f"control-client {self.endpoint}")
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
-            self._reader = None
+        reader = self.shut()
+        if reader is not None:
+            await asyncio.gather(reader, return_exceptions=True)
+
+    def shut(self) -> asyncio.Task[None] | None:
+        """Close without a suspension (a caller cancelled meanwhile leaks nothing): the reader cancelled,
+        the socket closed, waiting calls failed. Returns the reader, to await its end."""
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
@@ -264,6 +270,7 @@ class ControlClient:
                 fut.set_exception(ControlError(f"client to {self.endpoint} closed"))
                 fut.exception()  # a waiting call still gets it; an abandoned one is not logged as lost
         self._pending.clear()
+        return reader
 
     async def call(self, msg: m.Message, timeout: float | None = None) -> m.Message:
         """Send ``msg`` and return the reply; a Nack raises ControlRejected."""
@@ -370,7 +377,8 @@ class ControlPeers:
         for client in stale:
             self._retired.update(client.results)
             self.evicted += 1
-            await client.close()
+        readers = [client.shut() for client in stale]   # every one shut before the first await
+        await asyncio.gather(*(r for r in readers if r is not None), return_exceptions=True)
 
     def health(self) -> dict[str, tuple[bool | None, dict[str, int]]]:
         """Per current peer endpoint: (answered the last call, call results by kind)."""
@@ -387,6 +395,6 @@ class ControlPeers:
         return len(self._clients)
 
     async def close(self) -> None:
-        clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            await client.close()
+        readers = [client.shut() for client in self._clients.values()]
+        self._clients = {}
+        await asyncio.gather(*(r for r in readers if r is not None), return_exceptions=True)
