@@ -66,9 +66,9 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 def read_config(side: Side, path: str) -> Check:
     try:
-        side.config = load_config(path)
+        side.config, side.outer = load_config(path)
     except (OSError, ValueError) as exc:
         return Check(f"config {side.label}", FAIL, f"cannot read {path}: {exc}",
                      "give a JSON file holding the kv_connector_extra_config object")
-    side.endpoint = side.endpoint or endpoint_from_config(side.config)
+    side.endpoint = side.endpoint or endpoint_from_config(side.config, side.outer)
     return check_config(side)

@@ -16,7 +16,8 @@ PASS, FAIL, SKIP = "OK", "FAIL", "SKIP"
 # A connector's check of its config (``kv_connector_extra_config``), registered by the connector's
 # distribution under this entry-point group: None when valid, else (what is wrong, how to fix it). No I/O.
 CONFIG_CHECK_GROUP = "aiolayer.config_checks"
-ConfigChecker = Callable[[dict[str, Any] | None], tuple[str, str] | None]
+# (the extra config, the kv_transfer_config holding it or None) -> None when valid, else (what, fix)
+ConfigChecker = Callable[[dict[str, Any] | None, dict[str, Any] | None], tuple[str, str] | None]
 LAYOUT_FIELDS = ("num_layers", "head_bytes", "kv_layout")
 # blocks of other sizes copy token by token where both publish one interior the runtime knows
 # (protocol.plan.HeadGeometry: "" is a row per token, "opaque" unknown)
@@ -39,6 +40,7 @@ class Side:
     label: str                      # "P" or "D"
     endpoint: str = ""
     config: dict[str, Any] | None = None
+    outer: dict[str, Any] | None = None   # the kv_transfer_config holding ``config``, when the file was one
     topology: Any = None            # its TopologyReply once it answered
     rtt_ms: float = 0.0
     error: str = ""                 # why it did not answer (unreachable, refused)
@@ -62,14 +64,16 @@ def is_local(host: str) -> bool:
         return False
 
 
-def load_config(path: str) -> dict[str, Any]:
-    """The extra config in ``path``: the object itself, or the ``kv_connector_extra_config`` it holds."""
+def load_config(path: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The extra config in ``path`` (the object itself, or the ``kv_connector_extra_config`` it holds),
+    and the ``kv_transfer_config`` holding it (None when the file is the extra config itself): its
+    ``kv_port``, ``kv_ip`` and ``engine_id`` stand in for the extra config's keys, as vLLM reads them."""
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a JSON object expected, got {type(data).__name__}")
     inner = data.get("kv_connector_extra_config")
-    return inner if isinstance(inner, dict) else data
+    return (inner, data) if isinstance(inner, dict) else (data, None)
 
 
 def config_checkers() -> dict[str, ConfigChecker | BaseException]:
@@ -95,18 +99,20 @@ def check_config(side: Side) -> Check:
     for connector, checker in sorted(checkers.items()):
         if isinstance(checker, BaseException):
             return Check(name, SKIP, f"the {connector} connector's config check does not load: {checker}")
-        failure = checker(side.config)
+        failure = checker(side.config, side.outer)
         if failure is not None:
             what, fix = failure
             return Check(name, FAIL, what, fix)
     return Check(name, PASS, "kv_connector_extra_config is valid")
 
 
-def endpoint_from_config(config: dict[str, Any]) -> str:
-    """``tcp://advertise_host:control_port`` as the config says ("" when it does not say enough)."""
+def endpoint_from_config(config: dict[str, Any], outer: dict[str, Any] | None = None) -> str:
+    """``tcp://advertise_host:control_port`` as the config says, vLLM's ``kv_ip`` and ``kv_port`` standing
+    in for an absent ``bind_host`` and ``control_port`` ("" when it does not say enough)."""
     transport = config.get("transport") or {}
-    host = transport.get("advertise_host") or transport.get("bind_host") or "127.0.0.1"
-    port = config.get("control_port") or 0
+    outer = outer or {}
+    host = transport.get("advertise_host") or transport.get("bind_host") or outer.get("kv_ip") or "127.0.0.1"
+    port = config.get("control_port") or outer.get("kv_port") or 0
     if not port or host in WILDCARDS:
         return ""
     return f"tcp://[{host}]:{port}" if ":" in str(host) else f"tcp://{host}:{port}"

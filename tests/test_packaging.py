@@ -63,7 +63,9 @@ def test_subcommands_come_from_entry_points_and_the_core_imports_no_bridge():
     assert all(error is None for _, error in plugins.values()), plugins
     checkers = doctor_checks.config_checkers()   # the doctor's config check is the bridge's, registered
     assert callable(checkers.get("vllm")), checkers
-    assert checkers["vllm"]({"transport": {"advertise_hots": "x"}})[0].count("advertise_hots") == 1
+    assert checkers["vllm"]({"transport": {"advertise_hots": "x"}}, None)[0].count("advertise_hots") == 1
+    conflict = checkers["vllm"]({"control_port": 5700}, {"kv_port": 5600})   # vLLM would refuse to start
+    assert conflict is not None and "conflicts with kv_transfer_config kv_port=5600" in conflict[0], conflict
     source = (ROOT / "aiolayer" / "cli.py").read_text()
     assert "aiolayer_vllm" not in source and "aiolayer_bench" not in source
 

@@ -204,3 +204,20 @@ def test_doctor_help_does_not_import_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=node_env())
     assert done.returncode == 0, done.stderr
     assert "--d-control" in done.stdout and done.stdout.strip().splitlines()[-1] == "False", done.stdout
+
+
+def test_vllms_own_fields_in_a_kv_transfer_config_are_read_as_vllm_reads_them(tmp_path):
+    """A file holding the whole kv_transfer_config: its kv_port and kv_ip name the control endpoint where
+    the extra config does not, and a kv_port the extra config's control_port contradicts is the FAIL
+    vLLM's own start would be (it passed, and the doctor dialled the port vLLM never opens)."""
+    from aiolayer.doctor_checks import endpoint_from_config, load_config
+
+    given = tmp_path / "p.json"
+    given.write_text(json.dumps({"kv_port": 5600, "kv_ip": "10.0.0.2", "kv_connector_extra_config": {}}))
+    assert endpoint_from_config(*load_config(str(given))) == "tcp://10.0.0.2:5600"
+    conflict = tmp_path / "conflict.json"
+    conflict.write_text(json.dumps({"kv_port": free_port(), "kv_connector_extra_config": {"control_port": 5700}}))
+    done = subprocess.run([sys.executable, "-m", "aiolayer", "doctor", "--p-config", str(conflict), "--timeout",
+                           "0.5", "--no-transfer"], capture_output=True, text=True, timeout=60, env=node_env())
+    assert done.returncode == 1 and re.search(r"^FAIL  config P .*control_port=5700 conflicts with "
+                                              r"kv_transfer_config kv_port=", done.stdout, re.M), done.stdout

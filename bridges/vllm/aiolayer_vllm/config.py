@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import types
 import uuid
 from typing import Any
 
@@ -80,11 +81,12 @@ def check_extra_config(extra: dict[str, Any] | None, kv_transfer_config: Any = N
     from_extra_config(extra, "vllm", kv_transfer_config)
 
 
-def doctor_check(extra: dict[str, Any] | None) -> tuple[str, str] | None:
+def doctor_check(extra: dict[str, Any] | None, outer: dict[str, Any] | None = None) -> tuple[str, str] | None:
     """``aiolayer doctor``'s check of a side's config (entry point ``aiolayer.config_checks``): None when
-    valid, else (what is wrong, naming the key; how to fix it)."""
+    valid, else (what is wrong, naming the key; how to fix it). ``outer``: the kv_transfer_config object
+    holding ``extra``, whose vLLM fields are checked against it as vLLM's start would."""
     try:
-        check_extra_config(extra)
+        check_extra_config(extra, types.SimpleNamespace(**outer) if outer else None)
     except ConfigError as exc:
         keys = ", ".join(f.name for f in msgspec.structs.fields(ExtraConfig))
         return str(exc), (f"remove or correct that key; the top-level keys are {keys} "
