@@ -12,11 +12,12 @@ import msgspec
 from .errors import ConfigError
 from .transport import Transport
 
-DEFAULT_INTEGRITY_SAMPLE = 0.01   # share of transfers checked end to end: a digest pass over 1 % of the bytes
+DEFAULT_INTEGRITY_SAMPLE = 0.01   # share of layers checked end to end: a digest pass over ~1 % of the bytes
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1, "uint8": 1}
 # The longest any one named deadline may be: every wait ends (no infinity), and a deadline's sums and
 # the clocks it is added to stay far inside what ``threading`` and ``time`` accept (1e10 s overflows them).
 MAX_DEADLINE_S = 86_400.0
+MIN_FRAME_BYTES = 64 << 10   # a step's DONE or layout batch; below it the control plane refuses real frames
 
 
 class Timeouts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -165,8 +166,8 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     backend: str = "mooncake"        # "mooncake" | "memory"
     max_frame_bytes: int = 1 << 20   # control frames larger than this are refused
     bridge_capacity: int = 65536     # items the forward thread may queue before BridgeFull
-    # P: the share of transfers whose bytes are checksummed end to end (D verifies what landed before it
-    # accepts DONE; runtime/integrity.py). Only where KV is in host memory.
+    # P: the share of layers (each of every transfer drawn on its own) whose bytes are checksummed end to
+    # end (D verifies what landed before it accepts DONE; runtime/integrity.py). Host-memory KV only.
     integrity_sample: float = DEFAULT_INTEGRITY_SAMPLE
 
     def __post_init__(self) -> None:
@@ -174,6 +175,9 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             raise ConfigError(f"control_port out of range: {self.control_port}")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port out of range: {self.metrics_port} (-1 = off)")
+        if self.max_frame_bytes < MIN_FRAME_BYTES or self.bridge_capacity < 1:   # 0 refused every frame
+            raise ConfigError(f"max_frame_bytes must be >= {MIN_FRAME_BYTES} and bridge_capacity >= 1, got "
+                              f"{self.max_frame_bytes} and {self.bridge_capacity}")
         if not 0.0 <= self.integrity_sample <= 1.0:
             raise ConfigError(f"integrity_sample must be a share in 0..1, got {self.integrity_sample}")
         if self.backend not in ("mooncake", "memory"):

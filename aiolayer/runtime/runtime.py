@@ -248,7 +248,7 @@ class Runtime(ReceiveApi):
         self.layout_reply = reply
 
     def set_integrity_sample(self, share: float) -> None:
-        """P: from now on check this share of transfers end to end (``NodeConfig.integrity_sample``)."""
+        """P: from now on check this share of layers end to end (``NodeConfig.integrity_sample``)."""
         if not 0.0 <= share <= 1.0:
             raise ConfigError(f"integrity_sample must be a share in 0..1, got {share}")
         self._running_sender().integrity_sample = share   # one float, read by the loop per transfer

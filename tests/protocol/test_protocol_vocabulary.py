@@ -12,7 +12,7 @@ import pathlib
 import msgspec
 import pytest
 
-from aiolayer.config import COMPOSED, MAX_DEADLINE_S, Timeouts
+from aiolayer.config import COMPOSED, MAX_DEADLINE_S, MIN_FRAME_BYTES, NodeConfig, Timeouts
 from aiolayer.errors import ConfigError
 from aiolayer.protocol import messages as m
 from aiolayer.protocol.codes import AckDetail, NackCode
@@ -115,3 +115,14 @@ def test_composed_deadlines_are_the_sums_they_name():
         with pytest.raises(ConfigError, match="quarantine must be > 0 and at most 86400 s"):
             Timeouts(quarantine=endless)
     assert Timeouts(receive=MAX_DEADLINE_S).receive == MAX_DEADLINE_S
+
+
+def test_a_node_config_that_would_refuse_every_frame_or_step_is_refused():
+    """``max_frame_bytes`` 0 started a node that dropped every frame (the doctor saw "no answer"), and a
+    ``bridge_capacity`` of 0 one whose forward could hand over nothing."""
+    for bad in (dict(max_frame_bytes=0), dict(max_frame_bytes=-5), dict(max_frame_bytes=MIN_FRAME_BYTES - 1),
+                dict(bridge_capacity=0)):
+        with pytest.raises(ConfigError, match="max_frame_bytes must be >= 65536 and bridge_capacity >= 1"):
+            NodeConfig(backend="memory", **bad)
+    assert NodeConfig(backend="memory", max_frame_bytes=MIN_FRAME_BYTES, bridge_capacity=1).bridge_capacity == 1
+

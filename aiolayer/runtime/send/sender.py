@@ -73,7 +73,7 @@ class Sender(TransferEnding):
         self.layouts = layouts
         self.timeouts = timeouts
         self.local: LocalLayout | None = None
-        self.integrity_sample = integrity_sample    # share of transfers checked end to end (integrity.py)
+        self.integrity_sample = integrity_sample    # share of layers checked end to end (integrity.py)
         self.integrity_checks = 0
         self.early_checks = 0          # early checks D took (parts of a check sent before the DONE)
         self.early_refused: dict[str, float] = {}   # older Ds (Nack decode): sent none for a while
