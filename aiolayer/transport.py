@@ -24,7 +24,7 @@ import struct
 
 import msgspec
 
-from .errors import BackendError, ConfigError
+from .errors import BackendError, ConfigError, ControlError
 
 PROTOCOLS = ("tcp", "rdma", "ascend")   # Mooncake's; "ascend" only on Ascend builds (mooncake-transfer-engine-npu)
 WILDCARDS = ("0.0.0.0", "::")
@@ -126,3 +126,22 @@ def check_rdma_devices(device_name: str, root: str = RDMA_DEVICES) -> list[str]:
     if missing:
         raise BackendError(f"RDMA device {', '.join(missing)} not found; this host has {', '.join(found)}")
     return found
+
+
+MAX_ENDPOINT_CHARS = 256
+
+
+def check_endpoint(endpoint: object) -> str:
+    """``endpoint`` if it can name a ZMQ peer (printable ASCII ``transport://address``, a tcp port in
+    1..65535), else ``ControlError``: a port ZMQ cannot dial is no peer that "does not answer"."""
+    if not isinstance(endpoint, str):
+        raise ControlError(f"peer endpoint must be a string, got {type(endpoint).__name__}")
+    if not endpoint.isascii() or not endpoint.isprintable() or " " in endpoint:
+        raise ControlError(f"peer endpoint {endpoint!r} must be printable ASCII without spaces")
+    if len(endpoint) > MAX_ENDPOINT_CHARS or "://" not in endpoint:
+        raise ControlError(f"peer endpoint {endpoint[:80]!r} is not transport://address "
+                           f"of at most {MAX_ENDPOINT_CHARS} characters")
+    port = endpoint.rpartition(":")[2]
+    if endpoint.startswith("tcp://") and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ControlError(f"peer endpoint {endpoint!r}: its port must be in 1..65535")
+    return endpoint

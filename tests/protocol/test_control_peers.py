@@ -103,3 +103,19 @@ async def test_everything_closed_leaves_no_socket(spawn):
     await srv.close()
     await srv.close()
     assert open_sockets() == 0
+
+
+@pytest.mark.parametrize("endpoint, needle", [
+    ("tcp://127.0.0.1:99999", "port must be in 1..65535"),   # ZMQ took it, and the call timed out
+    ("tcp://127.0.0.1:0", "port must be in 1..65535"),
+    ("tcp://127.0.0.1", "port must be in 1..65535"),
+    ("127.0.0.1:5600", "not transport://address"),
+    ("tcp://127.0.0.1:56 00", "printable ASCII without spaces"),
+])
+async def test_an_endpoint_no_peer_can_have_is_refused_saying_why(spawn, closer, endpoint, needle):
+    peers = ControlPeers(Timeouts(), spawn)
+    closer(peers)
+    before = open_sockets()
+    with pytest.raises(ControlError, match=needle):
+        await peers.get(endpoint)
+    assert len(peers) == 0 and open_sockets() == before

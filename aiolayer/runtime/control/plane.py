@@ -34,7 +34,7 @@ from ...config import Timeouts
 from ...errors import ControlError, ControlRejected, ControlTimeout, FrameDropped, ProtocolError, RuntimeStateError
 from ...protocol import messages as m
 from ...protocol.codes import NackCode
-from ...transport import url_host
+from ...transport import MAX_ENDPOINT_CHARS, check_endpoint, url_host  # noqa: F401 - re-exported
 from ..loop import Spawn
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,6 @@ _context: zmq.asyncio.Context | None = None
 _SLOT: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("control_slot", default=None)
 _BAD_RID = m.pack_request_id(0)
 _JITTER = random.Random()   # retry jitter: its own generator, never the process's shared one
-MAX_ENDPOINT_CHARS = 256
 
 
 def release_slot() -> None:
@@ -53,18 +52,6 @@ def release_slot() -> None:
     release = _SLOT.get()
     if release is not None:
         release()
-
-
-def check_endpoint(endpoint: object) -> str:
-    """``endpoint`` if it can name a ZMQ peer (printable ASCII ``transport://address``), else ControlError."""
-    if not isinstance(endpoint, str):
-        raise ControlError(f"peer endpoint must be a string, got {type(endpoint).__name__}")
-    if not endpoint.isascii() or not endpoint.isprintable() or " " in endpoint:
-        raise ControlError(f"peer endpoint {endpoint!r} must be printable ASCII without spaces")
-    if len(endpoint) > MAX_ENDPOINT_CHARS or "://" not in endpoint:
-        raise ControlError(f"peer endpoint {endpoint[:80]!r} is not transport://address "
-                           f"of at most {MAX_ENDPOINT_CHARS} characters")
-    return endpoint
 
 
 def shared_context() -> zmq.asyncio.Context:
