@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from aiolayer.harness import netns
+from ..provenance import write_result
 from .link_rows import MODE_ROWS, auto_choices, cell_key, lanes, measure_cell, prompt_sets, row_groups
 from .place import of_hosts
 from .run import SYSTEMS, kv_bytes_per_token, model_spec, row_names, run_engines, take_hooks
@@ -322,7 +323,7 @@ def run_link(args: argparse.Namespace, names: list[str]) -> int:
     auto = auto_cells(summary)
     report = {"config": config, "summary": summary, "ratio_basis": basis, "ratios": cells, "auto": auto,
               "rows": rows}
-    (out / "engines_link.json").write_text(json.dumps(report, indent=1))
+    write_result(out / "engines_link.json", report, indent=1)
     from .link_plot import plot_link
     plot_link(cells, basis, rates, lengths, out / "engines_link.png", auto)
     print(f"wrote {out / 'engines_link.json'} and {out / 'engines_link.png'}")

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -40,6 +39,7 @@ from aiolayer.harness.procs import free_port, free_ports
 from aiolayer.harness.startup import running
 from aiolayer.harness.tiny_model import TinySpec, long_prompt, tiny_model_dir
 
+from ..provenance import write_result
 from . import peers
 from .options import engine
 from .place import of_args
@@ -297,7 +297,7 @@ def run_engines(args: argparse.Namespace, together=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool)) and k != "out"}
-    (out / "engines.json").write_text(json.dumps({"config": config, "summary": summary, "rows": rows}, indent=1))
+    write_result(out / "engines.json", {"config": config, "summary": summary, "rows": rows}, indent=1)
     from .plot import plot_engines
     plot_engines(summary, out / "engines.png")
     print(f"wrote {out / 'engines.json'} and {out / 'engines.png'}")

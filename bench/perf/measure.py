@@ -28,6 +28,10 @@ def parse_modes(args) -> list[str] | None:
         if skipped:
             print(f"backend {args.backend}: skipping {skipped} (they need Mooncake)", file=sys.stderr)
         modes = [x for x in modes if x not in NEEDS_MOONCAKE]
+    if not modes:   # nothing measured would be "verified": all() of no rows is True
+        print(f"no mode to run: choose from {MODES}" + (" (without Mooncake: not those)" if args.backend != "mooncake"
+                                                        else ""), file=sys.stderr)
+        return None
     return modes
 
 

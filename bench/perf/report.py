@@ -112,7 +112,8 @@ def print_table(report: dict) -> None:
               f"{_fmt(r['hidden_fraction'], '.2f', 8)}"
               f"{_fmt(r['transfer_ms'], '.1f', 9)}{_fmt(r['gbps'], '.2f', 7)}{_fmt(r['efficiency'], '.2f', 6)}"
               f"  {handoff:<23}{_fmt(r['cpu_s_per_gb'], '.3f', 9)}{str(r['verified']).lower():>9}")
-    print("x thr = TTFT / threaded TTFT; hidden = 1 - exposed / raw_mooncake transfer time; "
+    alone = "raw_mooncake transfer time" if "raw_mooncake" in report["modes"] else "the mode's own transfer time"
+    print(f"x thr = TTFT / threaded TTFT; hidden = 1 - exposed / {alone}; "
           "eff = GB/s / raw_mooncake GB/s;\nCPU s/GB = loop thread (aiolayer), sender thread (threaded), "
           "pushing thread (raw_mooncake, memcpy), P process (raw_tcp)")
     for name in ("raw_mooncake", "raw_tcp"):

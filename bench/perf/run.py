@@ -16,11 +16,11 @@ For every request the receiver's bytes are checked (CRC32 per layer's K and V).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
+from ..provenance import write_result
 from . import cpus
 from .harness import MODES
 from .measure import measure, parse_modes
@@ -78,7 +78,7 @@ def run_transfer(args: argparse.Namespace) -> int:
         print(f"note: load average {busy:.2f} before the run; other processes are using the CPU and the "
               f"figures will be noisier", file=sys.stderr)
     report = measure(args, modes, Progress(total=len(modes) * (args.requests + args.warmup)))
-    (out / "latest.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_result(out / "latest.json", report)
     print_table(report)
     print(f"\nwrote {out / 'latest.json'}  (verified: {str(report['verified']).lower()})")
     if args.timeline:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
-import json
 import sys
 import time
 from pathlib import Path
 
+from ..provenance import write_result
 from .measure import measure, parse_modes, shapes
 from .report import Progress
 
@@ -174,4 +174,4 @@ def _write(out: Path, rows: list[dict], summary: dict) -> None:
         writer.writeheader()
         for row in rows:
             writer.writerow({k: row.get(k) for k in CSV_FIELDS})
-    (out / "sweep.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_result(out / "sweep.json", summary)

@@ -23,6 +23,7 @@ from aiolayer.harness.child import ChildProcess
 from aiolayer.harness.netns import available, two_hosts
 from aiolayer.harness.node import MOONCAKE_ENV, shape_flags
 
+from ..provenance import write_result
 from .harness import MODES
 from .measure import shapes
 
@@ -154,7 +155,7 @@ def run_two_hosts(args, out: Path) -> int:
                          "num_layers": p_shape.num_layers, "requests": args.requests, "warmup": args.warmup,
                          "p_host": "namespace A", "d_host": "namespace B (aiolayer node)"},
               "verified": all(r["verified"] for r in rows), "rates": rows}
-    (out / "two_hosts.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out / "two_hosts.json", result)
     from .plots import plot_two_hosts   # matplotlib only here
     png = plot_two_hosts(rows, out / "two_hosts.png")
     _print_rows(rows)

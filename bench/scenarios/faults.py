@@ -9,7 +9,6 @@ The same functions back ``tests/runtime/test_faults.py``.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import secrets
@@ -30,6 +29,7 @@ from aiolayer.protocol import messages as m
 from aiolayer.harness.node import NodeProcess
 from aiolayer.harness.procs import freeze
 
+from ..provenance import write_result
 from ..perf.forward import RequestKV, SimulatedForward, seeded_kv
 from . import net_faults
 
@@ -350,8 +350,7 @@ def run_faults(args) -> int:
     rows += net_faults.run_rows()   # faults of the link: P and D on two network namespaces
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "faults.json").write_text(json.dumps({"timeouts": _fields(FAULT_TIMEOUTS), "scenarios": rows},
-                                                indent=2) + "\n")
+    write_result(out / "faults.json", {"timeouts": _fields(FAULT_TIMEOUTS), "scenarios": rows})
     print(f"\n{'scenario':<26} {'outcome':<18} {'terminal s':>10} {'deadline s':>10} {'lost':>5} "
           f"{'hand-off p99 ns':>15}  other peer")
     for r in rows:

@@ -37,6 +37,10 @@ def test_every_mode_verified_with_figures_and_timeline(tmp_path):
     report = json.loads((tmp_path / "latest.json").read_text())
     assert report["verified"] is True
     assert set(report["modes"]) == set(MODES)
+    made = report["provenance"]   # a figure quoted from it names its date, commit, host and command
+    assert made["commit"] and not made["commit"].startswith("unknown") and made["host"] and made["cpu"], made
+    assert made["utc"].startswith("20") and "bench transfer" in made["command"], made
+    assert "hidden = 1 - exposed / raw_mooncake transfer time" in proc.stdout
     for name, r in report["modes"].items():
         assert r["verified"] is True, name
         assert r["requests"] == 2
@@ -81,6 +85,11 @@ def test_bench_without_a_subcommand_is_the_transfer_benchmark(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "--modes", "layerwise,nope", "--out",
                            str(tmp_path)], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "unknown mode" in proc.stderr, proc.stderr[-2000:]
+    for modes in (",", "threaded,raw_mooncake"):   # nothing left to measure: no "verified" run of no rows
+        proc = subprocess.run([sys.executable, "-m", "aiolayer", "bench", "--backend", "memory", "--modes", modes,
+                               "--out", str(tmp_path)], capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 2 and "no mode to run" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "latest.json").exists()
 
 
 @pytest.mark.parametrize("args, words", [

@@ -49,6 +49,7 @@ from aiolayer.protocol.plan import local_heads, map_ranks, routes_from
 from aiolayer.harness.child import ChildProcess
 from aiolayer.harness.node import MOONCAKE_ENV, NodeProcess
 
+from ...provenance import write_result
 from .model import PlanItem, ScaleConfig, kv_layer, rank_heads
 from .raw import METHODS, RawLayout
 from .report import build_report, print_scale, writes_per_peer
@@ -242,7 +243,7 @@ def run_scale(args) -> int:
                          "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "scale.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_result(out / "scale.json", report)
     print_scale(report)
     print(f"\nwrote {out / 'scale.json'}  (verified: {report['verified']}/{report['transfers']})")
     return 0 if report["all_verified"] else 1

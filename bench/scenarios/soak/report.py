@@ -6,7 +6,6 @@ import asyncio
 import collections
 import contextlib
 import gc
-import json
 import logging
 import os
 import re
@@ -22,6 +21,7 @@ import numpy as np
 
 from aiolayer.runtime.control.plane import open_sockets
 
+from ...provenance import write_result as write_json
 from ..faults import MC_TRANSFER_TIMEOUT_S
 from .common import (BLOCKS, D_BLOCKS, D_BOUND_S, FAULT_AT_LAYER, FREEZE_S, KINDS, LAYER_S, P_BLOCKS, P_BOUND_S,
                           PROGRESS_S, RSS_LIMIT, STALL_S, STEP, WINDOW, T, rss_mb)
@@ -105,7 +105,7 @@ def native_summary(log_file) -> dict:
 def write_result(result: dict, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "soak.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(path, result)
     return path
 
 
