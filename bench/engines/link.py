@@ -30,7 +30,7 @@ from ..provenance import write_result
 from .link_rows import MODE_ROWS, auto_choices, cell_key, lanes, measure_cell, prompt_sets, row_groups
 from .place import of_hosts
 from .run import SYSTEMS, kv_bytes_per_token, model_spec, row_names, run_engines, take_hooks
-from .summary import bytes_verified, each_row, phase_summary
+from .summary import bytes_verified, each_row, phase_summary, unmeasured
 from aiolayer.harness.tiny_model import long_prompt, tiny_model_dir
 
 PEERS = ("mooncake", "nixl")     # vLLM's own connectors: the heatmap's baseline
@@ -200,8 +200,9 @@ def summarize(rows: list[dict], rates: list[float], lengths: list[int]) -> list[
 
 
 def bad_rows(summary: list[dict]) -> list[str]:
-    """As ``summary.bad_rows``: a failed request, a byte mismatch or a drift not explained by verified bytes."""
-    bad = []
+    """As ``summary.bad_rows``: a failed request, a byte mismatch or a drift not explained by verified bytes,
+    and rows that did not run."""
+    bad = unmeasured(summary)
     for s in summary:
         if s["ran"] and (any(c["failed"] or c["differ"] - c["numerics"] for c in s["cells"])
                          or (s["how"].get("bytes") or {}).get("mismatch")):

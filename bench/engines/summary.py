@@ -9,6 +9,8 @@ import math
 import statistics
 from collections.abc import Callable
 
+REFERENCE = "aggregated"   # the row every other row's answers are compared with
+
 
 def bytes_verified(how: dict) -> bool:
     """Every transfer of the row byte-checked (one check per transfer D finished: a transfer too
@@ -97,7 +99,7 @@ def median_ci95(values: list[float]) -> tuple[float, float] | None:
 def each_row(rows: list[dict], summary_of: Callable[[dict, dict | None], dict]) -> list[dict]:
     """``summary_of(row, reference)`` for each row that ran, the reference being the aggregated engine's
     row (every other row's answers are checked against it) if it ran; a row that did not run as such."""
-    ref = next((r for r in rows if r["row"] == "aggregated" and r["ran"]), None)
+    ref = next((r for r in rows if r["row"] == REFERENCE and r["ran"]), None)
     return [summary_of(row, ref) if row["ran"] else {"row": row["row"], "ran": False, "error": row["error"]}
             for row in rows]
 
@@ -115,8 +117,9 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def bad_rows(summary: list[dict]) -> list[str]:
     """The rows that fail the run: a failed request, a byte mismatch, or a drift not explained by
-    verified bytes (a row without byte checks cannot tell numerics from corruption)."""
-    bad = []
+    verified bytes (a row without byte checks cannot tell numerics from corruption); and those that did
+    not run (``unmeasured``)."""
+    bad = unmeasured(summary)
     for s in summary:
         if not s["ran"]:
             continue
@@ -125,6 +128,16 @@ def bad_rows(summary: list[dict]) -> list[str]:
         if s["c1"]["failed"] or s["c8"]["failed"] or unexplained or checks.get("mismatch"):
             bad.append(s["row"])
     return bad
+
+
+def unmeasured(summary: list[dict]) -> list[str]:
+    """Rows asked for that did not run (drop one from --rows to run without it), and the reference when
+    others ran without it: no answer of theirs was compared, and nothing unchecked passes."""
+    missing = [s["row"] for s in summary if not s["ran"]]
+    if any(s["ran"] for s in summary) and not any(s["row"] == REFERENCE and s["ran"] for s in summary) \
+            and REFERENCE not in missing:
+        missing.append(f"{REFERENCE} (the reference: not in --rows, so no answer was compared)")
+    return missing
 
 
 def print_table(summary: list[dict]) -> None:
@@ -136,7 +149,7 @@ def print_table(summary: list[dict]) -> None:
             continue
         c1, c8 = s["c1"], s["c8"]
         numerics = c1["numerics"] + c8["numerics"]
-        ok = "reference" if c1["verified"] is None else (
+        ok = ("reference" if s["row"] == REFERENCE else "not compared") if c1["verified"] is None else (
             f"{c1['verified'] + c8['verified']}/{c1['requests'] + c8['requests']} / {c1['failed'] + c8['failed']}"
             + (f" ({numerics} numerics: bytes verified)" if numerics else ""))
         alone, over = c1.get("p_alone_ms_median"), c1.get("over_p_alone_ms_median")

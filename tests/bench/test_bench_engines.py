@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from aiolayer.bench.engines.summary import bad_rows, summarize
+from aiolayer.bench.engines.summary import bad_rows, print_table, summarize
 
 
 def _row(name: str, tokens: list[list[int]], errors: tuple[int, ...] = ()) -> dict:
@@ -52,6 +52,21 @@ def test_a_drift_with_every_byte_verified_is_numerics_and_a_byte_mismatch_fails(
     assert bad_rows(summarize([ref, unsettled])) == ["aiolayer"]   # a failed receive: not all verified
     unchecked = {**numerics, "how": {"bytes": {**checked, "verified": 39.0}}}
     assert bad_rows(summarize([ref, unchecked])) == ["aiolayer"]   # one transfer not checked: drift unexplained
+
+
+def test_a_row_that_did_not_run_or_a_run_without_its_reference_fails(capsys):
+    """A row asked for and not measured (its engines failed to start) is no pass; nor is a run whose
+    reference did not run or was left out: no answer of the others was compared."""
+    ref, good = _row("aggregated", [[1, 2], [3, 4]]), _row("aiolayer", [[1, 2], [3, 4]])
+    down = {"row": "aiolayer-bulk", "ran": False, "error": "ServerError: P did not start"}
+    assert bad_rows(summarize([ref, good, down])) == ["aiolayer-bulk"]
+    wrong = _row("aiolayer", [[9, 9], [9, 9]])
+    no_ref = {"row": "aggregated", "ran": False, "error": "ServerError: no start"}
+    assert bad_rows(summarize([no_ref, wrong])) == ["aggregated"]
+    (left_out,) = bad_rows(summarize([wrong]))
+    assert left_out.startswith("aggregated (the reference")
+    print_table(summarize([wrong]))
+    assert "not compared" in capsys.readouterr().out   # not "reference"
 
 
 def test_a_row_is_compared_with_its_own_p_alone_request_by_request():
