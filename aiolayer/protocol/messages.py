@@ -119,6 +119,8 @@ class Done(_Msg, tag="done", frozen=True):
     bytes: int = 0
     token: Key = ""
     check: Union[LayerCheck, None] = None   # sampled transfers: D verifies what landed before it accepts
+    sender_incarnation: Key = ""   # the P process that wrote (its runtime incarnation): D takes the word only
+                                   # from the process it showed the layout to ("" from an older P)
 
 
 class EarlyCheck(_Msg, tag="early_check", frozen=True):
@@ -151,6 +153,7 @@ class Failed(_Msg, tag="failed", frozen=True):
     sender: Key
     reason: str
     token: Key = ""
+    sender_incarnation: Key = ""   # as Done's
 
 
 class Abort(_Msg, tag="abort", frozen=True):

@@ -17,10 +17,12 @@ import time
 import msgspec
 import pytest
 
-from aiolayer import Timeouts
-from aiolayer.errors import ControlRejected
+from aiolayer import KVShape, ReceiveSpec, Timeouts, TransferSpec
+from aiolayer.errors import ControlRejected, DeadlineExceeded
+from aiolayer.kvcache import checksums
 from aiolayer.protocol import messages as m
 
+from helpers_memory import host_cache
 from helpers_step import d_crcs as crcs, d_state
 from test_regressions_sender import SHAPE, alloc, p_runtime, spec_for
 
@@ -171,3 +173,57 @@ def test_a_done_for_another_process_of_d_finishes_nothing(memory_runtime, memory
     assert d_state(p, d.control_endpoint, "inc") == "registered"
     done = msgspec.structs.replace(stale, incarnation=rep.incarnation)
     assert p.request(d.control_endpoint, done, timeout=5).detail == "finished"
+
+
+def test_a_word_from_another_process_under_the_writers_id_settles_nothing(memory_runtime):
+    """Two P processes under one engine id (replicas sharing a config) both get transfer x. D shows the
+    layout to the first and refuses the second (another process); the second then fails having written
+    nothing, and its FAILED, under the same sender name, was the writer's word: D settled the transfer and
+    released the blocks while the first still wrote into them. Now it is refused; the writer's own DONE ends it."""
+    d, p1, p2 = memory_runtime("d-twin"), memory_runtime("p-twin"), memory_runtime("p-twin")
+    shape = KVShape(num_layers=4, num_blocks=16, block_size=16, kv_heads=2, head_dim=64)
+    landed = host_cache(d, shape, None)
+    source = host_cache(p1, shape, 1)
+    host_cache(p2, shape, 2)
+    reg = d.receive(ReceiveSpec(transfer_id="x", block_ids=[0, 1, 2, 3], token="t" * 32))
+    spec = TransferSpec.from_registration(reg, src_blocks=[4, 5, 6, 7])
+    first = p1.begin_step([spec])
+    first.layer_ready(0)
+    deadline = time.monotonic() + 5
+    while not ((entry := d.receiver._entries.get("x")) and entry.writers.knows("p-twin")):   # shown the layout
+        assert time.monotonic() < deadline, "the first P never asked for the layout"
+        time.sleep(0.01)
+    second = p2.begin_step([spec])
+    for layer in range(shape.num_layers):
+        second.layer_ready(layer)
+    second.end()
+    assert "another process" in p2.wait_outcome("x", 10).reason
+    with pytest.raises(DeadlineExceeded):   # no result (the release) while the first still writes
+        d.wait_received("x", 1.0)
+    for layer in range(1, shape.num_layers):
+        first.layer_ready(layer)
+    first.end()
+    assert p1.wait_outcome("x", 10).ok and d.wait_received("x", 10).ok
+    assert checksums(landed.blocks, [0, 1, 2, 3]) == checksums(source.blocks, [4, 5, 6, 7])
+
+
+def test_a_writer_that_already_ended_its_part_is_not_shown_the_layout_again(memory_runtime, memory_decode_node):
+    """Head slices from two P ranks: A fails its part (its FAILED marks it quiet) while B still writes. A
+    new start of the id at A (its engine may start it again once released) asking for the layout is
+    ``ended``: granted, it would write while D counts it quiet, and B's word would settle the transfer,
+    or an abort's fence ask only B, with A's writes still landing."""
+    d = memory_decode_node(SHAPE, engine_id="d-again")
+    a, b = memory_runtime("p-a2"), memory_runtime("p-b2")
+    rep = alloc(a, d.control_endpoint, "again", 2, senders=2)
+
+    def layout(p):
+        return p.request(d.control_endpoint, m.LayoutRequest(requester=p.node.engine_id, transfer_id="again",
+                                                             token=rep.token, control=p.control_endpoint,
+                                                             incarnation=p.incarnation), timeout=5)
+    layout(a), layout(b)
+    a.request(d.control_endpoint, m.Failed(transfer_id="again", sender="p-a2", reason="cancelled", token=rep.token,
+                                           sender_incarnation=a.incarnation), timeout=5)
+    with pytest.raises(ControlRejected) as info:
+        layout(a)
+    assert info.value.code == "ended" and "already ended" in info.value.reason
+    assert isinstance(layout(b), m.LayoutReply)   # B, still writing, is shown it as before

@@ -164,7 +164,7 @@ class Receiver:
             self.duplicates += 1   # a retry whose first delivery settled it, or a word after the deadline
             return _already(settled[1])
         entry = self.authorize(tid, msg.token, type(msg).__name__)
-        entry.writers.admit(tid, msg.sender)   # a writer beyond the registered ones: refused
+        entry.writers.admit(tid, msg.sender, word_of=msg.sender_incarnation)   # a stranger to its writers: refused
         entry.writers.mark_quiet(msg.sender)   # P says DONE/FAILED only once its writes are quiet
         if entry.state.senders > 1:
             word, repeated = entry.state.gather(tid, msg)

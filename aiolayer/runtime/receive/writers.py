@@ -49,16 +49,24 @@ class Writers:
     def __len__(self) -> int:
         return len(self._by_sender)
 
-    def admit(self, transfer_id: str, sender: str, grant: tuple[str, str] | None = None) -> Writer:
+    def admit(self, transfer_id: str, sender: str, grant: tuple[str, str] | None = None,
+              word_of: str = "") -> Writer:
         """Record ``sender`` as a writer (idempotent); ``ControlRejected`` (``sender``) for a rank beyond
         the expected ones, or for another process under a known writer's id. ``grant``: the (control,
-        incarnation) of a rank about to be shown the layout; None for a DONE/FAILED, which grants nothing."""
+        incarnation) of a rank about to be shown the layout; None for a DONE/FAILED, which grants nothing
+        and speaks for the writer only from its own process (``word_of``: the incarnation it names)."""
         known = self._by_sender.get(sender)
         if known is not None:
             if grant is not None and known.granted and grant != (known.control, known.incarnation):
                 # an empty control too: the fence could not ask the process it would admit
                 raise ControlRejected(NackCode.SENDER, f"transfer {transfer_id}: writer {sender!r} is another "
                                       f"process ({known.control}, incarnation {known.incarnation})")
+            if grant is not None and known.quiet:   # it said DONE/FAILED: a new start of the id is not this one
+                raise ControlRejected(NackCode.ENDED, f"transfer {transfer_id}: writer {sender!r} already ended it")
+            if word_of and known.granted and known.incarnation and word_of != known.incarnation:
+                # its word would mark the writer quiet and settle the transfer while the writer still writes
+                raise ControlRejected(NackCode.SENDER, f"transfer {transfer_id}: a word from process {word_of} "
+                                      f"under writer {sender!r}, which is process {known.incarnation}")
             if grant is not None and not known.granted:   # known from its DONE/FAILED first: now reachable
                 (known.control, known.incarnation), known.granted = grant, True
             return known

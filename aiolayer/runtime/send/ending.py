@@ -26,6 +26,7 @@ from ...protocol.state import Event, State
 from .done_batch import DoneBatcher
 from .checking import SourceCheck
 from .fence import Request, guarded, until_writes_end
+from .metadata import LayoutCache
 from ..integrity import plan_check, sample_check
 from ..control.plane import ControlPeers
 from ..loop import Spawn
@@ -49,6 +50,7 @@ class TransferEnding:
     early_refused: dict[str, float]   # D endpoint -> until when it is sent no early checks (monotonic)
     results: Results
     dones: DoneBatcher
+    layouts: LayoutCache   # its ``incarnation``: this runtime's, which P's words carry
     outcome_counts: collections.Counter[str]
     bytes_sent: int
     fence_timeouts: int
@@ -77,7 +79,7 @@ class TransferEnding:
             if req.aborted and not req.by_p:
                 return   # D asked us to stop: it learns we are quiet from its Abort's reply
             failed = m.Failed(transfer_id=spec.transfer_id, sender=self.engine_id, reason=reason[:500],
-                              token=spec.token)
+                              token=spec.token, sender_incarnation=self.layouts.incarnation)
             try:
                 await self.dones.tell(spec, failed)
             except DeliveryFailed:
@@ -86,7 +88,8 @@ class TransferEnding:
         req.state.apply(Event.ALL_LAYERS_WRITTEN)
         check = await self._sampled_check(req) if self.integrity_sample else None
         msg = m.Done(transfer_id=spec.transfer_id, sender=self.engine_id, incarnation=spec.dst_incarnation,
-                     layers=len(req.timings), bytes=req.bytes, token=spec.token, check=check)
+                     layers=len(req.timings), bytes=req.bytes, token=spec.token, check=check,
+                     sender_incarnation=self.layouts.incarnation)
         try:
             reply = await self.dones.tell(spec, msg)
         except DeliveryFailed as exc:
