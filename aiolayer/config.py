@@ -20,6 +20,14 @@ MAX_DEADLINE_S = 86_400.0
 MIN_FRAME_BYTES = 64 << 10   # a step's DONE or layout batch; below it the control plane refuses real frames
 
 
+def wait_limit(timeout: float, what: str) -> float:
+    """A caller's ``timeout`` for a blocking wait, if it is seconds a wait can end in: ``ConfigError`` for
+    NaN (a wait that never ends), a negative one, or one past ``MAX_DEADLINE_S`` (it overflows the clock)."""
+    if not 0 <= timeout <= MAX_DEADLINE_S:
+        raise ConfigError(f"{what}: timeout must be 0 to {MAX_DEADLINE_S:g} seconds, got {timeout!r}")
+    return timeout
+
+
 class Timeouts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Deadlines in seconds, one per named phase. Decoded from user input (the vLLM connector's
     ``timeouts``), a misspelt name is refused, never silently left at its default."""

@@ -105,6 +105,16 @@ def test_a_bad_receive_spec_raises_at_once_and_changes_nothing(pair):
     assert received(d, "bad", timeout=TIMEOUTS.fence_grace + 5).refused is False
 
 
+@pytest.mark.timeout(30)
+def test_a_wait_with_a_timeout_no_clock_can_end_is_refused_at_once(pair):
+    """NaN made ``wait_received`` poll forever (no time is >= NaN); 1e20 overflowed the clock."""
+    (p, _), (d, _) = pair
+    for timeout in (float("nan"), -1.0, 1e20):
+        for wait in (d.wait_received, p.wait_outcome):
+            with pytest.raises(ConfigError, match="timeout must be 0 to 86400 seconds"):
+                wait("never", timeout)
+
+
 def test_an_announce_that_fails_gives_the_transfer_up(pair):
     _, (d, _) = pair
 

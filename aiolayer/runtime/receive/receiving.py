@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from ...config import Timeouts
+from ...config import Timeouts, wait_limit
 from ...errors import AiolayerError, DeadlineExceeded, RuntimeStateError
 from ..api import Announce, ReceiveSpec, Registration
 from .entry import Received
@@ -107,7 +107,7 @@ class ReceiveApi:
     def wait_received(self, transfer_id: str, timeout: float) -> Received:
         """Block until ``transfer_id``'s receive ended (never from the forward thread or the loop);
         the other transfers' results stay for ``pop_received``."""
-        end = time.monotonic() + timeout
+        end = time.monotonic() + wait_limit(timeout, "wait_received")
         while True:
             with self._inbox_lock:
                 self._inbox += self.receiver.pop_results()

@@ -26,6 +26,7 @@ import time
 from collections.abc import Container, Sequence
 from typing import Callable, TypeVar
 
+from ...config import wait_limit
 from ...errors import DeadlineExceeded, UnknownTransfer
 from ..spec import Outcome
 
@@ -126,6 +127,7 @@ class Results:
         return _drain(self.released)
 
     def wait(self, transfer_id: str, timeout: float) -> Outcome:
+        wait_limit(timeout, "wait_outcome")
         fut = self.waiters.get(transfer_id)
         if fut is None:
             raise UnknownTransfer(f"no outcome to wait for: transfer {transfer_id} was never started here, "
