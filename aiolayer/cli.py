@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -106,6 +107,9 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
                         "the JSON line names the URL)")
     p.add_argument("--refuse-writes", action="store_true",
                    help="fault injection: publish the KV layout but register no memory, so writes are refused")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop when the process that started this one exits (a harness killed with SIGKILL "
+                        "leaves no node behind)")
 
 
 def run_node(args: argparse.Namespace) -> int:
@@ -124,12 +128,16 @@ def run_node(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    parent = os.getppid()
     node.start()
     try:
         print(json.dumps(node.info()), flush=True)
         while not stop.wait(0.5):
             if not node.runtime.loop_thread.alive:
                 print("aiolayer node: loop thread died", file=sys.stderr)
+                return 1
+            if args.exit_with_parent and os.getppid() != parent:   # reparented: its starter is gone
+                print(f"aiolayer node: parent {parent} exited; stopping", file=sys.stderr)
                 return 1
     finally:
         node.stop()

@@ -78,7 +78,7 @@ class NodeProcess(ChildProcess):
     def __init__(self, shape: KVShape, backend: str = "mooncake", extra_args: list[str] | None = None,
                  env: dict[str, str] | None = None, start_timeout: float = 30.0) -> None:
         cmd = [sys.executable, "-m", "aiolayer", "node", "--role", "decode", "--backend", backend,
-               *shape_flags(shape), *(extra_args or [])]
+               "--exit-with-parent", *shape_flags(shape), *(extra_args or [])]
         super().__init__(cmd, env={**os.environ, **MOONCAKE_ENV, **(env or {})}, name="decode node",
                          new_session=False)
         self.start_timeout = start_timeout

@@ -51,7 +51,7 @@ def shape_args(shape: KVShape) -> list[str]:
 
 def node_command(*extra: str, shape: KVShape | None = SMALL_SHAPE, backend: str = "mooncake",
                  role: str = "decode") -> list[str]:
-    cmd = [sys.executable, "-m", "aiolayer", "node", "--role", role, "--backend", backend]
+    cmd = [sys.executable, "-m", "aiolayer", "node", "--role", role, "--backend", backend, "--exit-with-parent"]
     if shape is not None:
         cmd += shape_args(shape)
     return cmd + list(extra)

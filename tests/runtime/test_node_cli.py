@@ -7,6 +7,7 @@ Mooncake backend, as an operator or the benchmark would start it.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import socket
@@ -271,3 +272,42 @@ def _decode_addr(addr_hex: str, v6: bool) -> str:
     words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
     text = socket.inet_ntop(socket.AF_INET6, words)
     return text[7:] if text.startswith("::ffff:") else text
+
+
+HARNESS_THEN_HANG = """
+import sys, time
+from aiolayer.config import KVShape
+from aiolayer.harness.node import NodeProcess
+node = NodeProcess(KVShape(num_layers=2, num_blocks=8, block_size=4, kv_heads=1, head_dim=8), backend="memory")
+node.start()
+print(node.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_node_the_harness_started_stops_when_the_harness_is_killed():
+    """A bench killed with SIGKILL (OOM, a CI's hard stop) runs no clean-up: its node, 800 MB with
+    Mooncake, stayed behind reparented to init. It now notices its parent is gone and stops."""
+    import subprocess
+    import sys
+
+    from aiolayer.harness.procs import pid_alive
+
+    harness = subprocess.Popen([sys.executable, "-c", HARNESS_THEN_HANG], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    node_pid = 0
+    try:
+        node_pid = int(harness.stdout.readline())
+        assert pid_alive(node_pid)
+        harness.kill()
+        harness.wait(10)
+        deadline = time.monotonic() + 10
+        while pid_alive(node_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not pid_alive(node_pid), "the node outlived the harness that started it"
+    finally:
+        harness.kill()
+        harness.wait(10)
+        if node_pid and pid_alive(node_pid):
+            os.kill(node_pid, signal.SIGKILL)
