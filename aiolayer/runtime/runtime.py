@@ -155,11 +155,13 @@ class Runtime(ReceiveApi):
                 log.warning("clean-up step failed: %r", exc)
         if self.layouts is not None:
             self.layouts.close()
-        self.receiver.close()
+        live = self.receiver.close()
         try:
             await asyncio.wait_for(self.backend.close(), self.timeouts.backend_close)
         except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001
-            log.warning("backend close failed: %r", exc)
+            log.warning("backend close failed: %r; %d receives left without a result", exc, len(live))
+        else:   # its memory unregistered: no write lands any more, so each live receive's result can go
+            self.receiver.stopped(live)
         if self.metrics_server is not None:   # last: /health says "stopping" while the rest closes
             await self.metrics_server.close()
 

@@ -115,6 +115,28 @@ def test_a_wait_with_a_timeout_no_clock_can_end_is_refused_at_once(pair):
                 wait("never", timeout)
 
 
+def test_a_receive_live_when_the_runtime_stops_gets_a_failed_result():
+    """D stopped with a receive registered: no result was ever published, so an engine that frees blocks
+    on results (one restarting the runtime over the same cache) never got them back, and a thread in
+    ``wait_received`` waited out its timeout. Once the memory is unregistered no write can land: each
+    live receive gets its failed result, the waiter at once."""
+    d = Runtime(NodeConfig(engine_id="d-stops", backend="memory")).start()
+    try:
+        host_cache(d, KVShape(num_layers=2, num_blocks=8, block_size=4, kv_heads=1, head_dim=8), None)
+        d.receive(ReceiveSpec(transfer_id="live", block_ids=[0, 1], token=TOKEN))
+        waited: list = []
+        waiter = threading.Thread(target=lambda: waited.append(d.wait_received("live", 20)))
+        waiter.start()
+        time.sleep(0.2)
+    finally:
+        d.stop()
+    started = time.monotonic()
+    waiter.join(10)
+    assert waited and time.monotonic() - started < 5, "the waiter waited out its timeout"
+    (result,) = waited
+    assert not result.ok and result.reason == "runtime stopped" and not result.refused, result
+
+
 def test_an_announce_that_fails_gives_the_transfer_up(pair):
     _, (d, _) = pair
 

@@ -5,27 +5,24 @@ a DONE or FAILED that still arrives for an unknown transfer is kept for ``Timeou
 seconds and applied when the registration comes. DONE and FAILED are idempotent per
 (transfer id, sender).
 
-Writers: D records each P rank that reaches a transfer (fetches its layout, or reports) with its
-own control endpoint (``writers``); no endpoint named by the deployment is believed.
+Writers: D records each P rank that reaches a transfer (fetches its layout, or reports) with its own
+control endpoint (``writers``); no endpoint named by the deployment is believed.
 
-Fencing: on a deadline or an abort the transfer goes to ``aborting``: D tells each writer to stop
-and keeps the blocks until every writer acknowledged that none of its writes is in flight (or sent
-DONE/FAILED, which P sends only then); with no writer at all the fence ends at once (no P rank can
-learn where to write any more). P answers ``Nack(settling)`` while a write may still land: D asks
-again until ``fence_grace``, longer than a write can stay in flight. The fence always ends
-(whatever asking P does), and only then is the failure published and may the blocks be released.
+Fencing: on a deadline or an abort the transfer goes to ``aborting``: D tells each writer to stop and
+keeps the blocks until every writer acknowledged that none of its writes is in flight (or sent DONE/FAILED,
+which P sends only then); with no writer the fence ends at once (no P rank can learn where to write any
+more). P answers ``Nack(settling)`` while a write may still land: D asks again until ``fence_grace``. The
+fence always ends, and only then is the failure published and may the blocks be released.
 
-Settled transfers: the id, token and ending of each settled transfer are kept for ``Timeouts.receive``
-seconds (at most ``settled.MAX_SETTLED`` of them), even once the entry is forgotten. A late or retried
-DONE/FAILED for one is answered "already finished" or "already failed" (never kept as an early word
-that a later registration would take for its own): what D answers a DONE is P's verdict on it
-(``messages.done_verdict``), also for a retry whose first reply was lost. The id cannot be
-registered again meanwhile.
+Settled transfers: the id, token and ending of each are kept for ``Timeouts.receive`` seconds (at most
+``settled.MAX_SETTLED``), even once the entry is forgotten. A late or retried DONE/FAILED for one is
+answered "already finished" or "already failed" (never kept as an early word a later registration would
+take for its own): D's answer to a DONE is P's verdict on it (``messages.done_verdict``), also for a
+retry whose first reply was lost. The id cannot be registered again meanwhile.
 
-Authentication: each registration holds the transfer's token; DONE, FAILED, an abort request, a
-lookup or a layout request must present it (``authorize``). Refusals raise ``ControlRejected``
-with code ``auth`` (the control server counts its Nacks by code); an early DONE whose token does
-not match the registration gets no Nack, so it is counted here, in ``rejected["early_auth"]``.
+Authentication: each registration holds the transfer's token; DONE, FAILED, an abort request, a lookup
+or a layout request must present it (``authorize``), else ``ControlRejected`` (``auth``, counted by the
+control server); an early DONE whose token does not match gets no Nack: ``rejected["early_auth"]``.
 """
 
 from __future__ import annotations
@@ -274,27 +271,32 @@ class Receiver:
                                       finished_s=time.perf_counter(), refused=True))
 
     def pop_results(self) -> list[Received]:
-        out = []
-        while self._results:
-            out.append(self._results.popleft())
-        return out
+        return [self._results.popleft() for _ in range(len(self._results))]   # appended meanwhile: next time
 
     @property
     def pending(self) -> int:
         """Registered transfers not settled yet."""
         return self._unsettled
 
-    def close(self) -> None:
+    def close(self) -> list[Entry]:
+        """Stop every timer and fence; the transfers still live, for ``stopped`` once none can be written."""
         self.lookups.close()
         for entry in self._entries.values():
-            if entry.timer is not None:
-                entry.timer.cancel()
-            if entry.fence is not None:
-                entry.fence.cancel()
+            for waiting in (entry.timer, entry.fence):
+                if waiting is not None:
+                    waiting.cancel()
+        live = [entry for entry in self._entries.values() if not entry.state.terminal]
         self._entries.clear()
         self._unsettled = 0
         self._early.clear()
         self._settled.clear()
+        return live
+
+    def stopped(self, live: list[Entry]) -> None:
+        """The runtime stopped with ``live`` unsettled and its memory unregistered (no write can land): each
+        gets a failed result, the release an engine that restarts over its blocks waits for."""
+        self._results.extend(Received(transfer_id=e.transfer_id, ok=False, reason="runtime stopped",
+                                      finished_s=time.perf_counter(), registered_s=e.registered_s) for e in live)
 
     # --- internals -----------------------------------------------------------------------------
 
