@@ -86,6 +86,7 @@ def test_a_refused_registration_is_a_failed_result_not_a_lost_error(pair):
     d.receive(ReceiveSpec(transfer_id="dup", block_ids=[2], token=TOKEN))   # the id is live: refused
     refused = received(d, "dup")
     assert not refused.ok and refused.refused and "already registered" in refused.reason
+    assert d.published_metrics["receive_failures"] == {"refused": 1}   # counted before it was visible
     d.abort_receive("dup", "test over")                                    # the first one ends too
     first = received(d, "dup", timeout=TIMEOUTS.fence_grace + 5)
     assert not first.ok and not first.refused

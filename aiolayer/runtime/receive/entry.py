@@ -24,7 +24,8 @@ class Received(msgspec.Struct, kw_only=True):
     ok: bool
     reason: str = ""
     finished_s: float = 0.0
-    refused: bool = False         # the registration itself was refused: no transfer under this id ran here
+    refused: bool = False         # this call's registration was refused: its blocks were never registered
+                                  # (another receive under the id may be live: its blocks stay its own)
     registered_s: float = 0.0     # perf_counter when it was registered (0: never registered)
 
 

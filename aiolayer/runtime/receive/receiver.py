@@ -267,6 +267,8 @@ class Receiver:
     def refuse(self, transfer_id: str, reason: str) -> None:
         """A registration that was refused: its failure is reported like a result (``refused``)."""
         self.failures["refused"] += 1
+        if self._on_outcome is not None:
+            self._on_outcome()   # as for any result: counted before it is visible, the engine woken
         self._results.append(Received(transfer_id=transfer_id, ok=False, reason=reason,
                                       finished_s=time.perf_counter(), refused=True))
 
