@@ -341,12 +341,18 @@ SCENARIOS = [scenario_kill, scenario_freeze, scenario_refuse, scenario_slow, sce
 
 
 def run_faults(args) -> int:
+    from .fault_checks import broken   # it reads this module's constants
     rows = []
     with FaultHarness() as h:
         for i, scenario in enumerate(SCENARIOS, 1):
             guarantee = scenario.__doc__.splitlines()[0]
             print(f"[{i}/{len(SCENARIOS)}] {scenario.__name__[9:]}: {guarantee}", file=sys.stderr, flush=True)
-            rows.append({**scenario(h), "guarantee": guarantee})
+            row = {**scenario(h), "guarantee": guarantee}
+            row["broken"] = broken(scenario.__name__, row)   # its guarantees, as the fault tests check them
+            if row["broken"]:
+                row["outcome"] = "BROKEN"
+                print(f"  broken: {row['broken']}", file=sys.stderr, flush=True)
+            rows.append(row)
     rows += net_faults.run_rows()   # faults of the link: P and D on two network namespaces
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -83,3 +83,16 @@ def test_sweep_points_scale_compute_with_the_prompt():
     a = point_args(args, points[1][1], ["layerwise"])
     assert a.layer_ms == pytest.approx(args.layer_ms * 2) and a.requests == args.sweep_requests
     assert point_args(args, points[3][1], ["bulk"]).scatter is True
+
+
+def test_a_fault_row_that_breaks_its_guarantee_is_named_so_the_run_fails():
+    """``bench faults`` failed a run only on a lost transfer: a kill ending past its deadline, or a slow D
+    whose transfer failed, printed "failed (visible)" and exited 0."""
+    from aiolayer.bench.scenarios.fault_checks import broken
+
+    healthy = {"lost": 0, "good_ok": True, "good_verified": True, "handoff_ns": {"max": 10_000}}
+    late_kill = {**healthy, "bad_ok": False, "bad_reason": "TransferTimeout", "terminal_s": 14.9, "deadline_s": 3.5}
+    assert broken("scenario_kill", late_kill) == "it ended past its deadline"
+    assert broken("scenario_kill", {**late_kill, "terminal_s": 3.0}) == ""
+    assert broken("scenario_slow", {**healthy, "bad_ok": False, "bad_verified": False}) == "a slow peer failed"
+    assert broken("scenario_refuse", {**healthy, "bad_ok": False, "bad_reason": None}).startswith("the row lacks")
