@@ -29,6 +29,7 @@ from aiolayer.protocol import messages as m
 from aiolayer.harness.node import NodeProcess
 from aiolayer.harness.procs import freeze
 
+from .fault_checks import broken
 from ..provenance import write_result
 from ..perf.forward import RequestKV, SimulatedForward, seeded_kv
 from . import net_faults
@@ -341,14 +342,13 @@ SCENARIOS = [scenario_kill, scenario_freeze, scenario_refuse, scenario_slow, sce
 
 
 def run_faults(args) -> int:
-    from .fault_checks import broken   # it reads this module's constants
     rows = []
     with FaultHarness() as h:
         for i, scenario in enumerate(SCENARIOS, 1):
             guarantee = scenario.__doc__.splitlines()[0]
             print(f"[{i}/{len(SCENARIOS)}] {scenario.__name__[9:]}: {guarantee}", file=sys.stderr, flush=True)
             row = {**scenario(h), "guarantee": guarantee}
-            row["broken"] = broken(scenario.__name__, row)   # its guarantees, as the fault tests check them
+            row["broken"] = broken(scenario.__name__, row, FAULT_TIMEOUTS)   # as the fault tests check them
             if row["broken"]:
                 row["outcome"] = "BROKEN"
                 print(f"  broken: {row['broken']}", file=sys.stderr, flush=True)

@@ -89,10 +89,13 @@ def test_a_fault_row_that_breaks_its_guarantee_is_named_so_the_run_fails():
     """``bench faults`` failed a run only on a lost transfer: a kill ending past its deadline, or a slow D
     whose transfer failed, printed "failed (visible)" and exited 0."""
     from aiolayer.bench.scenarios.fault_checks import broken
+    from aiolayer.bench.scenarios.faults import FAULT_TIMEOUTS
+
+    t = FAULT_TIMEOUTS
 
     healthy = {"lost": 0, "good_ok": True, "good_verified": True, "handoff_ns": {"max": 10_000}}
     late_kill = {**healthy, "bad_ok": False, "bad_reason": "TransferTimeout", "terminal_s": 14.9, "deadline_s": 3.5}
-    assert broken("scenario_kill", late_kill) == "it ended past its deadline"
-    assert broken("scenario_kill", {**late_kill, "terminal_s": 3.0}) == ""
-    assert broken("scenario_slow", {**healthy, "bad_ok": False, "bad_verified": False}) == "a slow peer failed"
-    assert broken("scenario_refuse", {**healthy, "bad_ok": False, "bad_reason": None}).startswith("the row lacks")
+    assert broken("scenario_kill", late_kill, t) == "it ended past its deadline"
+    assert broken("scenario_kill", {**late_kill, "terminal_s": 3.0}, t) == ""
+    assert broken("scenario_slow", {**healthy, "bad_ok": False, "bad_verified": False}, t) == "a slow peer failed"
+    assert broken("scenario_refuse", {**healthy, "bad_ok": False, "bad_reason": None}, t).startswith("the row lacks")

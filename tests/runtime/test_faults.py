@@ -28,6 +28,12 @@ def harness():
         yield h
 
 
+def _guaranteed(scenario: str, r: dict) -> None:
+    """Its guarantees as ``aiolayer bench faults`` checks them (a broken one fails the bench run)."""
+    why = broken(scenario, r, FAULT_TIMEOUTS)
+    assert not why, (why, r)
+
+
 def _healthy_peer_unhurt(r: dict) -> None:
     assert r["lost"] == 0, r
     assert r["good_ok"] and r["good_verified"], r
@@ -37,7 +43,7 @@ def _healthy_peer_unhurt(r: dict) -> None:
 def test_killed_d_fails_within_its_deadline_and_others_complete(harness):
     """Seed fragilities 4 and 20."""
     r = faults.scenario_kill(harness)
-    assert not broken("scenario_kill", r), broken("scenario_kill", r)   # as the bench checks it
+    _guaranteed("scenario_kill", r)
     _healthy_peer_unhurt(r)
     assert not r["bad_ok"] and r["bad_reason"]
     assert r["terminal_s"] <= P_DEADLINE_S + 1.0, r
@@ -46,7 +52,7 @@ def test_killed_d_fails_within_its_deadline_and_others_complete(harness):
 def test_frozen_d_fails_at_p_then_at_d_and_source_is_fenced(harness):
     """Seed fragilities 4 and 9."""
     r = faults.scenario_freeze(harness)
-    assert not broken("scenario_freeze", r), broken("scenario_freeze", r)   # as the bench checks it
+    _guaranteed("scenario_freeze", r)
     _healthy_peer_unhurt(r)
     assert not r["bad_ok"] and "TransferTimeout" in r["bad_reason"], r
     assert r["terminal_s"] <= P_DEADLINE_S + 1.0, r
@@ -60,7 +66,7 @@ def test_frozen_d_fails_at_p_then_at_d_and_source_is_fenced(harness):
 def test_refused_write_fails_and_d_is_told(harness):
     """Seed fragility 5."""
     r = faults.scenario_refuse(harness)
-    assert not broken("scenario_refuse", r), broken("scenario_refuse", r)   # as the bench checks it
+    _guaranteed("scenario_refuse", r)
     _healthy_peer_unhurt(r)
     assert not r["bad_ok"] and "BackendError" in r["bad_reason"], r
     assert r["d_state"] == "failed", r          # FAILED reached D: it does not wait forever
@@ -68,7 +74,7 @@ def test_refused_write_fails_and_d_is_told(harness):
 
 def test_slow_peer_is_delayed_not_failed(harness):
     r = faults.scenario_slow(harness)
-    assert not broken("scenario_slow", r), broken("scenario_slow", r)   # as the bench checks it
+    _guaranteed("scenario_slow", r)
     _healthy_peer_unhurt(r)
     assert r["bad_ok"] and r["bad_verified"], r
 
@@ -76,7 +82,7 @@ def test_slow_peer_is_delayed_not_failed(harness):
 def test_client_abort_stops_p_and_fences_d(harness):
     """Seed fragility 11."""
     r = faults.scenario_abort(harness)
-    assert not broken("scenario_abort", r), broken("scenario_abort", r)   # as the bench checks it
+    _guaranteed("scenario_abort", r)
     _healthy_peer_unhurt(r)
     assert r["aborted_tid_seen"] and not r["bad_ok"], r
     assert "client disconnected" in r["bad_reason"], r
@@ -87,7 +93,7 @@ def test_client_abort_stops_p_and_fences_d(harness):
 def test_unreachable_d_fails_once_off_the_forward(harness):
     """Seed fragilities 1 and 2."""
     r = faults.scenario_unreachable(harness)
-    assert not broken("scenario_unreachable", r), broken("scenario_unreachable", r)   # as the bench checks it
+    _guaranteed("scenario_unreachable", r)
     _healthy_peer_unhurt(r)
     assert not r["bad_ok"] and "layout_fetch" in r["bad_reason"], r
     assert r["layout_fetches"] == 1, r          # once per transfer, never once per layer
@@ -97,7 +103,7 @@ def test_unreachable_d_fails_once_off_the_forward(harness):
 def test_done_before_registration_completes_and_duplicate_is_a_no_op(harness):
     """Seed fragility 13."""
     r = faults.scenario_done_first(harness)
-    assert not broken("scenario_done_first", r), broken("scenario_done_first", r)   # as the bench checks it
+    _guaranteed("scenario_done_first", r)
     assert r["early_reply"] == "kept until registration"
     assert r["state"] == "finished" and r["duplicate_reply"] == "already finished", r
 
@@ -105,7 +111,7 @@ def test_done_before_registration_completes_and_duplicate_is_a_no_op(harness):
 def test_garbage_frames_are_all_answered_and_d_keeps_serving(harness):
     """Seed fragility 6."""
     r = faults.scenario_garbage(harness, frames=1000)
-    assert not broken("scenario_garbage", r), broken("scenario_garbage", r)   # as the bench checks it
+    _guaranteed("scenario_garbage", r)
     assert r["answered"] == r["frames"] == 1000, r
     _healthy_peer_unhurt(r)
     assert r["bad_ok"] and r["bad_verified"], r
