@@ -89,6 +89,8 @@ class Hosts:
         host.address = address
 
     def stop_all(self) -> None:
+        """SIGTERM every process, then SIGKILL those still there after 10 s; one that outlives even that
+        (unkillable, in D state) is left, so that the namespaces are deleted all the same."""
         for proc in self.procs:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -99,7 +101,8 @@ class Hosts:
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10)
 
 
 def _management_link(host: Host, outer: str, inner: str, prefix: str) -> None:
@@ -139,8 +142,10 @@ def two_hosts(subnet: int | None = None, management: bool = False):
                 _management_link(host, f"m{index}{tag}", f"n{index}{tag}", f"10.{octet}.{index}")
         yield hosts
     finally:
-        hosts.stop_all()
-        for host in (a, b):   # deleting a namespace deletes its end of the veth, and so the pair
-            subprocess.run(["ip", "netns", "del", host.ns], capture_output=True, timeout=CMD_TIMEOUT_S)
+        try:
+            hosts.stop_all()
+        finally:   # a second Ctrl-C while the processes stop still deletes the namespaces
+            for host in (a, b):   # deleting a namespace deletes its end of the veth, and so the pair
+                subprocess.run(["ip", "netns", "del", host.ns], capture_output=True, timeout=CMD_TIMEOUT_S)
         for dev in (a.dev, f"m1{tag}", f"m2{tag}"):   # gone with the namespaces unless creation failed half-way
             subprocess.run(["ip", "link", "del", dev], capture_output=True, timeout=CMD_TIMEOUT_S)

@@ -90,6 +90,7 @@ class Harness:
             self.copy_dst = np.zeros_like(self.cache.buffer)
 
     def __exit__(self, *exc) -> None:
+        interrupted: BaseException | None = None
         for close in (getattr(getattr(self, "forward", None), "close", None), getattr(self.threaded, "close", None),
                       getattr(self.sink, "close", None), getattr(self.runtime, "stop", None),
                       getattr(self.direct, "close", None), getattr(self.node, "stop", None), self._pool.shutdown):
@@ -98,6 +99,10 @@ class Harness:
                     close()
                 except Exception as error:  # noqa: BLE001 - go on closing the rest
                     print(f"bench clean-up: {error!r}", file=sys.stderr)
+                except (KeyboardInterrupt, SystemExit) as stop:   # a second Ctrl-C: the rest still stop first
+                    interrupted = interrupted or stop
+        if interrupted is not None:
+            raise interrupted
 
     # --- one request ---------------------------------------------------------------------------
 
