@@ -209,7 +209,8 @@ async def _verified(rt: Host, done: m.Done | m.Failed) -> m.Done | m.Failed:
     problem = await _joined(rt, running) if running is not None else await _checked(rt, done, done.check, *target)
     if not problem:
         return done
-    return m.Failed(transfer_id=done.transfer_id, sender=done.sender, reason=problem, token=done.token)
+    return m.Failed(transfer_id=done.transfer_id, sender=done.sender, reason=problem, token=done.token,
+                    sender_incarnation=done.sender_incarnation)
 
 
 def _elsewhere(rt: Host, done: m.Done) -> bool:
