@@ -107,7 +107,9 @@ def test_a_done_that_d_answers_already_failed_fails_the_transfer_at_p(memory_run
                                                                       monkeypatch):
     """Every write landed within D's window, but the DONE is lost until D's deadline ended the
     transfer and D freed it: the retried DONE is answered ``already failed``."""
-    d = memory_decode_node(SMALL_SHAPE, "d-vgone", Timeouts(receive=0.5, fence_grace=0.1))
+    # receive 1 s: D remembers how the transfer ended for as long, so the retry P sends once D hears again
+    # (every ~0.5 s) still finds that record; at 0.5 s it could come after it and be kept as an early word
+    d = memory_decode_node(SMALL_SHAPE, "d-vgone", Timeouts(receive=1.0, fence_grace=0.1))
     hearing = _deaf_to_done(d.runtime)
     p = memory_p(memory_runtime, "p-vgone", PERSISTENT, 32)
     _never_confirms(p)
