@@ -100,8 +100,9 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--receive-timeout", type=float, default=Timeouts().receive,
                    help="seconds D waits for a registered transfer's DONE/FAILED")
     p.add_argument("--fence-grace", type=float, default=Timeouts().fence_grace,
-                   help="seconds D keeps an abandoned transfer's blocks when P does not confirm it stopped "
-                        "(must exceed MC_TRANSFER_TIMEOUT)")
+                   help="seconds D keeps an abandoned transfer's blocks when P does not confirm its writes "
+                        "ended (keep it above how long a write may stay in flight: Mooncake's 30 s over TCP; "
+                        "docs/fencing.md)")
     p.add_argument("--metrics-port", type=int, default=-1,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = a free port, -1 = off; "
                         "the JSON line names the URL)")

@@ -11,6 +11,7 @@ import argparse
 import os
 import secrets
 import socket
+import threading
 import time
 
 from .config import KVShape, NodeConfig, Timeouts
@@ -52,7 +53,7 @@ def _ask(rt, side: Side, timeout: float) -> None:
             side.error = f"refused: {exc}"
         return
     except (ControlTimeout, DeadlineExceeded):
-        side.error = f"no answer within {timeout:g} s"
+        side.error = why_silent(side.endpoint, timeout)
         return
     except AiolayerError as exc:
         side.error = f"{type(exc).__name__}: {exc}"
@@ -62,6 +63,41 @@ def _ask(rt, side: Side, timeout: float) -> None:
         side.topology = reply
     else:
         side.error = f"answered the topology query with {type(reply).__name__}"
+
+
+def why_silent(endpoint: str, timeout: float) -> str:
+    """Why ``endpoint`` gave no answer, told apart by a plain TCP connect: the ZMQ call only times out
+    (it retries a name it cannot resolve, and a refused connection, until its deadline)."""
+    rest = endpoint.split("://", 1)[-1]
+    host, _, port = rest.rpartition(":")
+    host = host.strip("[]")
+    found: list = []
+    lookup = threading.Thread(target=_resolve, args=(host, port, found), daemon=True)
+    lookup.start()
+    lookup.join(timeout)   # a daemon thread: a resolver that hangs does not hold the doctor's exit
+    if not found:
+        return f"no answer within {timeout:g} s, and the name {host!r} did not resolve within it either"
+    if isinstance(found[0], OSError):
+        return f"cannot resolve the host name {host!r} ({found[0].strerror or found[0]}): a typo?"
+    family, kind, proto, _, address = found[0]
+    with socket.socket(family, kind, proto) as probe_socket:
+        probe_socket.settimeout(timeout)
+        try:
+            probe_socket.connect(address)
+        except ConnectionRefusedError:
+            return f"nothing listens at {rest} (connection refused): a wrong port, or the engine is not running"
+        except OSError as exc:
+            return (f"no answer within {timeout:g} s; a TCP connect got none either ({exc.strerror or exc}): "
+                    "the host is down, or a firewall drops the packets")
+    return (f"no answer within {timeout:g} s, although a TCP connect to {rest} succeeded: not an aiolayer "
+            "control socket (or a proxy accepts on its behalf), or its process is frozen")
+
+
+def _resolve(host: str, port: str, found: list) -> None:
+    try:
+        found.append(socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0])
+    except (OSError, ValueError) as exc:   # gaierror is an OSError; ValueError: a port that is not a number
+        found.append(exc if isinstance(exc, OSError) else OSError(str(exc)))
 
 
 def source_address(host: str) -> str:

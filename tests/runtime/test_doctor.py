@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import select
+import socket
 import subprocess
 import sys
 import time
@@ -186,8 +187,28 @@ def test_a_seeded_misconfiguration_is_flagged_by_name_with_a_fix(runs, name, che
 def test_a_wrong_control_port_is_unreachable_within_the_deadline(lab, runs):
     run = result(runs, "wrong-port")
     assert run.rc == 1 and failed(run.out) == {"reach D"}, run.out
-    assert f"FAIL  reach D            {lab.controls['wrong_port']}: no answer within 1 s" in run.out
+    assert f"FAIL  reach D            {lab.controls['wrong_port']}: nothing listens at" in run.out
     assert run.seconds < DOCTOR_LIMIT_S
+
+
+def test_a_silent_endpoint_says_why_it_is_silent():
+    """The control call only times out; the doctor tells a typo in the host name, a port nobody listens
+    on and a listener that never speaks the protocol apart, each within its deadline."""
+    with socket.socket() as silent, socket.socket() as closed:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()   # accepts, never answers
+        closed.bind(("127.0.0.1", 0))   # bound, not listening: a connect is refused
+        runs = [subprocess.run([sys.executable, "-m", "aiolayer", "doctor", "--timeout", "1", "--no-transfer",
+                                "--p-control", p, "--d-control", d], capture_output=True, text=True,
+                               timeout=DOCTOR_LIMIT_S, env=node_env())
+                for p, d in [(f"tcp://127.0.0.1:{closed.getsockname()[1]}", "tcp://no-such-host.invalid:5555"),
+                             (f"tcp://127.0.0.1:{silent.getsockname()[1]}", "tcp://no-such-host.invalid:5555")]]
+    print(runs[0].stdout, runs[1].stdout)
+    assert all(run.returncode == 1 and "Traceback" not in run.stderr for run in runs)
+    assert re.search(r"^FAIL  reach P .*nothing listens at 127.0.0.1:\d+ \(connection refused\)", runs[0].stdout, re.M)
+    assert re.search(r"^FAIL  reach D .*cannot resolve the host name 'no-such-host.invalid'", runs[0].stdout, re.M)
+    assert re.search(r"^FAIL  reach P .*no answer within 1 s, although a TCP connect to 127.0.0.1:\d+ succeeded: "
+                     r"not an aiolayer control socket", runs[1].stdout, re.M)
 
 
 @needs_netns
