@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -354,3 +355,61 @@ def test_stranger_abort_flood_cannot_refuse_a_genuine_early_abort(memory_runtime
     assert not out.ok and "aborted by D before it started" in out.reason, out
     after = p.request(d.control_endpoint, m.VerifyRequest(transfer_id="flood"), timeout=5)
     assert (after.crc_k, after.crc_v) == (before.crc_k, before.crc_v)   # not one byte written
+
+
+def test_a_cancel_stops_only_the_transfer_it_met_never_a_later_one_of_the_same_id(memory_runtime,
+                                                                                    memory_decode_node):
+    """An id cancelled (its transfer failed and released), or cancelled before any transfer of it began,
+    is started again later: that transfer is not cancelled by the old call, and its ``wait`` answers
+    with its own outcome, not the unpopped one of the id's earlier transfer."""
+    d1, d2 = memory_decode_node(SHAPE, engine_id="d-reuse-1"), memory_decode_node(SHAPE, engine_id="d-reuse-2")
+    p, _ = p_runtime(memory_runtime, "p-reuse")
+    p.sender.cancel("never-begun", "cancelled before its step")
+    p.sender.begin_step(0, [spec_for(d1.control_endpoint, "reused", [1], alloc(p, d1.control_endpoint, "reused", 1))])
+    p.sender.cancel("reused", "preempted")
+    p.sender.end_step(0)
+    assert "preempted" in p.sender.wait("reused", 5).reason
+    assert released_within(p, "reused", 5) is not None   # the engine may start the id again now
+    run_step(p, 1, [spec_for(d2.control_endpoint, "reused", [2], alloc(p, d2.control_endpoint, "reused", 1)),
+                    spec_for(d2.control_endpoint, "never-begun", [3], alloc(p, d2.control_endpoint, "never-begun", 1))])
+    second, late = p.sender.wait("reused", 5), p.sender.wait("never-begun", 5)
+    assert second.ok and len(second.layers) == SHAPE.num_layers, second
+    assert late.ok, late
+    assert released_within(p, "reused", 5) is not None
+    # an engine that frees on release and never waits: the id's ok outcome stays unpopped, and the id's
+    # next transfer (D refuses its token) must be what ``wait`` answers
+    run_step(p, 2, [spec_for(d1.control_endpoint, "unwaited", [4], alloc(p, d1.control_endpoint, "unwaited", 1))])
+    assert released_within(p, "unwaited", 5) is not None
+    rep = alloc(p, d2.control_endpoint, "unwaited", 1)
+    run_step(p, 3, [spec_for(d2.control_endpoint, "unwaited", [5], rep, token="0" * 32)])
+    third = p.sender.wait("unwaited", 5)
+    assert not third.ok, third
+    assert [o.ok for o in p.sender.pop_outcomes() if o.transfer_id == "unwaited"] == [True, False]
+
+
+def test_a_cancel_while_the_done_is_being_made_still_ends_in_failed(memory_runtime, memory_decode_node,
+                                                                    monkeypatch):
+    """The cancel comes while P digests the sampled transfer for its DONE (the digest reads the source the
+    engine freed): no DONE goes out, the outcome fails and D is told FAILED."""
+    from aiolayer.runtime.send import ending
+
+    d = memory_decode_node(SHAPE, engine_id="d-digest")
+    p, _ = p_runtime(memory_runtime, "p-digest")
+    p.sender.integrity_sample = 1.0
+    digesting = threading.Event()
+
+    async def slow_check(self, req):   # a large transfer's digest: takes a while
+        digesting.set()
+        await asyncio.sleep(0.5)
+        return None
+
+    monkeypatch.setattr(ending.TransferEnding, "_sampled_check", slow_check)
+    run_step(p, 0, [spec_for(d.control_endpoint, "digest", [5], alloc(p, d.control_endpoint, "digest", 1))])
+    assert digesting.wait(5)
+    p.sender.cancel("digest", "preempted while digesting")
+    out = p.sender.wait("digest", 5)
+    assert not out.ok and "preempted while digesting" in out.reason, out
+    deadline = time.monotonic() + 3
+    while d_state(p, d.control_endpoint, "digest") != "failed" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert d_state(p, d.control_endpoint, "digest") == "failed"

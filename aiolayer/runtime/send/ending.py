@@ -65,28 +65,39 @@ class TransferEnding:
         FAILED to D once our writes are quiet, so D may reuse its blocks when it reads it; never
         while one may still land (D's own deadline and fence take over then)."""
         spec = req.spec
-        if not reason and not req.aborted and spec.transfer_id in self._cancelled:
-            req.abort("cancelled by P", by_p=True)   # its bridge item is still on the way
-        reason = reason or req.aborted   # stopped after its last write settled: still no DONE
-        if reason:
-            self._publish(req, reason, settled)
-            try:
-                await asyncio.wait_for(req.quiet.wait(), self.timeouts.quarantine_wait)
-            except asyncio.TimeoutError:
-                log.error("transfer %s: writes still unresolved; D is not told (its deadline and fence "
-                          "take over)", spec.transfer_id)
+        reason = reason or self._stopped(req)   # stopped after its last write settled: still no DONE
+        if not reason:
+            req.state.apply(Event.ALL_LAYERS_WRITTEN)
+            check = await self._sampled_check(req) if self.integrity_sample else None
+            reason = self._stopped(req)   # cancelled while the check read the source: no DONE either
+            if not reason:
+                await self._tell_done(req, check, settled)
                 return
-            if req.aborted and not req.by_p:
-                return   # D asked us to stop: it learns we are quiet from its Abort's reply
-            failed = m.Failed(transfer_id=spec.transfer_id, sender=self.engine_id, reason=reason[:500],
-                              token=spec.token, sender_incarnation=self.layouts.incarnation)
-            try:
-                await self.dones.tell(spec, failed)
-            except DeliveryFailed:
-                pass   # logged; D's own deadline and fence end the transfer there
+        self._publish(req, reason, settled)
+        try:
+            await asyncio.wait_for(req.quiet.wait(), self.timeouts.quarantine_wait)
+        except asyncio.TimeoutError:
+            log.error("transfer %s: writes still unresolved; D is not told (its deadline and fence "
+                      "take over)", spec.transfer_id)
             return
-        req.state.apply(Event.ALL_LAYERS_WRITTEN)
-        check = await self._sampled_check(req) if self.integrity_sample else None
+        if req.aborted and not req.by_p:
+            return   # D asked us to stop: it learns we are quiet from its Abort's reply
+        failed = m.Failed(transfer_id=spec.transfer_id, sender=self.engine_id, reason=reason[:500],
+                          token=spec.token, sender_incarnation=self.layouts.incarnation)
+        try:
+            await self.dones.tell(spec, failed)
+        except DeliveryFailed:
+            pass   # logged; D's own deadline and fence end the transfer there
+
+    def _stopped(self, req: Request) -> str:
+        """Why the transfer may not end in DONE: aborted, or cancelled by our engine (its bridge item
+        may still be on the way: the id is in ``_cancelled`` from the moment ``cancel`` returned)."""
+        if not req.aborted and req.spec.transfer_id in self._cancelled:
+            req.abort("cancelled by P", by_p=True)
+        return req.aborted
+
+    async def _tell_done(self, req: Request, check: m.LayerCheck | None, settled: float | None) -> None:
+        spec = req.spec
         msg = m.Done(transfer_id=spec.transfer_id, sender=self.engine_id, incarnation=spec.dst_incarnation,
                      layers=len(req.timings), bytes=req.bytes, token=spec.token, check=check,
                      sender_incarnation=self.layouts.incarnation)

@@ -47,9 +47,11 @@ class Results:
         self._staged: list[tuple[str, Outcome | str]] = []   # ("publish" | "resolve", Outcome), ("release", id)
 
     def expect(self, specs: Sequence[object]) -> list[str]:
-        """Make ``wait`` slots for the specs' ids (before they reach the loop); returns the new ones."""
+        """Make ``wait`` slots for the specs' ids (before they reach the loop); returns the new ones. A slot
+        already answered is an earlier transfer of the id whose outcome nobody popped: replaced, else
+        ``wait`` would hand the new transfer that old outcome."""
         ids = {getattr(spec, "transfer_id", None) for spec in specs}
-        added = [tid for tid in ids if isinstance(tid, str) and tid not in self.waiters]
+        added = [tid for tid in ids if isinstance(tid, str) and not _waiting(self.waiters.get(tid))]
         for tid in added:
             self.waiters[tid] = concurrent.futures.Future()
         return added
@@ -137,12 +139,18 @@ class Results:
         except concurrent.futures.TimeoutError:
             raise DeadlineExceeded("wait", timeout, f"transfer {transfer_id}") from None
         finally:
-            if fut.done():
+            if fut.done() and self.waiters.get(transfer_id) is fut:   # not a new transfer's slot of the id
                 self.waiters.pop(transfer_id, None)
+
+
+def _waiting(fut: concurrent.futures.Future[Outcome] | None) -> bool:
+    return fut is not None and not fut.done()
 
 
 def _drain(queue: collections.deque[_T]) -> list[_T]:
     out: list[_T] = []
-    while queue:
-        out.append(queue.popleft())
-    return out
+    while True:
+        try:
+            out.append(queue.popleft())
+        except IndexError:   # empty, or another thread popping at once took the last one
+            return out

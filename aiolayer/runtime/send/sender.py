@@ -17,17 +17,15 @@ write is unresolved D's abort gets Nack ``settling``, and if that lasts past ``q
 told nothing: its own deadline and fence take over, and P keeps the source held, loudly.
 
 One transfer's trouble stays its own: a bad spec, or any error in its coroutines (each ``guarded``),
-ends that transfer with a failed outcome and never reaches the runtime's TaskGroup.
-
-The layers themselves stream in ``stream``; its typed errors (``TransferStopped``) and a failed
-delivery (``DeliveryFailed``) become the outcome's reason. How a transfer ends (DONE or FAILED, the
-outcome published, the source released) is ``ending``, a base of ``Sender``.
+ends that transfer with a failed outcome and never reaches the runtime's TaskGroup. The layers stream
+in ``stream``; how a transfer ends (DONE or FAILED, outcome, release) is ``ending``, a base of ``Sender``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -237,6 +235,8 @@ class Sender(TransferEnding):
                 feed.take_inbox(time.perf_counter(), self.handoff.observe)
         elif kind == "cancel":
             self._cancel(item[1], item[2])
+            with contextlib.suppress(ValueError):   # pushed out of the bounded deque by later cancels
+                self._cancelled.remove(item[1])     # its request is stopped now: the id may start again
         elif kind == "refuse":
             live = self._live.get(getattr(item[1], "transfer_id", None))   # type: ignore[arg-type]
             if live is not None:
