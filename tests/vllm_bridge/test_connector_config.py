@@ -250,3 +250,18 @@ def test_a_conflict_stops_vllm_while_it_builds_the_engine_config():
     ktc.kv_connector_extra_config = {"engine_id": "p"}
     with pytest.raises(ConfigError, match="conflicts with kv_transfer_config engine_id"):
         KVConnectorFactory.get_connector_class(ktc)
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "abc"])
+def test_a_park_wait_that_is_not_a_finite_number_falls_back_to_the_default(monkeypatch, raw):
+    """NaN passed the clamp and reached zmq's poll as int(nan), raising in vLLM's schedule() at D's first
+    parked step: the engine core died."""
+    from aiolayer_vllm.wake import PARK_WAIT_S, open_waiter, park_wait_s
+
+    monkeypatch.setenv("AIOLAYER_PARK_WAIT_MS", raw)
+    assert park_wait_s() == PARK_WAIT_S
+    waiter = open_waiter(park_wait_s(), f"park-{raw}")
+    try:
+        assert waiter is not None and waiter.wait() is False   # the cap passes, nothing raised
+    finally:
+        waiter.close()

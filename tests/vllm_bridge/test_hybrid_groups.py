@@ -125,3 +125,45 @@ def test_a_failed_receive_on_a_hybrid_d_fails_or_recomputes_the_request_not_the_
     assert ("error" in reason) == (policy == "fail"), reason   # recompute: D prefilled it itself
     pool = d.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1   # every block back
+
+
+def test_p_decoding_past_its_window_fails_the_send_that_reads_the_freed_block(engines):
+    """P keeps decoding the request it sent (``max_tokens`` > 1 there): its sliding window moves past a
+    block the send still reads, and vLLM frees that block for any request to take. The send fails as a
+    preempted one does (FAILED to D, never DONE), instead of DONE over KV another request may overwrite."""
+    d = engines("kv_consumer", "d-past", window=WINDOW)
+    p = engines("kv_producer", "p-past", window=WINDOW)
+    prompt = list(range(3, 161))          # 158 tokens: D needs window blocks 3 and 4 (from token 127 on)
+    d.add("d-p", prompt, 3, _recv(p, "tp"))
+    d.step()
+    reg = lookup(p, d, "tp")
+    d.runtime.backend.faults.delay_s = 0.3   # each layer's write lands 0.3 s after its submit: still sending
+    p.add("p-tp", prompt, 20, send_params(d, "tp", reg))
+    p.step()
+    window = p.blocks_of("p-tp", 1)
+    read = window[3]                      # P's block the send pairs with D's window block 3
+    for _ in range(3):                    # decode steps: token 159 takes the window past block 3
+        p.step()
+    assert read not in p.blocks_of("p-tp", 1)   # vLLM freed it while the send was open
+    d.runtime.backend.faults.delay_s = 0.0
+    from vllm.v1.request import RequestStatus
+
+    steps_until(lambda: d.status("d-p") in (RequestStatus.RUNNING, None), d, p)
+    finished = d.finished("d-p")   # D's policy "fail": the request ends in an error, never decodes on
+    assert d.status("d-p") is None and finished and "error" in str(finished[-1].finish_reason).lower(), finished
+
+
+def test_more_destination_blocks_than_the_prompt_has_tokens_are_refused_before_any_io(engines):
+    """A P request of a 3-block prompt whose ``dst_blocks`` name 100,000 blocks (each of D's blocks holds
+    at least a token): refused at once, D told, and the step's metadata stays small (the whole list went
+    to every worker, pickled twice, and stalled the scheduler)."""
+    import pickle
+
+    p = engines("kv_producer", "p-many")
+    params = {"aiolayer": {"transfer_id": "many", "token": tok("many"), "dst_blocks": list(range(1, 100_001)),
+                           "decode_ranks": [{"decode_control": "tcp://127.0.0.1:9", "dst_incarnation": "i"}]}}
+    p.add("p-m", list(range(3, 99)), 1, params)
+    out = p.step()
+    send = out.kv_connector_metadata.sends[0]
+    assert not send.src_blocks and "100000 blocks for a 96-token prompt" in send.refused, send.refused
+    assert len(pickle.dumps(out.kv_connector_metadata)) < 1_000_000

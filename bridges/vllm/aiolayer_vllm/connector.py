@@ -91,6 +91,12 @@ def check_micro_batching(parallel_config) -> None:
                           "parts: not supported yet")
 
 
+def freeing_groups(groups: list[str]) -> tuple[int, ...]:
+    """The groups whose blocks vLLM may free while their request still runs (all but full attention's:
+    a sliding window frees the blocks it moved past)."""
+    return tuple(i for i, kind in enumerate(groups) if not kind.startswith(("FullAttentionSpec", "MLAAttentionSpec")))
+
+
 def group_facts(groups: list[str], block_size: int) -> dict[str, object]:
     """The groups' part of the fingerprint: P and D must agree on several groups, and where blocks pair
     block for block (several groups, or a sliding window's, whose blocks outside it are null: the
@@ -123,7 +129,8 @@ class AiolayerConnector(KVConnectorBase_V1, SupportsHMA):
         executor = vllm_config.parallel_config.distributed_executor_backend
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.config, vllm_config.cache_config.block_size, producer, consumer,
-                                            parked_wait=consumer and executor in LOCAL_EXECUTORS)
+                                            parked_wait=consumer and executor in LOCAL_EXECUTORS,
+                                            freeing_groups=freeing_groups(groups))
         else:
             request_amx_tiles()   # before this worker's first attention step
             self._worker = WorkerSide(self.config, producer, consumer, kv_cache_config.num_blocks,

@@ -68,7 +68,7 @@ def pair_groups(groups: list[list[int]], dst_blocks: list[int], null: int) -> tu
 
 class SchedulerSide:
     def __init__(self, config: BridgeConfig, block_size: int, is_producer: bool, is_consumer: bool,
-                 parked_wait: bool = False) -> None:
+                 parked_wait: bool = False, freeing_groups: tuple[int, ...] = ()) -> None:
         self.config = config
         self.block_size = block_size
         self.is_producer = is_producer
@@ -82,6 +82,10 @@ class SchedulerSide:
         self._to_send: dict[str, tuple[Any, SendParams]] = {}      # P: req_id -> (request, params)
         self._sent: dict[str, str] = {}                            # P: req_id -> transfer_id
         self._cancelled: set[str] = set()                          # P: ... whose send was cancelled
+        # P: the KV cache groups whose blocks vLLM frees while the request runs (a sliding window's, as
+        # it decodes), and per sent request the blocks of theirs its send reads (``_freed_under``)
+        self._freeing_groups = freeing_groups
+        self._read_by_send: dict[str, frozenset[int]] = {}
         self._meta = AiolayerMetadata()
         self._modes = ModePolicy(config.transfer_mode, config.layerwise_min_tokens)   # P: each send's mode
         self._waiter = open_waiter(park_wait_s(), config.node.engine_id) if parked_wait else None   # D: ``wake``
@@ -185,8 +189,18 @@ class SchedulerSide:
                 continue  # not scheduled, or an earlier chunk: the whole KV is final only at the last one
             del self._to_send[req_id]
             needed = math.ceil(request.num_prompt_tokens / self.block_size)
-            src, dst, refused, src_from = self._pair(self._block_ids(req_id), needed, send)
+            groups = self._block_ids(req_id)
+            if len(send.dst_blocks) > request.num_prompt_tokens * len(groups):   # a D block holds >= 1 token
+                paired: tuple[list[int], list[int], str, int] = ([], [], (
+                    f"D registered {len(send.dst_blocks)} blocks for a {request.num_prompt_tokens}-token prompt "
+                    f"in {len(groups)} KV cache group(s): more than it can hold"), 0)
+            else:
+                paired = self._pair(groups, needed, send)
+            src, dst, refused, src_from = paired
             self._sent[req_id] = send.transfer_id
+            freeable = {b for g in self._freeing_groups for b in groups[g][:needed]}.intersection(src)
+            if freeable and not refused:
+                self._read_by_send[req_id] = frozenset(freeable)
             layerwise = self._modes.layerwise(req_id, step_tokens=scheduler_output.total_num_scheduled_tokens,
                                               prompt_tokens=request.num_prompt_tokens,
                                               dest=send.decode_ranks[0].decode_control,
@@ -207,7 +221,8 @@ class SchedulerSide:
             return [], [], "late binding needs one KV cache group without a sliding window; use D-first", 0
         if len(groups) == 1 and null not in send.dst_blocks and null not in groups[0][:needed]:
             # first_block counts D's blocks: whether they fit ours is the runtime's check (check_layout)
-            return list(groups[0][:needed]), list(send.dst_blocks), "", send.first_block
+            # D's list itself, not a copy: the metadata pickles it once (it is in ``params`` too)
+            return list(groups[0][:needed]), send.dst_blocks, "", send.first_block
         return (*pair_groups([ids[send.first_block:needed] for ids in groups], send.dst_blocks, null), 0)
 
     def _cancels_for(self, scheduler_output) -> list[tuple[str, str]]:
@@ -215,12 +230,28 @@ class SchedulerSide:
         ``_preempt_request``, from ``schedule`` or ``reset_prefix_cache``): their writes may read
         blocks that now hold another request's KV, so they must fail (FAILED to D, never DONE)."""
         out = []
-        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
+        for req_id, why in [*((r, "preempted") for r in preempted), *self._freed_under(scheduler_output)]:
             tid = self._sent.get(req_id)
+            self._read_by_send.pop(req_id, None)
             if tid is not None and req_id not in self._cancelled:
                 self._cancelled.add(req_id)
-                log.warning("request %s preempted while its KV may still be sending: transfer %s fails", req_id, tid)
+                log.warning("request %s %s while its KV may still be sending: transfer %s fails", req_id, why, tid)
                 out.append((req_id, tid))
+        return out
+
+    def _freed_under(self, scheduler_output) -> list[tuple[str, str]]:
+        """P: sent requests that went on running (``max_tokens`` > 1 at P) and whose sliding window moved
+        past a block their send reads: vLLM freed it in this step's allocation, for any request to take,
+        so the send must fail as a preempted one does (a send that ended already ignores the cancel)."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        out = []
+        for req_id, sources in self._read_by_send.items():
+            if req_id in scheduled:
+                groups = self._block_ids(req_id)
+                held = {b for g in self._freeing_groups for b in groups[g]}
+                if not sources <= held:
+                    out.append((req_id, "decoded past a sliding-window block its send reads"))
         return out
 
     # --- both ------------------------------------------------------------------------------------
@@ -264,6 +295,7 @@ class SchedulerSide:
             # worker reports only once P confirmed it stopped writing (the fence).
             self._meta.aborts.append((req_id, tid))
             return False, None
+        self._read_by_send.pop(req_id, None)
         tid = self._sent.pop(req_id, None)
         if tid is not None:
             return True, {"aiolayer": {"transfer_id": tid}}   # blocks freed on finished_sending

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 import sys
@@ -36,7 +37,9 @@ def park_wait_s() -> float:
     try:
         ms = float(raw) if raw else PARK_WAIT_S * 1e3
     except ValueError:
-        log.error("AIOLAYER_PARK_WAIT_MS=%r is not a number: %g ms is used", raw, PARK_WAIT_S * 1e3)
+        ms = math.nan
+    if not math.isfinite(ms):   # NaN would reach zmq's poll as int(nan) and raise in vLLM's schedule()
+        log.error("AIOLAYER_PARK_WAIT_MS=%r is not a finite number: %g ms is used", raw, PARK_WAIT_S * 1e3)
         return PARK_WAIT_S
     return min(max(ms, 0.0), 50.0) / 1e3   # a few ms at most: a new request waits that long for its step
 
