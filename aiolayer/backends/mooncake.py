@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import BackendError, TransferTimeout
 from ..transport import MOONCAKE_IPV6, Transport, check_rdma_devices
+from .mooncake_names import SegmentNames
 from .mooncake_poll import MAX_RUNS_PER_TARGET, GroupPoller, Group
 from .mooncake_thread import INVALID_IDS as _INVALID_IDS, Job, SubmitThread
 
@@ -61,6 +62,8 @@ class MooncakeBackend:
         self._session = ""
         self._regions: dict[int, int] = {}
         self._opened_targets: set[str] = set()
+        self._names = SegmentNames()   # the name written to for each process behind a session
+        self.target_for = self._names.target_for
         self._poll = GroupPoller(max_runs_per_target)
         self._opening: set[asyncio.Future] = set()          # settled of submits still running in a thread
         self._openers: dict[str, asyncio.Future] = {}       # target -> the threaded first submit opening it
@@ -197,6 +200,8 @@ class MooncakeBackend:
             late = await self._thread.run(job, self._engine.transfer_submit_write, group.deadline,
                                           self._poll.adopt)
         except BaseException:
+            if not job.abandoned:   # the job ended (cancelled as it returned): its runs are the group's
+                group.ids += job.ids
             group.future.cancel()   # nobody awaits it: the runs it holds are still watched to their end
             self._settle_or_watch(target, group)
             raise
@@ -278,15 +283,14 @@ class MooncakeBackend:
             if not fut.cancelled() and fut.exception() is None:
                 self._opened_targets.add(target)
         submit.add_done_callback(opened)
-        settled = None
         try:
             await asyncio.wait({submit}, timeout=timeout)
-        finally:
-            if not submit.done():
-                settled = self._adopt_late(submit, loop)
-        if settled is not None:
+        except BaseException:   # cancelled, maybe as the submit returned: its run is watched to its end
+            self._adopt_late(submit, loop)
+            raise
+        if not submit.done():
             raise TransferTimeout("layer_write", timeout, f"opening the segment of {target}; the submit "
-                                  "may still happen", pending=[settled])
+                                  "may still happen", pending=[self._adopt_late(submit, loop)])
         return submit.result()   # BackendError if refused: nothing was submitted
 
     async def _wait_opened(self, target: str, deadline: float, timeout: float, loop) -> None:

@@ -114,6 +114,8 @@ class LayerStreamer:
         # A backend with ``start_write`` (Mooncake) takes the layers ready together as ONE write,
         # started with no task; any other, each layer as its own write in its own task.
         self._start: StartWrite | None = getattr(backend, "start_write", None)
+        # A backend that names a peer process by more than its session (Mooncake: ``target_for``)
+        self._target_for: Callable[[str, str], str] = getattr(backend, "target_for", lambda session, _: session)
         # called as a transfer's layers are submitted (their source is final from then on), and once more,
         # with no layers and ``last``, once all were
         self.submitted: Callable[[Request, list[int], bool], None] = _nothing
@@ -127,7 +129,8 @@ class LayerStreamer:
         event's ``query`` raising too), it returns or raises only once every write started with no
         task settled or outlived its deadline (``_settle``); such a write is in ``req.pending``, which
         the sender's fence waits for before the source may be reused or D told FAILED."""
-        sink = _Sink(req, LayerPlan(local, req.runs, req.spans, layout), layout)
+        sink = _Sink(req, LayerPlan(local, req.runs, req.spans, layout), layout,
+                     self._target_for(layout.session, layout.incarnation))
         cancelled, unresolved = False, ""
         try:
             reason = await self._layers(req, local.num_layers, sink)
@@ -256,7 +259,7 @@ class LayerStreamer:
         try:
             src, dst, lengths, nbytes = sink.plan.rows([layer for layer, _ in layers])
             submitted = time.perf_counter()
-            settled = self._start(sink.layout.session, src, dst, lengths, self._write_timeout(sink))
+            settled = self._start(sink.target, src, dst, lengths, self._write_timeout(sink))
         except Exception as cause:  # noqa: BLE001 - mapped, not swallowed
             sink.failed.append((order, self._failed(sink.req, layers[0][0], cause)))
             return True
@@ -294,7 +297,7 @@ class LayerStreamer:
         try:
             src, dst, lengths, nbytes = sink.plan.rows([layer for layer, _ in layers])
             submitted = time.perf_counter()
-            await self.backend.write(sink.layout.session, src, dst, lengths, self._write_timeout(sink))
+            await self.backend.write(sink.target, src, dst, lengths, self._write_timeout(sink))
         except Exception as cause:  # mapped, not swallowed; cancellation passes through
             raise self._failed(sink.req, layers[0][0], cause) from cause
         sink.landed(layers, submitted, nbytes)
@@ -340,10 +343,10 @@ class _Sink:
     future is in ``req.pending`` from its start: the sender's fence never releases the source, nor
     tells D FAILED, while one may still land, however the stream ended."""
 
-    __slots__ = ("req", "plan", "layout", "failed", "order", "count", "started", "waiter")
+    __slots__ = ("req", "plan", "layout", "target", "failed", "order", "count", "started", "waiter")
 
-    def __init__(self, req: Request, plan: LayerPlan, layout: RemoteLayout) -> None:
-        self.req, self.plan, self.layout = req, plan, layout
+    def __init__(self, req: Request, plan: LayerPlan, layout: RemoteLayout, target: str) -> None:
+        self.req, self.plan, self.layout, self.target = req, plan, layout, target
         self.failed: list[tuple[int, LayerWriteFailed]] = []
         self.order = 0   # writes submitted so far
         self.count = 0   # task-less writes not settled yet
