@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,7 @@ from ..errors import BackendError, TransferTimeout
 from ..transport import MOONCAKE_IPV6, Transport, check_rdma_devices
 from .mooncake_names import SegmentNames
 from .mooncake_poll import MAX_RUNS_PER_TARGET, GroupPoller, Group
-from .mooncake_thread import INVALID_IDS as _INVALID_IDS, Job, SubmitThread
+from .mooncake_thread import GATE_WAIT_S, INVALID_IDS as _INVALID_IDS, Job, SubmitThread
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +275,8 @@ class MooncakeBackend:
         handshake that blocks, e.g. while the peer is stopped). Past ``timeout`` the thread still
         runs and its submit may still happen: ``TransferTimeout`` hands a future that settles when
         that submit was refused or its batch ended."""
-        submit = loop.run_in_executor(None, self._open, target, *run)
+        gave_up = threading.Event()   # its thread submits nothing once set (it may wait for the gate)
+        submit = loop.run_in_executor(None, self._open, target, *run, gave_up)
         self._openers[target] = submit   # concurrent writes to the target wait for it (_wait_opened)
 
         def opened(fut: asyncio.Future) -> None:   # before any waiter resumes: the target is usable
@@ -286,9 +288,11 @@ class MooncakeBackend:
         try:
             await asyncio.wait({submit}, timeout=timeout)
         except BaseException:   # cancelled, maybe as the submit returned: its run is watched to its end
+            gave_up.set()
             self._adopt_late(submit, loop)
             raise
         if not submit.done():
+            gave_up.set()
             raise TransferTimeout("layer_write", timeout, f"opening the segment of {target}; the submit "
                                   "may still happen", pending=[self._adopt_late(submit, loop)])
         return submit.result()   # BackendError if refused: nothing was submitted
@@ -336,10 +340,21 @@ class MooncakeBackend:
         submit.add_done_callback(adopt)
         return settled
 
-    def _open(self, target: str, src: int, dst: int, length: int) -> int:
-        """``_submit`` in an opening's thread, holding the submit thread's gate across the handshake."""
-        with self._thread.gate:
+    def _open(self, target: str, src: int, dst: int, length: int, gave_up: threading.Event) -> int:
+        """``_submit`` in an opening's thread, holding the submit thread's gate across the handshake. The
+        gate is taken in short waits (another target's handshake may hold it for a minute): a write that
+        gave up meanwhile submits nothing (D may have reused its blocks by then)."""
+        gate = self._thread.gate
+        while not gate.acquire(timeout=GATE_WAIT_S):
+            if gave_up.is_set():
+                raise BackendError(f"the write to {target} gave up while another segment was being opened; "
+                                   "nothing was submitted")
+        try:
+            if gave_up.is_set():
+                raise BackendError(f"the write to {target} gave up before its submit; nothing was submitted")
             return self._submit(target, src, dst, length)
+        finally:
+            gate.release()
 
     def _submit(self, target: str, src: int, dst: int, length: int) -> int:
         bid = self._engine.transfer_submit_write(target, src, dst, length)

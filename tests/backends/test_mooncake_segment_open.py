@@ -295,3 +295,29 @@ def test_a_write_held_while_a_segment_opens_is_never_submitted_after_ds_window()
             assert not out_a.ok and "TransferTimeout" in out_a.reason, out_a
         finally:
             p.stop()
+
+
+@pytest.mark.timeout(80)
+def test_a_new_segments_first_write_that_gave_up_behind_another_opening_is_never_submitted():
+    """B's handshake hangs (B stopped) holding Mooncake's lock; the first write to C, another new peer,
+    waits behind it and gives up at its deadline. Once B answers, C's write must not go out after all:
+    by then D may have handed those blocks on (its fence trusts P's deadline)."""
+    with stoppable_node(SHAPE) as b, stoppable_node(SHAPE) as c, mooncake_p("p-behind", 6) as (p, cache):
+        backend = p.backend
+        to_b, to_c = Peer(p, b, "to-b", cache), Peer(p, c, "to-c", cache)
+        before = d_crcs(p, c.control, "to-c")
+
+        async def scenario() -> dict:
+            t0 = time.monotonic()
+            b_done = asyncio.ensure_future(timed_write(backend, to_b, DEADLINE_S, t0))
+            await asyncio.sleep(0.2)   # B's handshake holds the lock in its thread
+            return {"c": await timed_write(backend, to_c, DEADLINE_S, time.monotonic()), "b": await b_done}
+
+        _, out = while_b_stopped(p, b, scenario(), WINDOW_S)
+        (took_c, exc_c), (_, exc_b) = out["c"], out["b"]
+        assert isinstance(exc_c, TransferTimeout) and took_c < DEADLINE_S + SLACK_S, out
+        p.loop_thread.call(settle(backend, exc_b, exc_c), timeout=25)   # B answered: every opening ended
+        time.sleep(0.5)
+        assert d_crcs(p, c.control, "to-c") == before, "the write that gave up landed after its deadline"
+        p.loop_thread.call(backend.write(to_c.session, *to_c.run, 5.0), timeout=10)   # C is reached afresh
+        assert to_c.landed(cache) and backend.quarantined == 0
