@@ -18,9 +18,9 @@ PASS, FAIL, SKIP = "OK", "FAIL", "SKIP"
 CONFIG_CHECK_GROUP = "aiolayer.config_checks"
 # (the extra config, the kv_transfer_config holding it or None) -> None when valid, else (what, fix)
 ConfigChecker = Callable[[dict[str, Any] | None, dict[str, Any] | None], tuple[str, str] | None]
-LAYOUT_FIELDS = ("num_layers", "head_bytes", "kv_layout")
-# blocks of other sizes copy token by token where both publish one interior the runtime knows
-# (protocol.plan.HeadGeometry: "" is a row per token, "opaque" unknown)
+LAYOUT_FIELDS = ("num_layers", "head_bytes", "kv_layout", "kv_interior")
+# blocks are copied byte for byte only between one interior; blocks of other sizes copy token by token
+# where both publish one the runtime knows (protocol.plan.HeadGeometry: "" a row per token, "opaque-<kernel>" unknown)
 
 
 @dataclass
@@ -174,7 +174,7 @@ def check_layout(p: Side, d: Side) -> Check:
         diffs.append(f"KV heads (per rank x TP): P {pt.kv_heads} x {pt.tp_size}, D {dt.kv_heads} x {dt.tp_size}")
     if pt.model and dt.model and pt.model != dt.model:
         diffs.append(f"model: P {pt.model!r}, D {dt.model!r}")
-    if pt.block_size != dt.block_size and (pt.kv_interior != dt.kv_interior or pt.kv_interior == "opaque"):
+    if pt.block_size != dt.block_size and (pt.kv_interior != dt.kv_interior or pt.kv_interior.startswith("opaque")):
         diffs.append(f"block_size: P {pt.block_size!r}, D {dt.block_size!r}, and blocks whose interiors "
                      f"({pt.kv_interior!r:.40}, {dt.kv_interior!r:.40}) do not copy token by token")
     if diffs:

@@ -204,7 +204,7 @@ def interior_of(interior: str) -> tuple[int, int]:
     slabs 0: not known token by token. ``ValueError`` for anything else."""
     if interior == "":
         return 1, 0
-    if interior == "opaque":
+    if interior == "opaque" or interior.startswith("opaque-"):   # "opaque-<kernel>": whose, not how
         return 0, 0
     if interior == "kv-slabs":
         return 2, 0

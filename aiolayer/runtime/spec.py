@@ -222,7 +222,24 @@ def check_layout(local: LocalLayout, spec: TransferSpec, runs: BlockRuns | None,
     if runs is None:
         raise LayoutMismatch(f"D's {len(spec.dst_blocks)} blocks do not pair with our "
                              f"{len(spec.src_blocks) - spec.src_from} and D's blocks are of our size")
-    return _route_spans(local, route, runs, layout) if route is not None else None
+    if route is not None:
+        return _route_spans(local, route, runs, layout)
+    _same_interior(local, layout)
+    return None
+
+
+def _same_interior(local: LocalLayout, layout: RemoteLayout) -> None:
+    """Whole blocks are copied byte for byte: where both sides say how a block holds its heads and tokens,
+    they must say the same (P on flash, D on FlashInfer; vLLM CPU's kernels, picked per host)."""
+    geom = local.geometry
+    if geom is None or not layout.kv_layout:
+        return   # a side published no geometry (an embedder's raw blocks): as before, bytes are bytes
+    theirs = (layout.head_bytes, layout.kv_layout, layout.kv_interior)
+    if theirs != (geom.head_bytes, geom.layout, geom.interior):
+        shown = (layout.head_bytes, layout.kv_layout[:40], layout.kv_interior[:40])   # D's strings: from the network
+        raise LayoutMismatch(f"D's blocks hold their heads otherwise than P's (head bytes, layout, interior): "
+                             f"{shown} at D, {(geom.head_bytes, geom.layout, geom.interior)} at P; a byte copy "
+                             "would scramble them (run both on one attention backend / CPU kernel)")
 
 
 def other_block_size(local: LocalLayout, layout: RemoteLayout) -> bool:
@@ -257,10 +274,10 @@ def _route_spans(local: LocalLayout, route: RankRoute, runs: BlockRuns, layout: 
     if geom is None or not layout.kv_heads:
         side = "P" if geom is None else "D"
         raise LayoutMismatch(f"a head-slice route needs both sides' head geometry; {side} published none")
-    theirs = (layout.block_size, layout.head_bytes, layout.kv_layout)
-    if theirs != (geom.block_size, geom.head_bytes, geom.layout):
-        raise LayoutMismatch(f"D's blocks are (tokens, head bytes, layout) {theirs}, P's "
-                             f"{(geom.block_size, geom.head_bytes, geom.layout)}")
+    theirs = (layout.block_size, layout.head_bytes, layout.kv_layout, layout.kv_interior[:40])
+    if theirs != (geom.block_size, geom.head_bytes, geom.layout, geom.interior):
+        raise LayoutMismatch(f"D's blocks are (tokens, head bytes, layout, interior) {theirs}, P's "
+                             f"{(geom.block_size, geom.head_bytes, geom.layout, geom.interior)}")
     if layout.block_bytes != layout.kv_heads * geom.block_size * geom.head_bytes:
         raise LayoutMismatch(f"D's {layout.block_bytes}-byte blocks do not hold {layout.kv_heads} heads "
                              f"of {geom.block_size} x {geom.head_bytes} bytes")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from aiolayer.errors import LayoutMismatch
-from aiolayer.protocol.plan import HeadGeometry
+from aiolayer.protocol.plan import HeadGeometry, RankRoute, merge_runs
 from aiolayer.runtime.spec import RemoteLayout
 from aiolayer.runtime.spec import LocalLayout, TransferSpec, check_layout, check_spec
 
@@ -63,3 +63,25 @@ def test_bridge_sends_one_group_whole_from_its_first_block():
     send = SendParams(transfer_id="t", token="tok-0123456789abcdef", dst_blocks=[9], first_block=12,
                       decode_ranks=[DecodeRank(decode_control="tcp://h:1", dst_incarnation="inc")])
     assert side._pair(([4, 5, 6, 7, 8],), 4, send) == ([4, 5, 6, 7], [9], "", 12)
+
+
+@pytest.mark.parametrize("p, d", [(("NHD", ""), ("HND", "")),                        # flash -> FlashInfer
+                                  (("HND", "opaque-amx"), ("HND", "kv-slabs-kt2")),   # vLLM CPU on AMX -> vec16
+                                  (("HND", "opaque-amx"), ("HND", "opaque-neon"))])   # two unknown kernels
+@pytest.mark.parametrize("route", [None, RankRoute(0, 0, 0, 0, 1)])
+def test_blocks_of_one_size_whose_interiors_differ_are_never_copied_byte_for_byte(p, d, route):
+    """Same-size blocks copied whole: D's attention would read P's heads and tokens in its own arrangement
+    and decode from scrambled KV, which no checksum sees (the bytes are P's, faithfully)."""
+    heads = 2 if route is None else 1
+    local = LocalLayout(k_base=np.array([1 << 20]), v_base=np.array([0]), block_bytes=32 * 2 * HEAD, num_blocks=8,
+                        heads=2, geometry=HeadGeometry(32, HEAD, *p), host=True)
+    remote = RemoteLayout("tcp://127.0.0.1:1", "d", "inc", "d:1", block_bytes=32 * heads * HEAD, num_blocks=40,
+                          k_base=np.array([1 << 30]), v_base=np.array([0]), kv_heads=heads, block_size=32,
+                          head_bytes=HEAD, kv_layout=d[0], kv_interior=d[1])
+    spec = _spec([0, 1], [3, 4])
+    spec = TransferSpec(**{**{f: getattr(spec, f) for f in spec.__struct_fields__}, "route": route})
+    with pytest.raises(LayoutMismatch):
+        check_layout(local, spec, merge_runs(spec.src_blocks, spec.dst_blocks), remote)
+    same = RemoteLayout(**{**{f: getattr(remote, f) for f in remote.__struct_fields__}, "kv_layout": p[0],
+                           "kv_interior": p[1]})
+    check_layout(local, spec, merge_runs(spec.src_blocks, spec.dst_blocks), same)   # one interior: copied

