@@ -259,3 +259,33 @@ def test_sender_crash_closes_bridge_and_stop_leaves_nothing(memory_runtime):
     assert time.monotonic() - t0 < 1.0
     assert rt.backend.registered_regions == 0
     assert open_sockets() == 0                          # stop closed every socket
+
+
+def test_stop_while_a_transfer_waits_for_ds_layout_leaves_no_socket(memory_runtime):
+    """stop() closes the control peers while a transfer still waits for D's layout: the transfer fails
+    and then tells D FAILED, which reopened a client to D after the close, a socket that outlived stop."""
+    import zmq
+
+    from aiolayer import TransferSpec
+    from aiolayer.kvcache import KVShape, PagedKVCache
+    from aiolayer.runtime.control.plane import open_sockets
+
+    silent = zmq.Context.instance().socket(zmq.ROUTER)   # a D that takes requests and never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        rt = memory_runtime("p-stop-fetch")
+        shape = KVShape(num_layers=2, num_blocks=8, block_size=4, kv_heads=1, head_dim=8)
+        cache = PagedKVCache(shape)
+        rt.register_kv_memory(cache.k_base, cache.v_base, shape.block_bytes, shape.num_blocks)
+        spec = TransferSpec(transfer_id="mid-fetch", peer=f"tcp://127.0.0.1:{port}", src_blocks=[0, 1],
+                            dst_blocks=[0, 1], dst_incarnation="d-inc", token="t" * 32)
+        step = rt.begin_step([spec])
+        for layer in range(shape.num_layers):
+            step.layer_ready(layer)
+        step.end()
+        assert silent.poll(5000), "P never asked D for its layout"
+        rt.stop()
+        assert open_sockets() == 0
+    finally:
+        silent.close()

@@ -342,16 +342,21 @@ class ControlPeers:
         self._clients: dict[str, ControlClient] = {}
         self._retired: collections.Counter[str] = collections.Counter()   # results of closed clients
         self.evicted = 0
+        self._closed = False   # a DONE or FAILED made after ``close`` opens no socket that outlives it
 
     def table_sizes(self) -> dict[str, int]:
         return {"clients": len(self._clients)}
 
     async def get(self, endpoint: str) -> ControlClient:
+        if self._closed:
+            raise ControlError(f"control peers closed (the runtime stops): no call to {endpoint}")
         client = self._clients.get(check_endpoint(endpoint))
         if client is None:
             await self._evict_idle()
             client = self._clients.get(endpoint)   # another caller may have added it meanwhile
         if client is None:
+            if self._closed:   # closed while the eviction awaited
+                raise ControlError(f"control peers closed (the runtime stops): no call to {endpoint}")
             client = ControlClient(endpoint, self.timeouts)
             await client.start(self._spawn)        # no suspension inside: no second client can race in
             self._clients[endpoint] = client
@@ -382,6 +387,7 @@ class ControlPeers:
         return len(self._clients)
 
     async def close(self) -> None:
+        self._closed = True
         readers = [client.shut() for client in self._clients.values()]
         self._clients = {}
         await asyncio.gather(*(r for r in readers if r is not None), return_exceptions=True)
