@@ -413,3 +413,29 @@ def test_a_cancel_while_the_done_is_being_made_still_ends_in_failed(memory_runti
     while d_state(p, d.control_endpoint, "digest") != "failed" and time.monotonic() < deadline:
         time.sleep(0.02)
     assert d_state(p, d.control_endpoint, "digest") == "failed"
+
+
+def test_a_transfer_live_as_the_sender_stops_gets_one_outcome_that_wait_and_pop_agree_on(memory_runtime,
+                                                                                        memory_decode_node):
+    """The bridge closes (stop's first act) while a transfer's DONE is at D: ``wait`` answered "sender
+    stopped" at once while the transfer went on and queued its real outcome too (ok, source released), so
+    ``wait`` and ``pop_outcomes`` told the engine two different things."""
+    d = memory_decode_node(SHAPE, engine_id="d-stopping")
+    p, _ = p_runtime(memory_runtime, "p-stopping")
+    handler = d.runtime.server.handler
+
+    async def slow_done(msg):   # D takes a while to answer a DONE
+        if isinstance(msg, (m.Done, m.DoneBatch)):
+            await asyncio.sleep(0.3)
+        return await handler(msg)
+
+    d.runtime.server.handler = slow_done
+    run_step(p, 0, [spec_for(d.control_endpoint, "stopping", [1, 2], alloc(p, d.control_endpoint, "stopping", 2))])
+    time.sleep(0.1)                       # the DONE is at D
+    p.bridge.close("runtime stopped")     # as stop() begins
+    waited = p.sender.wait("stopping", 5)
+    time.sleep(0.5)                       # D's answer comes; the transfer ends on its own
+    popped = [o for o in p.sender.pop_outcomes() if o.transfer_id == "stopping"]
+    assert popped == [waited], (waited, popped)
+    assert not waited.ok and not waited.source_released
+    assert released_within(p, "stopping", 5) is not None   # its source, once its writes ended

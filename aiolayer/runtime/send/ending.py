@@ -188,7 +188,8 @@ class TransferEnding:
                           reason=req.state.reason, bytes=req.bytes, finished_s=now,
                           writes_settled_s=settled or now, source_released=not unsettled,
                           layers=sorted(req.timings, key=_BY_LAYER), layerwise=req.spec.layerwise)
-        self.results.publish(outcome)
+        if not req.announced:
+            self.results.publish(outcome)
         if unsettled:
             self._spawn(self._release_when_quiet(req, req.pending), name=f"fence {req.spec.transfer_id}")
         else:
@@ -206,6 +207,19 @@ class TransferEnding:
             self.results.publish(Outcome(transfer_id=tid, ok=False, finished_s=time.perf_counter(),
                                          reason=f"{what} again while its earlier transfer still ran: ignored",
                                          source_released=False))
+
+    def _announce_stop(self, reason: str) -> None:
+        """The sender stops: each live transfer is stopped (no layer, and no DONE decided, after this) and
+        its outcome, a failure, goes out now, the only one it gets (``wait`` and ``pop_outcomes`` agree).
+        It stays live, not quiet, until its writes end: its id comes out of ``pop_released`` only then."""
+        for req in list(self._live.values()):
+            if req.state.terminal or req.announced:
+                continue
+            req.abort(reason, by_p=True)
+            req.announced = True
+            self.results.publish(Outcome(transfer_id=req.spec.transfer_id, ok=False, reason=reason, bytes=req.bytes,
+                                         finished_s=time.perf_counter(), source_released=False,
+                                         layers=sorted(req.timings, key=_BY_LAYER), layerwise=req.spec.layerwise))
 
     def _publish_safely(self, req: Request, reason: str) -> None:
         try:

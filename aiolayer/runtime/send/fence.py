@@ -82,7 +82,7 @@ class Request:
     """One transfer on the loop: its step's layers, its state, and what its fence waits for."""
 
     __slots__ = ("spec", "runs", "spans", "feed", "cursor", "_waiter", "state", "timings", "bytes", "pending",
-                 "quiet", "digest", "checking", "check")
+                 "quiet", "digest", "checking", "check", "announced")
 
     def __init__(self, spec: TransferSpec, runs: BlockRuns | None, feed: StepLayers | None = None) -> None:
         self.spec = spec
@@ -99,6 +99,7 @@ class Request:
         self.digest = "crc32"                          # the integrity digest D's layout offered (integrity.py)
         self.checking: SourceCheck | bool | None = None   # its integrity check (False: not sampled; None: not yet)
         self.check: asyncio.Future[Any] | None = None  # the whole check, once every layer was submitted
+        self.announced = False   # its outcome went out as the sender stopped: its own end adds none
 
     @property
     def aborted(self) -> str:

@@ -387,8 +387,8 @@ class Sender(TransferEnding):
         return self.local
 
     def _fail_unstarted(self, reason: str) -> None:
-        """The sender stops: every outcome not yet published fails. Live transfers stay live (not
-        quiet): their writes may still land, so D's abort keeps getting ``settling``."""
+        """The sender stops: every outcome not yet published fails, live ones too (``_announce_stop``)."""
+        self._announce_stop(reason)
         self.results.fail_unpublished(reason, self._live)
 
 
