@@ -23,8 +23,8 @@ MIN_FRAME_BYTES = 64 << 10   # a step's DONE or layout batch; below it the contr
 def wait_limit(timeout: float, what: str) -> float:
     """A caller's ``timeout`` for a blocking wait, if it is seconds a wait can end in: ``ConfigError`` for
     NaN (a wait that never ends), a negative one, or one past ``MAX_DEADLINE_S`` (it overflows the clock)."""
-    if not 0 <= timeout <= MAX_DEADLINE_S:
-        raise ConfigError(f"{what}: timeout must be 0 to {MAX_DEADLINE_S:g} seconds, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= MAX_DEADLINE_S:
+        raise ConfigError(f"{what}: timeout must be 0 to {MAX_DEADLINE_S:g} seconds, got {timeout!r:.80}")
     return timeout
 
 

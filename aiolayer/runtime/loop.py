@@ -69,6 +69,7 @@ class LoopThread:
         """Cancel every task and join the thread; raises DeadlineExceeded if it would not end."""
         if self._thread is None:
             return
+        self.not_on_loop("stop")
         loop = self._loop
         if loop is not None and not loop.is_closed():
             try:
@@ -86,6 +87,13 @@ class LoopThread:
     def on_stop(self, closer: Callable[[], Awaitable[None]]) -> None:
         """Await ``closer()`` on the loop after its tasks ended, however the loop ends (stop or crash)."""
         self._on_stop.append(closer)
+
+    def not_on_loop(self, what: str) -> None:
+        """A blocking wait on the loop's own thread waits for the loop it blocks: its deadline, then an
+        error (or, joining itself, Python's). Refused at once instead (an announce or outcome callback)."""
+        if self._thread is not None and threading.current_thread() is self._thread:
+            raise RuntimeStateError(f"{what} from the runtime's own loop thread (a callback): it would wait "
+                                    "for the loop it blocks; call it from another thread")
 
     @property
     def ident(self) -> int | None:
@@ -148,6 +156,11 @@ class LoopThread:
 
     def call(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
         """Run ``coro`` on the loop and wait for its result, at most ``timeout`` seconds."""
+        try:
+            self.not_on_loop("a blocking call")
+        except RuntimeStateError:
+            coro.close()
+            raise
         future = self.submit(coro)
         try:
             return future.result(timeout)

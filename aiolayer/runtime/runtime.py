@@ -130,6 +130,7 @@ class Runtime(ReceiveApi):
 
     def stop(self) -> None:
         """Bounded: closes sockets, unregisters memory and ends the loop thread."""
+        self.loop_thread.not_on_loop("stop()")
         self.bridge.close("runtime stopped")
         if self.loop_thread.alive:
             try:
@@ -286,6 +287,7 @@ class Runtime(ReceiveApi):
 
     def wait_outcome(self, transfer_id: str, timeout: float) -> Outcome:
         """Block until the send's outcome is known (never from the forward thread)."""
+        self.loop_thread.not_on_loop("wait_outcome")
         return self._running_sender().wait(transfer_id, timeout)
 
     def _running_sender(self) -> Sender:

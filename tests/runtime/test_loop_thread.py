@@ -289,3 +289,30 @@ def test_stop_while_a_transfer_waits_for_ds_layout_leaves_no_socket(memory_runti
         assert open_sockets() == 0
     finally:
         silent.close()
+
+
+def test_blocking_calls_from_the_loop_thread_are_refused_at_once(memory_runtime):
+    """stop(), wait_outcome() or a control request from a callback on the loop (announce, on_outcome)
+    blocked the loop for their whole deadline, then raised Python's "cannot join current thread"."""
+    from aiolayer.errors import ConfigError
+    from aiolayer.protocol import messages as m
+
+    rt = memory_runtime("p-on-loop")
+
+    async def on_the_loop() -> list[str]:
+        refused = []
+        for call in (rt.stop, lambda: rt.wait_outcome("x", 5), lambda: rt.wait_received("x", 5),
+                     lambda: rt.request(rt.control_endpoint, m.StatusRequest(transfer_id="x"), timeout=5)):
+            t0 = time.monotonic()
+            try:
+                call()
+            except RuntimeStateError as exc:
+                assert time.monotonic() - t0 < 0.5 and "loop thread" in str(exc), exc
+                refused.append(type(exc).__name__)
+        return refused
+
+    assert rt.loop_thread.call(on_the_loop(), timeout=30) == ["RuntimeStateError"] * 4
+    assert rt.loop_thread.alive   # nothing was stopped by the refused stop()
+    for timeout in ("soon", None, float("nan"), True):
+        with pytest.raises(ConfigError):
+            rt.wait_outcome("x", timeout)

@@ -107,6 +107,7 @@ class ReceiveApi:
     def wait_received(self, transfer_id: str, timeout: float) -> Received:
         """Block until ``transfer_id``'s receive ended (never from the forward thread or the loop);
         the other transfers' results stay for ``pop_received``."""
+        self.loop_thread.not_on_loop("wait_received")
         end = time.monotonic() + wait_limit(timeout, "wait_received")
         while True:
             with self._inbox_lock:
