@@ -80,6 +80,10 @@ class Runtime(ReceiveApi):
         self._outcome_listeners: tuple[Callable[[], None], ...] = ()
         self._started = False
         self._closed = False
+        # start() and stop() one at a time: a stop racing an open bound the control port after its close
+        self._lifecycle = threading.RLock()
+        self._opener: int | None = None   # the thread inside start()'s open (a signal handler there defers)
+        self._stop_asked = False
         self.loop_thread.on_exit(self._on_loop_exit)
         self.loop_thread.on_stop(self._close)  # runs even if the loop dies without stop()
 
@@ -90,15 +94,22 @@ class Runtime(ReceiveApi):
         return self._started
 
     def start(self) -> "Runtime":
-        if self._started:
-            raise RuntimeStateError("runtime already started")
-        self._started = True
-        self.loop_thread.start()
-        try:
-            self.loop_thread.call(self._open(), timeout=self.timeouts.runtime_open)
-        except BaseException:
-            self.stop()
-            raise
+        with self._lifecycle:
+            if self._started or self._stop_asked:
+                raise RuntimeStateError("runtime already started" if self._started else
+                                        "runtime stopped before it started: make a new one")
+            self._started, self._opener = True, threading.get_ident()
+            try:
+                self.loop_thread.start()
+                self.loop_thread.call(self._open(), timeout=self.timeouts.runtime_open)
+            except BaseException:
+                self._opener = None
+                self.stop()
+                raise
+            self._opener = None
+            if self._stop_asked:   # by a signal handler on this thread while it opened
+                self.stop()
+                raise RuntimeStateError("runtime stopped while it started")
         return self
 
     async def _open(self) -> None:
@@ -129,8 +140,22 @@ class Runtime(ReceiveApi):
         spawn(self._publish_metrics(), name="metrics-publisher")
 
     def stop(self) -> None:
-        """Bounded: closes sockets, unregisters memory and ends the loop thread."""
+        """Bounded: closes sockets, unregisters memory and ends the loop thread. Called while another thread
+        is in ``start()``, it waits for that open to end (``runtime_open``) and then stops what it opened."""
         self.loop_thread.not_on_loop("stop()")
+        self._stop_asked = True
+        if self._opener == threading.get_ident():
+            return   # a signal handler inside start() on this thread: start() stops once its open ended
+        if not self._lifecycle.acquire(timeout=self.timeouts.runtime_open + self.timeouts.cleanup):
+            log.warning("stop(): start() did not end its open in time; stopping beside it")
+            self._stop_now()
+            return
+        try:
+            self._stop_now()
+        finally:
+            self._lifecycle.release()
+
+    def _stop_now(self) -> None:
         self.bridge.close("runtime stopped")
         if self.loop_thread.alive:
             try:

@@ -316,3 +316,44 @@ def test_blocking_calls_from_the_loop_thread_are_refused_at_once(memory_runtime)
     for timeout in ("soon", None, float("nan"), True):
         with pytest.raises(ConfigError):
             rt.wait_outcome("x", timeout)
+
+
+def test_stop_racing_start_waits_for_the_open_and_leaves_no_port_bound():
+    """stop() from another thread while start() opens the backend: the close ran beside the open, which
+    then bound the control port after it; start() returned success and the port stayed bound."""
+    import socket
+
+    from aiolayer import NodeConfig, Runtime
+    from aiolayer.backends.memory import MemoryBackend
+    from aiolayer.runtime.control.plane import open_sockets
+
+    class SlowToOpen(MemoryBackend):
+        async def open(self, spawn) -> None:
+            await asyncio.sleep(0.3)   # Mooncake's initialize, in a thread
+            await super().open(spawn)
+
+        async def close(self) -> None:
+            await asyncio.sleep(0.5)
+            await super().close()
+
+    rt = Runtime(NodeConfig(engine_id="p-race", backend="memory"), backend=SlowToOpen())
+    raised: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            rt.start()
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            raised.append(exc)
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    time.sleep(0.1)
+    rt.stop()
+    starter.join(10)
+    assert [type(e) for e in raised] == [RuntimeStateError] and "stopped while it started" in str(raised[0])
+    assert not rt.loop_thread.alive
+    assert open_sockets() == 0
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", rt.server.port)) != 0   # nobody listens there any more
+    with pytest.raises(RuntimeStateError):
+        rt.start()
