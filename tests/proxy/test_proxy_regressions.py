@@ -239,6 +239,9 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, "n > 1"),
     ("/v1/completions", {"prompt": "x", "n": "2"}, "n must be an integer"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True, "n": 1}, "beam search"),
+    # vLLM makes one engine request per prompt of a batch, each with the request's one kv_transfer_params
+    ("/v1/completions", {"prompt": ["a", "b"]}, "a batch of 2 prompts"),
+    ("/v1/completions", {"prompt": [[1, 2], [3, 4], [5]]}, "a batch of 3 prompts"),
 ]
 
 
@@ -265,7 +268,10 @@ def test_bad_bodies_are_a_400_and_affect_nothing_else(stack):
             "kv_transfer_params"),
            (json.dumps({"prompt": "x", "stream": "false"}), "stream must be true or false"),
            (json.dumps({"prompt": "x", "stream": 1}), "stream must be true or false"),
-           (json.dumps(["prompt", "x"]), "JSON object"), ("{", "not JSON"), (b"\xff\xfe", "not JSON")]
+           (json.dumps(["prompt", "x"]), "JSON object"), ("{", "not JSON"), (b"\xff\xfe", "not JSON"),
+           # json.loads takes these, but no engine request can carry them (they went out as a 502 "D failed")
+           ('{"prompt": "x", "temperature": NaN}', "NaN"), ('{"prompt": "x", "top_p": -Infinity}', "-Infinity"),
+           ('{"prompt": "x\\ud800"}', "unpaired UTF-16 surrogate")]
     body = {"prompt": "bystander", "stream": True, "fake": {"chunks": 2000, "interval_s": 0.02, "until": "bystander"}}
     with _client() as client, client.stream("POST", proxy.url + "/v1/completions", json=body) as bystander:
         lines = bystander.iter_lines()
@@ -362,11 +368,19 @@ def test_a_request_d_must_prefill_itself_goes_to_d_alone(stack):
     _wait_for(proxy.idle, 10, "the proxy is idle")
     seen = len(p.requests)
     with _client() as client:
-        for extra in ({"prompt_logprobs": 1}, {"prompt_embeds": "AAAA"}):
+        for extra in ({"prompt_logprobs": 1}, {"prompt_embeds": "AAAA"}, {"echo": True, "logprobs": 1}):
             body = {"prompt": f"whole prompt {extra}", "max_tokens": 2, **extra}
             reply = client.post(proxy.url + "/v1/completions", json=body)
             assert reply.status_code == 200 and reply.json()["choices"][0]["text"].endswith(": local"), reply.text
+        # a chat's echo asks the prompt's logprobs by itself (vLLM's top_logprobs defaults to 0)
+        chat = {"messages": [{"role": "user", "content": "whole prompt, echoed"}], "max_tokens": 2, "echo": True}
+        reply = client.post(proxy.url + "/v1/chat/completions", json=chat)
+        assert reply.status_code == 200, reply.text
     assert len(p.requests) == seen, "P was sent a request D prefills itself"
+    with _client() as client:   # echo alone, on a completion, reads transferred KV as usual: P prefills it
+        reply = client.post(proxy.url + "/v1/completions", json={"prompt": "echoed", "max_tokens": 2, "echo": True})
+        assert reply.status_code == 200, reply.text
+    assert len(p.requests) == seen + 1
     _wait_for(proxy.idle, 10, "every lease released")
 
 

@@ -44,10 +44,22 @@ async def read_json_body(scope, receive, limit: int = MAX_BODY_BYTES):
         chunks.append(chunk)
         if not message.get("more_body", False):
             break
+    raw = b"".join(chunks)
     try:
-        return json.loads(b"".join(chunks))
+        body = json.loads(raw, parse_constant=_no_constant)
     except ValueError:   # not JSON, not UTF-8
         raise ExchangeError(400, "invalid_request", "body is not JSON") from None
+    if b"\\u" in raw:   # an escaped lone surrogate parses, but no engine request can carry it
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise ExchangeError(400, "invalid_request", "body holds an unpaired UTF-16 surrogate (\\ud800-"
+                                "\\udfff): not text any engine takes") from None
+    return body
+
+
+def _no_constant(name: str):
+    raise ExchangeError(400, "invalid_request", f"body holds {name}, which is not JSON (nor a value an engine takes)")
 
 
 def _too_large(size: int, limit: int) -> ExchangeError:
@@ -99,11 +111,22 @@ def check_body(body) -> None:
                                 f"{key} > 1 is not supported through the disaggregated proxy: send {value} requests")
     if body.get("use_beam_search"):
         raise ExchangeError(400, "invalid_request", "beam search is not supported through the disaggregated proxy")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(one, (str, list)) for one in prompt):
+        # vLLM makes one engine request per prompt of a batch, all with this request's kv_transfer_params
+        raise ExchangeError(400, "invalid_request", f"a batch of {len(prompt)} prompts is not supported through "
+                            f"the disaggregated proxy (they would share one KV transfer): send {len(prompt)} requests")
 
 
-def prefilled_at_d(body: dict) -> bool:
+def prefilled_at_d(body: dict, path: str = "") -> bool:
     """Whether D computes the whole prompt itself whatever KV it is sent: vLLM reads no transferred (or
     cached) KV for a request that asks the prompt's logprobs, and a prompt of embeddings has no token
     ids to match. Such a request goes to D alone; sent to P as well, P's transfer would wait for a
-    registration D never makes."""
-    return body.get("prompt_logprobs") is not None or body.get("prompt_embeds") is not None
+    registration D never makes. ``echo`` asks them too (vLLM's ``to_sampling_params``: the prompt's
+    logprobs are ``logprobs`` for a completion, ``top_logprobs`` for a chat, whose default is 0)."""
+    if any(body.get(key) is not None for key in ("prompt_logprobs", "prompt_logprob_token_ids", "prompt_embeds")):
+        return True
+    if body.get("echo"):
+        wanted = body.get("top_logprobs", 0) if path.endswith("chat/completions") else body.get("logprobs")
+        return wanted is not None
+    return False

@@ -145,7 +145,8 @@ class ProxyState:
             decode = self.pool.pick("decode")
             tokens, text_bytes = self.router.prompt_size(path, body)
             route, size = self.router.choose(tokens, bool(mode), body.get("stream") is True)
-            prefill = self._pick_prefill(tokens, bool(mode)) if route == "remote" and not prefilled_at_d(body) else None
+            remote = route == "remote" and not prefilled_at_d(body, path)
+            prefill = self._pick_prefill(tokens, bool(mode)) if remote else None
             route = "remote" if prefill is not None else "local"
         except (ExchangeError, NoBackend) as exc:
             failed = exc if isinstance(exc, ExchangeError) else ExchangeError(503, "no_backend", str(exc))
