@@ -94,7 +94,8 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metadata-server", default=t.metadata_server,
                    help="P2PHANDSHAKE (no server), or an http(s):// or etcd:// metadata server")
     p.add_argument("--port", type=int, default=0, help="control port (0 = pick a free one)")
-    p.add_argument("--engine-id", default="", help="this node's name to peers; empty: decode-PORT")
+    p.add_argument("--engine-id", default="",
+                   help="this node's name to peers; empty: decode-PORT (decode-auto with --port 0)")
     p.add_argument("--backend", default="mooncake", choices=["mooncake", "memory"],
                    help="data plane: Mooncake's transfer engine, or in-process memory (tests)")
     p.add_argument("--receive-timeout", type=float, default=Timeouts().receive,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from .errors import ConfigError
+from .protocol.messages import MAX_KEY_CHARS as MAX_ENGINE_ID   # a peer refuses a frame naming a longer one
 from .transport import Transport
 
 DEFAULT_INTEGRITY_SAMPLE = 0.01   # share of layers checked end to end: a digest pass over ~1 % of the bytes
@@ -18,6 +19,9 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1, "uint8": 1}
 # the clocks it is added to stay far inside what ``threading`` and ``time`` accept (1e10 s overflows them).
 MAX_DEADLINE_S = 86_400.0
 MIN_FRAME_BYTES = 64 << 10   # a step's DONE or layout batch; below it the control plane refuses real frames
+MAX_DIMENSION = 1 << 24      # any one KVShape dimension (blocks, heads...): far past real engines, far from int64
+MAX_KV_BYTES = 1 << 40       # a KVShape's whole cache (1 TiB): past it no host holds it
+MAX_CONTROL_RETRIES = 100    # attempts of one delivery: each waits, so the count bounds the time
 
 
 def wait_limit(timeout: float, what: str) -> float:
@@ -55,8 +59,8 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         for name in self.__struct_fields__:
             value = getattr(self, name)
             if name == "control_retries":
-                if value < 1:
-                    raise ConfigError("control_retries must be >= 1")
+                if not 1 <= value <= MAX_CONTROL_RETRIES:
+                    raise ConfigError(f"control_retries must be 1 to {MAX_CONTROL_RETRIES}, got {value!r}")
             elif not 0 < value <= MAX_DEADLINE_S:   # NaN fails too
                 raise ConfigError(f"timeout {name} must be > 0 and at most {MAX_DEADLINE_S:g} s, got {value!r}")
         for name, parts in COMPOSED.items():
@@ -141,8 +145,11 @@ class KVShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         if self.layout not in ("NHD", "HND"):
             raise ConfigError(f"layout must be 'NHD' or 'HND', got {self.layout!r}")
         for name in ("num_layers", "num_blocks", "block_size", "kv_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1")
+            if not 1 <= getattr(self, name) <= MAX_DIMENSION:
+                raise ConfigError(f"{name} must be 1 to {MAX_DIMENSION:,}, got {getattr(self, name)}")
+        if self.total_bytes > MAX_KV_BYTES:   # numpy would fail with a traceback, or the OOM killer end it
+            raise ConfigError(f"a KV cache of {self.total_bytes:,} bytes (2 x layers x blocks x block_bytes) is over "
+                              f"{MAX_KV_BYTES:,}: fewer blocks or layers")
 
     @property
     def block_bytes(self) -> int:
@@ -179,6 +186,9 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     integrity_sample: float = DEFAULT_INTEGRITY_SAMPLE
 
     def __post_init__(self) -> None:
+        if not 1 <= len(self.engine_id) <= MAX_ENGINE_ID or not self.engine_id.isprintable():
+            raise ConfigError(f"engine_id must be 1 to {MAX_ENGINE_ID} printable characters, got "
+                              f"{len(self.engine_id)}: {self.engine_id[:40]!r}")   # peers refuse longer ids
         if not 0 <= self.control_port <= 65535:
             raise ConfigError(f"control_port out of range: {self.control_port}")
         if not -1 <= self.metrics_port <= 65535:

@@ -109,11 +109,12 @@ def check_config(side: Side) -> Check:
 def endpoint_from_config(config: dict[str, Any], outer: dict[str, Any] | None = None) -> str:
     """``tcp://advertise_host:control_port`` as the config says, vLLM's ``kv_ip`` and ``kv_port`` standing
     in for an absent ``bind_host`` and ``control_port`` ("" when it does not say enough)."""
-    transport = config.get("transport") or {}
-    outer = outer or {}
-    host = transport.get("advertise_host") or transport.get("bind_host") or outer.get("kv_ip") or "127.0.0.1"
-    port = config.get("control_port") or outer.get("kv_port") or 0
-    if not port or host in WILDCARDS:
+    given = config.get("transport")
+    transport: dict[str, Any] = given if isinstance(given, dict) else {}
+    vllm: dict[str, Any] = outer if isinstance(outer, dict) else {}   # not objects: the config check says why
+    host = transport.get("advertise_host") or transport.get("bind_host") or vllm.get("kv_ip") or "127.0.0.1"
+    port = config.get("control_port") or vllm.get("kv_port") or 0
+    if not port or not isinstance(host, str) or host in WILDCARDS:
         return ""
     return f"tcp://[{host}]:{port}" if ":" in str(host) else f"tcp://{host}:{port}"
 

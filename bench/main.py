@@ -91,6 +91,16 @@ def _unwind_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
+def transfer_problem(args: argparse.Namespace) -> str:
+    """What is wrong with the transfer benchmark's own numbers ("" if nothing), before any engine starts:
+    an endless --layer-ms overflowed a deadline after the harness was up, zero requests "measured" nothing."""
+    if args.requests < 1 or args.warmup < 0 or args.prompt_tokens < 1 or args.auto_min_tokens < 0:
+        return "--requests and --prompt-tokens must be >= 1, --warmup and --auto-min-tokens >= 0"
+    if not 0 <= args.layer_ms <= 60_000:   # NaN fails too
+        return f"--layer-ms must be 0 to 60000 (ms of simulated compute per layer), got {args.layer_ms}"
+    return ""
+
+
 def run_bench(args: argparse.Namespace) -> int:
     _unwind_on_sigterm()
     for key, value in MOONCAKE_ENV.items():
@@ -99,7 +109,7 @@ def run_bench(args: argparse.Namespace) -> int:
         from .engines.link import run_vllm
         return run_vllm(args)
     scenario = scenarios.SCENARIOS.get(args.bench)
-    problem = scenario.check(args) if scenario else ""
+    problem = scenario.check(args) if scenario else transfer_problem(args)
     if problem:
         print(f"aiolayer bench {args.bench}: {problem}", file=sys.stderr)
         return 2

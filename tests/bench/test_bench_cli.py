@@ -97,6 +97,11 @@ def test_bench_without_a_subcommand_is_the_transfer_benchmark(tmp_path):
     (["soak", "--requests", "0"], "--requests"),
     (["scale", "--prefill-ranks", "0"], "--prefill-ranks"),
     (["scale", "--prefill-ranks", "3", "--decode-ranks", "4"], "do not split evenly"),
+    # the transfer benchmark's own: an endless --layer-ms overflowed a deadline once the harness was up
+    (["transfer", "--backend", "memory", "--layer-ms", "inf"], "--layer-ms must be 0 to 60000"),
+    (["transfer", "--backend", "memory", "--layer-ms", "nan"], "--layer-ms must be 0 to 60000"),
+    (["transfer", "--backend", "memory", "--requests", "0"], "--requests and --prompt-tokens must be >= 1"),
+    (["transfer", "--backend", "memory", "--prompt-tokens", "0"], "--requests and --prompt-tokens must be >= 1"),
 ])
 def test_scale_and_soak_refuse_bad_arguments_with_a_message(args, words):
     proc = subprocess.run([sys.executable, "-m", "aiolayer", "bench", *args], capture_output=True, text=True,

@@ -126,3 +126,23 @@ def test_a_node_config_that_would_refuse_every_frame_or_step_is_refused():
             NodeConfig(backend="memory", **bad)
     assert NodeConfig(backend="memory", max_frame_bytes=MIN_FRAME_BYTES, bridge_capacity=1).bridge_capacity == 1
 
+
+
+def test_sizes_no_host_holds_and_names_no_peer_takes_are_refused_at_the_config():
+    """A KV cache of petabytes reached numpy (a traceback) or, just under RAM, the OOM killer; an engine id
+    past the wire's 1,024 characters started and then broke every peer's decode of its frames; any number
+    of delivery retries was taken, each a wait."""
+    from aiolayer.config import MAX_DIMENSION, MAX_KV_BYTES, KVShape
+
+    for bad in (dict(num_blocks=10**9), dict(head_dim=2**63), dict(num_layers=MAX_DIMENSION + 1)):
+        with pytest.raises(ConfigError, match="must be 1 to 16,777,216"):
+            KVShape(**bad)
+    with pytest.raises(ConfigError, match="bytes .* is over"):
+        KVShape(num_layers=80, num_blocks=1 << 20, block_size=16, kv_heads=8, head_dim=128)
+    assert KVShape(num_layers=1, num_blocks=MAX_KV_BYTES // (2 * 16 * 8 * 128 * 2)).total_bytes == MAX_KV_BYTES
+    for name in ("x" * 1025, "", "tab\there"):
+        with pytest.raises(ConfigError, match="engine_id must be 1 to 1024 printable"):
+            NodeConfig(engine_id=name, backend="memory")
+    assert NodeConfig(engine_id="x" * 1024, backend="memory").engine_id == "x" * 1024
+    with pytest.raises(ConfigError, match="control_retries must be 1 to 100"):
+        Timeouts(control_retries=101)

@@ -242,3 +242,19 @@ def test_vllms_own_fields_in_a_kv_transfer_config_are_read_as_vllm_reads_them(tm
                            "0.5", "--no-transfer"], capture_output=True, text=True, timeout=60, env=node_env())
     assert done.returncode == 1 and re.search(r"^FAIL  config P .*control_port=5700 conflicts with "
                                               r"kv_transfer_config kv_port=", done.stdout, re.M), done.stdout
+
+
+def test_a_config_whose_transport_is_not_an_object_is_a_failed_check_not_a_crash(tmp_path):
+    """``"transport": ["x"]`` crashed the doctor (AttributeError) before the config check could say why."""
+    from aiolayer.doctor_checks import endpoint_from_config
+
+    assert endpoint_from_config({"transport": ["x"], "control_port": 5600}) == "tcp://127.0.0.1:5600"
+    assert endpoint_from_config({"transport": {"bind_host": 7}, "control_port": 5600}) == ""
+    assert endpoint_from_config({"control_port": 5600}, ["not", "an", "object"]) == "tcp://127.0.0.1:5600"
+    given = tmp_path / "d.json"
+    given.write_text(json.dumps({"transport": ["x"], "control_port": free_port(), "backend": "memory"}))
+    done = subprocess.run([sys.executable, "-m", "aiolayer", "doctor", "--d-config", str(given), "--p-control",
+                           "tcp://127.0.0.1:1", "--timeout", "0.5", "--no-transfer"], capture_output=True,
+                          text=True, timeout=60, env=node_env())
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 1 and re.search(r"^FAIL  config D .*transport", done.stdout, re.M), done.stdout

@@ -221,14 +221,17 @@ def test_health_answers_503_when_the_control_socket_is_gone():
     (["--num-layers", "four"], 2, "invalid int value"),
     (["--backend", "rdma"], 2, "invalid choice: 'rdma'"),
     (["--role", "prefill"], 2, "only --role decode"),
-    (["--num-layers", "0"], 1, "num_layers must be >= 1"),
+    (["--num-layers", "0"], 1, "num_layers must be 1 to 16,777,216, got 0"),
+    (["--num-blocks", "1000000000"], 1, "num_blocks must be 1 to 16,777,216"),   # numpy's traceback before
+    (["--engine-id", "x" * 1025], 1, "engine_id must be 1 to 1024 printable characters"),
     (["--host", "localhost"], 1, "bind_host must be an IP address"),
     (["--port", "70000"], 1, "control_port out of range"),
     (["--advertise-host", "0.0.0.0"], 1, "is not an address a peer can dial"),
     (["--metadata-server", "redis://x"], 1, "metadata server must be P2PHANDSHAKE"),
     # RDMA asked for on a host without a device fails at start, naming what is missing
     (["--protocol", "rdma"], 1, "transport protocol 'rdma' needs an RDMA device"),
-], ids=["dtype", "int", "backend", "prefill", "zero-layers", "hostname", "port-range", "advertise-wildcard",
+], ids=["dtype", "int", "backend", "prefill", "zero-layers", "huge-cache", "long-engine-id", "hostname",
+        "port-range", "advertise-wildcard",
         "metadata-scheme", "rdma-without-device"])
 def test_bad_arguments_exit_nonzero_with_message(args, rc, needle):
     result = run_node_cli("node", *args)

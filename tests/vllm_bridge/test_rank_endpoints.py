@@ -212,3 +212,26 @@ async def test_d_does_not_post_a_registration_the_proxy_would_refuse():
             await publisher.publish(reg, "http://127.0.0.1:9/registered", "x", Timeouts(control_retries=1))
     finally:
         await publisher.close()
+
+
+@pytest.mark.asyncio
+async def test_a_registration_publish_ends_at_done_delivery_whatever_the_retries():
+    """A proxy that is down: each attempt fails at once and waits a growing back-off; with many retries the
+    publish went on long past the receive deadline that freed the blocks it announces."""
+    import time
+
+    from aiolayer import ControlError, Registration, Timeouts
+    from aiolayer.harness.procs import free_port
+    from aiolayer_vllm.publish import RegistrationPublisher
+
+    reg = Registration(transfer_id="x", block_ids=[1], first_block=0, token=TOKEN, incarnation="inc",
+                       decode_control="tcp://127.0.0.1:5")
+    publisher = RegistrationPublisher(Topology())
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ControlError, match="gave up after"):
+            await publisher.publish(reg, f"http://127.0.0.1:{free_port()}/registered", "x",
+                                    Timeouts(control_retries=100, done_delivery=1.0))
+    finally:
+        await publisher.close()
+    assert time.monotonic() - t0 < 3.0   # 100 attempts' back-off alone is 250 s

@@ -41,7 +41,11 @@ class RegistrationPublisher:
         error = ""
         if self._http is None:   # made once: a client's TLS set-up alone costs ~20 ms per request
             self._http = httpx.AsyncClient(timeout=timeouts.control_call)
+        deadline = asyncio.get_running_loop().time() + timeouts.done_delivery   # all attempts together
         for attempt in range(timeouts.control_retries):
+            if attempt and asyncio.get_running_loop().time() >= deadline:
+                error += f" (gave up after {attempt} attempts, done_delivery {timeouts.done_delivery:g} s)"
+                break
             try:
                 reply = await self._http.post(url, json=body)
             except Exception as exc:  # noqa: BLE001 - httpx raises more than HTTPError (InvalidURL)
