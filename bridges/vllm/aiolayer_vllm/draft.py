@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .layout import layer_number
+from .layout import is_draft_model, layer_number
 
 
 def draft_facts(vllm_config) -> dict[str, str]:
@@ -39,7 +39,9 @@ def draft_start(vllm_config) -> int | None:
 
 
 def draft_layers(names: Sequence[str], start: int | None) -> tuple[int, ...]:
-    """The runtime layer indices (positions in ``names``) that hold the drafter's KV."""
+    """The runtime layer indices (positions in ``names``) that hold the drafter's KV: numbered from the
+    target's layer count on (EAGLE, MTP), or a separate draft model's, whose own numbers start at 0 under
+    vLLM's ``draft_model.`` prefix (``method: draft_model``)."""
     if start is None:
         return ()
-    return tuple(i for i, name in enumerate(names) if layer_number(name) >= start)
+    return tuple(i for i, name in enumerate(names) if is_draft_model(name) or layer_number(name) >= start)

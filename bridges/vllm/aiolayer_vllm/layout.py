@@ -70,15 +70,24 @@ def request_amx_tiles() -> bool:
     return bool(torch.cpu._init_amx())  # noqa: SLF001
 
 
+DRAFT_MODEL_PREFIX = "draft_model."   # vllm/v1/spec_decode/draft_model.py: the drafter's prefix
+
+
 def layer_number(name: str) -> int:
     """The layer number in a layer's name ("model.layers.3.self_attn.attn": 3); none: after every layer."""
     found = _LAYER_NUMBER.search(name)
     return int(found.group(1)) if found else 1 << 30
 
 
+def is_draft_model(name: str) -> bool:
+    """A separate draft model's layer (vLLM loads it under this prefix, numbering its layers from 0)."""
+    return name.startswith(DRAFT_MODEL_PREFIX)
+
+
 def layer_order(names) -> list[str]:
-    """Layer names in model order, by the layer number in each name (identity by name, not a counter)."""
-    return sorted(names, key=lambda name: (layer_number(name), name))
+    """Layer names in model order, by the layer number in each name (identity by name, not a counter); a
+    separate draft model's after the target's."""
+    return sorted(names, key=lambda name: (is_draft_model(name), layer_number(name), name))
 
 
 @dataclass(frozen=True)

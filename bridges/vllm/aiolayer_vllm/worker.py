@@ -223,7 +223,9 @@ class WorkerSide:
         step = self._active_step
         if step is not None:   # a step whose last layer was not handed over yet (a drafter's come now)
             try:
-                for layer in self._draft:   # the drafter ran all its passes: its layers are final
+                # the drafter ran all its passes, and every kernel of the step was launched: every layer is
+                # final, one never handed too (a drafter vLLM skipped this step): late, not a failed send
+                for layer in [i for i, handed in enumerate(self._handed) if not handed]:
                     step.layer_ready(layer)
                 self._end_step()
             except Exception:  # as in save_kv_layer
@@ -294,6 +296,11 @@ class WorkerSide:
         return None if stats.is_empty() else stats
 
     def shutdown(self) -> None:
-        if self.runtime is not None:
-            self.runtime.stop()
-            self.runtime = None
+        """Never raises: vLLM's worker shutdown calls it with no guard, and the rest of its own clean-up
+        (the EC transfer, the profiler) comes after it."""
+        runtime, self.runtime = self.runtime, None
+        if runtime is not None:
+            try:
+                runtime.stop()
+            except Exception:   # logged: a stop past its deadline must not skip vLLM's clean-up
+                log.exception("aiolayer: runtime stop incomplete at shutdown")
