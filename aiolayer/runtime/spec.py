@@ -274,9 +274,10 @@ def _route_spans(local: LocalLayout, route: RankRoute, runs: BlockRuns, layout: 
     if geom is None or not layout.kv_heads:
         side = "P" if geom is None else "D"
         raise LayoutMismatch(f"a head-slice route needs both sides' head geometry; {side} published none")
-    theirs = (layout.block_size, layout.head_bytes, layout.kv_layout, layout.kv_interior[:40])
+    theirs = (layout.block_size, layout.head_bytes, layout.kv_layout, layout.kv_interior)
     if theirs != (geom.block_size, geom.head_bytes, geom.layout, geom.interior):
-        raise LayoutMismatch(f"D's blocks are (tokens, head bytes, layout, interior) {theirs}, P's "
+        shown = (*theirs[:2], layout.kv_layout[:40], layout.kv_interior[:40])   # D's strings: from the network
+        raise LayoutMismatch(f"D's blocks are (tokens, head bytes, layout, interior) {shown}, P's "
                              f"{(geom.block_size, geom.head_bytes, geom.layout, geom.interior)}")
     if layout.block_bytes != layout.kv_heads * geom.block_size * geom.head_bytes:
         raise LayoutMismatch(f"D's {layout.block_bytes}-byte blocks do not hold {layout.kv_heads} heads "

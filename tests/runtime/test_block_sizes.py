@@ -67,7 +67,9 @@ def test_bridge_sends_one_group_whole_from_its_first_block():
 
 @pytest.mark.parametrize("p, d", [(("NHD", ""), ("HND", "")),                        # flash -> FlashInfer
                                   (("HND", "opaque-amx"), ("HND", "kv-slabs-kt2")),   # vLLM CPU on AMX -> vec16
-                                  (("HND", "opaque-amx"), ("HND", "opaque-neon"))])   # two unknown kernels
+                                  (("HND", "opaque-amx"), ("HND", "opaque-neon")),    # two unknown kernels
+                                  # D's string, from the network, is compared whole, not as it is shown
+                                  (("HND", "opaque-" + "k" * 33), ("HND", "opaque-" + "k" * 33 + "-other"))])
 @pytest.mark.parametrize("route", [None, RankRoute(0, 0, 0, 0, 1)])
 def test_blocks_of_one_size_whose_interiors_differ_are_never_copied_byte_for_byte(p, d, route):
     """Same-size blocks copied whole: D's attention would read P's heads and tokens in its own arrangement
